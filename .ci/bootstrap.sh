@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything `make test` / `make demo` need on a fresh Debian machine, idempotently:
+# Debian packages (docker-registry, skopeo, htpasswd) when missing, a venv with torch==2.13.0
+# (the CPU build; never a plain "torch" requirement, which would pull a CUDA build) and the
+# package in strict editable mode with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+need_apt=()
+command -v docker-registry >/dev/null 2>&1 || [ -x /usr/bin/docker-registry ] || need_apt+=(docker-registry)
+command -v skopeo >/dev/null 2>&1 || need_apt+=(skopeo)
+command -v htpasswd >/dev/null 2>&1 || need_apt+=(apache2-utils)
+if [ ${#need_apt[@]} -gt 0 ] && [ "${MODELPACK_SKIP_APT:-}" != 1 ]; then
+  echo "bootstrap: installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+stamp="$VENV/.modelpack-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==2.13.0"
+  "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s]" --config-settings editable_mode=strict
+  touch "$stamp"
+fi

@@ -1,0 +1,84 @@
+"""Annotation keys on ModelPack layers, and the per-file metadata they carry."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+ANNOTATION_FILEPATH = "org.cncf.model.filepath"
+ANNOTATION_FILE_METADATA = "org.cncf.model.file.metadata+json"
+ANNOTATION_FILE_MEDIATYPE_UNTESTED = "org.cncf.model.file.mediatype.untested"
+ANNOTATION_TITLE = "org.opencontainers.image.title"
+ANNOTATION_CREATED = "org.opencontainers.image.created"
+
+_LEGACY_FILEPATH = "org.cnai.model.filepath"
+_LEGACY_FILE_METADATA = "org.cnai.model.file.metadata+json"
+
+
+class UnsafePathError(ValueError):
+    """A layer names a path that would land outside the destination directory."""
+
+
+@dataclass(frozen=True)
+class FileMetadata:
+    """The ``org.cncf.model.file.metadata+json`` value.
+
+    The packer writes fixed values (mode 0644, uid/gid 0, mtime epoch) so the same directory
+    always gives the same manifest digest; the true mtime is not worth a changing digest.
+    """
+
+    name: str
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    size: int = 0
+    mtime: str = "1970-01-01T00:00:00Z"
+    typeflag: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+def safe_relative_path(path: str, *, what: str = "layer path") -> str:
+    """Return ``path`` normalised if it is a safe relative POSIX path, else raise.
+
+    Fails closed: absolute paths, ``..`` components, backslashes, NUL and empty names are refused,
+    because annotations come from untrusted manifests and name files we create.
+    """
+    if not path or "\x00" in path or "\\" in path:
+        raise UnsafePathError(f"{what} {path!r} is empty or contains NUL/backslash")
+    if path.startswith("/"):
+        raise UnsafePathError(f"{what} {path!r} is absolute")
+    parts = path.split("/")
+    if any(p in ("..",) for p in parts):
+        raise UnsafePathError(f"{what} {path!r} escapes the destination with '..'")
+    norm = posixpath.normpath(path)
+    if norm in (".", "") or norm.startswith("../"):
+        raise UnsafePathError(f"{what} {path!r} does not name a file")
+    return norm
+
+
+def layer_filepath(annotations: Mapping[str, str] | None) -> str | None:
+    """The relative file path a layer declares (CNCF, legacy CNAI, or the OCI title), validated."""
+    if not annotations:
+        return None
+    for key in (ANNOTATION_FILEPATH, _LEGACY_FILEPATH, ANNOTATION_TITLE):
+        value = annotations.get(key)
+        if value:
+            return safe_relative_path(value, what=f"annotation {key}")
+    return None
+
+
+def layer_file_metadata(annotations: Mapping[str, str] | None) -> dict[str, object] | None:
+    if not annotations:
+        return None
+    for key in (ANNOTATION_FILE_METADATA, _LEGACY_FILE_METADATA):
+        value = annotations.get(key)
+        if value:
+            if len(value) > 64 * 1024:
+                raise ValueError(f"annotation {key} is larger than 64 KiB")
+            parsed = json.loads(value)
+            return parsed if isinstance(parsed, dict) else None
+    return None

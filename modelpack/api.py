@@ -1,0 +1,180 @@
+"""The Python API behind the CLI: every command is a function here (or in its own module)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.copy import CopyResult, copy
+from modelpack.descriptor import Index, Manifest, parse_manifest_or_index
+from modelpack.digest import verify_bytes
+from modelpack.errors import ManifestError, PackError
+from modelpack.mediatypes import ModelSpecConfig, is_model_config, parse_layer_media_type
+from modelpack.mediatypes.annotations import layer_filepath
+from modelpack.packer import PackedArtifact, PackOptions, build_artifact
+from modelpack.reference import Reference, parse_reference
+from modelpack.target import ReadableTarget
+from modelpack.targets import TargetOptions, open_readable, open_target
+
+
+@dataclass
+class PackResult:
+    reference: str
+    artifact: PackedArtifact
+    copy: CopyResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "digest": str(self.artifact.digest),
+            "mediaType": self.artifact.manifest.media_type,
+            "artifactType": self.artifact.manifest.artifact_type,
+            "files": len(self.artifact.files),
+            "totalSize": self.artifact.manifest.total_size,
+            "config": self.artifact.config.to_dict(),
+            "transfer": self.copy.to_json(),
+        }
+
+
+def pack(
+    checkpoint_dir: str,
+    destination: str | Reference,
+    options: PackOptions | None = None,
+    target_options: TargetOptions | None = None,
+    *,
+    jobs: int = 4,
+) -> PackResult:
+    """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise PackError(f"{checkpoint_dir}: not a directory")
+    ref = parse_reference(destination) if isinstance(destination, str) else destination
+    if ref.digest:
+        raise PackError(f"{ref}: a pack destination takes a tag, not a digest (the digest is computed)")
+    target = open_target(ref, target_options, for_write=True)
+    staging_parent = ref.location if ref.scheme == "oci" else None
+    options = options or PackOptions()
+    artifact = build_artifact(checkpoint_dir, options, staging_parent=staging_parent)
+    try:
+        artifact.tag = ref.tag or "latest"
+        result = copy(
+            artifact, target, artifact.tag, ref.tag or "latest", jobs=jobs, progress=options.progress
+        )
+    finally:
+        artifact.cleanup()
+    return PackResult(str(ref.with_tag(ref.tag or "latest")), artifact, result)
+
+
+@dataclass
+class LayerSummary:
+    path: str | None
+    media_type: str
+    kind: str | None
+    size: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "mediaType": self.media_type,
+            "kind": self.kind,
+            "size": self.size,
+            "digest": self.digest,
+        }
+
+
+@dataclass
+class ArtifactSummary:
+    reference: str
+    digest: str
+    media_type: str
+    artifact_type: str | None
+    config_media_type: str
+    config: dict[str, Any] | None
+    layers: list[LayerSummary]
+    total_size: int
+    manifest: Manifest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "digest": self.digest,
+            "mediaType": self.media_type,
+            "artifactType": self.artifact_type,
+            "configMediaType": self.config_media_type,
+            "config": self.config,
+            "layers": [layer.to_json() for layer in self.layers],
+            "totalSize": self.total_size,
+        }
+
+
+def fetch_manifest(target: ReadableTarget, identifier: str) -> tuple[Manifest, str]:
+    """Resolve and fetch a manifest, verified against the digest it resolved to."""
+    desc = target.resolve(identifier)
+    raw, media_type = target.fetch_manifest(str(desc.digest))
+    verify_bytes(raw, desc.digest, None, what="manifest", source=target.name)
+    parsed = parse_manifest_or_index(raw, media_type)
+    if isinstance(parsed, Index):
+        raise ManifestError(f"{target.name} {identifier}: is an index, not a model manifest")
+    return parsed, str(desc.digest)
+
+
+def fetch_config(target: ReadableTarget, manifest: Manifest, *, limit: int = 4 * 1024 * 1024) -> bytes:
+    desc = manifest.config
+    if desc.size > limit:
+        raise ManifestError(f"config {desc.digest} is {desc.size} bytes; refusing more than {limit}")
+    with target.fetch_blob(desc) as f:
+        data = f.read(desc.size + 1)
+    verify_bytes(data, desc.digest, desc.size, what="config", source=target.name)
+    return data
+
+
+def inspect(reference: str | Reference, target_options: TargetOptions | None = None) -> ArtifactSummary:
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    target = open_readable(ref, target_options)
+    manifest, digest = fetch_manifest(target, ref.identifier)
+    config: dict[str, Any] | None = None
+    if is_model_config(manifest.config.media_type):
+        config = ModelSpecConfig.from_bytes(fetch_config(target, manifest)).to_dict()
+    layers = []
+    for layer in manifest.layers:
+        lt = parse_layer_media_type(layer.media_type)
+        layers.append(
+            LayerSummary(
+                layer_filepath(layer.annotations),
+                layer.media_type,
+                lt.kind if lt else None,
+                layer.size,
+                str(layer.digest),
+            )
+        )
+    return ArtifactSummary(
+        reference=str(ref),
+        digest=digest,
+        media_type=manifest.media_type,
+        artifact_type=manifest.artifact_type,
+        config_media_type=manifest.config.media_type,
+        config=config,
+        layers=layers,
+        total_size=manifest.total_size,
+        manifest=manifest,
+    )
+
+
+def list_tags(
+    reference: str | Reference, target_options: TargetOptions | None = None
+) -> list[dict[str, Any]]:
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    target = open_readable(ref, target_options)
+    out = []
+    for tag in target.list_tags():
+        desc = target.resolve(tag)
+        out.append(
+            {
+                "tag": tag,
+                "digest": str(desc.digest),
+                "mediaType": desc.media_type,
+                "artifactType": desc.artifact_type,
+            }
+        )
+    return out

@@ -1,0 +1,127 @@
+"""Progress bars on a terminal, silence in CI: ``--progress auto|on|off``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, BinaryIO
+
+
+def progress_enabled(mode: str = "auto") -> bool:
+    if mode == "on":
+        return True
+    if mode == "off":
+        return False
+    if os.environ.get("CI"):
+        return False
+    return sys.stderr.isatty()
+
+
+class Progress:
+    """A total bar plus one bar per transfer; a no-op when disabled (no tqdm import either)."""
+
+    def __init__(self, total: int, desc: str, mode: str = "auto") -> None:
+        self.enabled = progress_enabled(mode)
+        self._lock = threading.Lock()
+        self._bar: Any = None
+        self._positions: set[int] = set()
+        if self.enabled:
+            from tqdm import tqdm
+
+            self._tqdm = tqdm
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                position=0,
+                leave=True,
+                file=sys.stderr,
+            )
+
+    def update(self, n: int) -> None:
+        if self._bar is not None:
+            with self._lock:
+                self._bar.update(n)
+
+    def transfer(self, total: int, desc: str) -> TransferBar:
+        if not self.enabled:
+            return TransferBar(self, None, 0)
+        with self._lock:
+            pos = 1
+            while pos in self._positions:
+                pos += 1
+            self._positions.add(pos)
+            bar = self._tqdm(
+                total=total,
+                desc=desc[:40],
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                position=pos,
+                leave=False,
+                file=sys.stderr,
+            )
+        return TransferBar(self, bar, pos)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TransferBar:
+    def __init__(self, parent: Progress, bar: Any, pos: int) -> None:
+        self._parent = parent
+        self._bar = bar
+        self._pos = pos
+
+    def update(self, n: int) -> None:
+        self._parent.update(n)
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            with self._parent._lock:
+                self._parent._positions.discard(self._pos)
+
+
+class CountingReader:
+    """Reports bytes read from a stream to a progress bar (and counts them for results)."""
+
+    def __init__(self, raw: BinaryIO, bar: TransferBar | None = None) -> None:
+        self._raw = raw
+        self._bar = bar
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n)
+        self.count += len(data)
+        if self._bar is not None and data:
+            self._bar.update(len(data))
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n: int = self._raw.readinto(buf)  # type: ignore[attr-defined]
+        self.count += n or 0
+        if self._bar is not None and n:
+            self._bar.update(n)
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> CountingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""Shared fixtures. Test data is generated; servers are real and bound to 127.0.0.1.
+
+Area fixtures live in ``tests/fixtures/`` (registry, S3, …) and are registered here as plugins.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from modelpack.synthetic import SyntheticSpec, write_checkpoint
+
+_FIXTURE_MODULES = ["registry", "s3"]
+pytest_plugins = [
+    f"tests.fixtures.{m}" for m in _FIXTURE_MODULES if (Path(__file__).parent / "fixtures" / f"{m}.py").exists()
+]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Make (and cache per session) a synthetic checkpoint for a spec; returns its directory."""
+    cache: dict[SyntheticSpec, Path] = {}
+
+    def make(spec: SyntheticSpec | None = None) -> Path:
+        spec = spec or SyntheticSpec()
+        if spec not in cache:
+            d = tmp_path_factory.mktemp("ckpt")
+            write_checkpoint(str(d), spec)
+            cache[spec] = d
+        return cache[spec]
+
+    return make
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A small 2-shard Llama-shaped checkpoint in a fresh directory the test may modify."""
+    d = tmp_path / "ckpt"
+    write_checkpoint(str(d), SyntheticSpec(shards=2))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _no_ci_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    # keep progress bars out of captured output, as in CI
+    monkeypatch.setenv("CI", os.environ.get("CI", "1"))
