@@ -65,9 +65,8 @@ def layer_filepath(annotations: Mapping[str, str] | None) -> str | None:
     if not annotations:
         return None
     for key in (ANNOTATION_FILEPATH, _LEGACY_FILEPATH, ANNOTATION_TITLE):
-        value = annotations.get(key)
-        if value:
-            return safe_relative_path(value, what=f"annotation {key}")
+        if key in annotations:
+            return safe_relative_path(annotations[key], what=f"annotation {key}")
     return None
 
 

@@ -45,6 +45,8 @@ class OCILayoutTarget:
         self.path = os.path.abspath(os.fspath(path))
         self.name = f"oci:{self.path}"
         self.link = link
+        # how local-file blobs were materialised (reflink / hardlink / copy), for reports and tests
+        self.materialized: dict[str, int] = {}
         layout_file = os.path.join(self.path, "oci-layout")
         if not os.path.exists(layout_file):
             if not create:
@@ -234,7 +236,8 @@ class OCILayoutTarget:
             if source.local_path and source.verified and self.link != "copy":
                 # The descriptor of a local-path source was computed from this very file by the
                 # packer a moment ago; check the size and keep the hash pass single.
-                link_or_copy(source.local_path, tmp, allow_hardlink=self.link == "auto")
+                how = link_or_copy(source.local_path, tmp, allow_hardlink=self.link == "auto")
+                self.materialized[how] = self.materialized.get(how, 0) + 1
                 size = os.stat(tmp).st_size
                 if size != desc.size:
                     raise SizeMismatchError(desc.digest, desc.size, size, source=source.local_path)

@@ -311,14 +311,18 @@ def reshard(
             for t in hdr.tensors:
                 weight_map[t.name] = os.path.basename(rel)
             continue
+        # A shard's size is its data plus its header; bound each header entry generously
+        # (name + dtype/shape/offsets JSON) so every shard stays under max_size.
+        meta_bytes = 64 + len(json.dumps(hdr.metadata or {}))
         groups: list[list[Any]] = [[]]
-        size = 0
+        size = meta_bytes
         for t in hdr.tensors:
-            if groups[-1] and size + t.nbytes > max_size - 4096:
+            entry = t.nbytes + len(t.name.encode()) + 96 + 24 * len(t.shape)
+            if groups[-1] and size + entry > max_size:
                 groups.append([])
-                size = 0
+                size = meta_bytes
             groups[-1].append(t)
-            size += t.nbytes
+            size += entry
         directory = os.path.dirname(rel)
         stem = os.path.basename(rel)[: -len(".safetensors")]
         with open(full, "rb") as src:
