@@ -121,7 +121,9 @@ def pack_cmd(
       modelpack pack ./llama-8b oci:./layout:v1 --version 1.0 --max-file-size 4GiB
     """
     popts = pack_options_from(kwargs, progress)
+    link = kwargs.pop("link", "auto")
     topts = build_target_options(kwargs)
+    topts.link = link
     result = api.pack(checkpoint_dir, destination, popts, topts, jobs=jobs)
     if as_json:
         emit_json(result.to_json())

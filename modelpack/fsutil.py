@@ -68,11 +68,15 @@ def try_reflink(src: str, dst: str) -> bool:
         return False
 
 
-def link_or_copy(src: str, dst_tmp: str, *, allow_hardlink: bool = True) -> str:
-    """Materialize ``src`` at ``dst_tmp`` (which must not exist); returns ``reflink|hardlink|copy``."""
-    if try_reflink(src, dst_tmp):
+def link_or_copy(src: str, dst_tmp: str, *, mode: str = "auto") -> str:
+    """Materialize ``src`` at ``dst_tmp`` (which must not exist); returns ``reflink|hardlink|copy``.
+
+    ``auto`` tries reflink, hard link, then a kernel-side copy; ``reflink`` never hard-links (the
+    result never shares an inode with ``src``); ``copy`` always copies.
+    """
+    if mode != "copy" and try_reflink(src, dst_tmp):
         return "reflink"
-    if allow_hardlink:
+    if mode == "auto":
         try:
             os.link(src, dst_tmp)
             return "hardlink"

@@ -36,9 +36,10 @@ class LayoutError(ModelpackError):
 class OCILayoutTarget:
     """Read/write target over an OCI image layout directory.
 
-    ``link`` controls how ``push_blob`` materialises a blob whose source is a local file:
-    ``auto`` tries reflink, then hard link, then copy; ``reflink`` tries reflink then copy
-    (never shares an inode with the checkpoint); ``copy`` always copies.
+    ``link`` controls how ``push_blob`` materialises a blob whose source is a local file this
+    process just hashed (``BlobSource.verified``): ``auto`` tries reflink, then hard link, then
+    copy; ``reflink`` tries reflink then copy (never shares an inode with the checkpoint);
+    ``copy`` always copies. Any other source is streamed through a digest check.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = False, link: str = "auto") -> None:
@@ -233,10 +234,10 @@ class OCILayoutTarget:
         directory = os.path.dirname(final)
         tmp = os.path.join(directory, f"{TEMP_PREFIX}{desc.digest.hex[:16]}-{os.getpid()}-{id(source)}")
         try:
-            if source.local_path and source.verified and self.link != "copy":
+            if source.local_path and source.verified:
                 # The descriptor of a local-path source was computed from this very file by the
                 # packer a moment ago; check the size and keep the hash pass single.
-                how = link_or_copy(source.local_path, tmp, allow_hardlink=self.link == "auto")
+                how = link_or_copy(source.local_path, tmp, mode=self.link)
                 self.materialized[how] = self.materialized.get(how, 0) + 1
                 size = os.stat(tmp).st_size
                 if size != desc.size:
