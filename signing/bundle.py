@@ -1,0 +1,89 @@
+"""Sigstore bundle v0.3, key-based: a DSSE envelope plus a public-key hint, no tlog entries.
+
+This is the shape ``cosign verify --key … --insecure-ignore-tlog`` (new bundle format) and
+OpenSSF ``model_signing verify key`` read: ``verificationMaterial.publicKey.hint`` is the key id
+(hex sha256 of the SPKI PEM); there is no certificate and no transparency-log entry, so
+verification is fully offline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.signing.dsse import Envelope, sign_envelope
+from modelpack.signing.errors import BundleError
+from modelpack.signing.keys import PrivateKey, PublicKey
+from modelpack.signing.statements import Statement
+
+from modelpack.descriptor import canonical_json
+
+BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
+ACCEPTED_BUNDLE_MEDIA_TYPES = (
+    BUNDLE_MEDIA_TYPE,
+    "application/vnd.dev.sigstore.bundle+json;version=0.3",
+)
+MAX_BUNDLE_BYTES = 96 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Bundle:
+    envelope: Envelope
+    key_hint: str = ""
+    raw: bytes = b""
+
+    def to_dict(self) -> dict[str, Any]:
+        vm: dict[str, Any] = {"tlogEntries": []}
+        if self.key_hint:
+            vm["publicKey"] = {"hint": self.key_hint}
+        return {
+            "mediaType": BUNDLE_MEDIA_TYPE,
+            "verificationMaterial": vm,
+            "dsseEnvelope": self.envelope.to_dict(),
+        }
+
+    def to_bytes(self) -> bytes:
+        return self.raw or canonical_json(self.to_dict())
+
+    @property
+    def statement(self) -> Statement:
+        """The payload parsed as an in-toto statement (NOT verified: call ``verify`` first)."""
+        return Statement.from_bytes(self.envelope.payload)
+
+    def verify(self, keys: list[PublicKey]) -> PublicKey | None:
+        """The trusted key that signed the envelope, or None. The hint only orders the search."""
+        ordered = sorted(keys, key=lambda k: k.key_id != self.key_hint)
+        return self.envelope.verify(ordered)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, *, source: str = "bundle") -> Bundle:
+        if len(raw) > MAX_BUNDLE_BYTES:
+            raise BundleError(f"{source}: {len(raw)} bytes; a bundle is at most {MAX_BUNDLE_BYTES}")
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BundleError(f"{source}: not JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise BundleError(f"{source}: a bundle must be a JSON object")
+        mt = doc.get("mediaType")
+        if mt not in ACCEPTED_BUNDLE_MEDIA_TYPES:
+            raise BundleError(f"{source}: unsupported bundle mediaType {mt!r} (want {BUNDLE_MEDIA_TYPE})")
+        env_doc = doc.get("dsseEnvelope")
+        if env_doc is None:
+            raise BundleError(f"{source}: no dsseEnvelope (message-signature bundles are not used here)")
+        try:
+            envelope = Envelope.from_dict(env_doc)
+        except BundleError as exc:
+            raise BundleError(f"{source}: {exc}") from exc
+        vm = doc.get("verificationMaterial")
+        hint = ""
+        if isinstance(vm, dict) and isinstance(vm.get("publicKey"), dict):
+            h = vm["publicKey"].get("hint", "")
+            hint = h if isinstance(h, str) else ""
+        return cls(envelope, hint, raw)
+
+
+def sign_statement(statement: Statement, private_key: PrivateKey) -> Bundle:
+    envelope = sign_envelope(statement.to_bytes(), private_key)
+    return Bundle(envelope, private_key.key_id)

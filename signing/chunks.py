@@ -1,0 +1,312 @@
+"""Chunk-digest tables (DESIGN §6): per weight layer, the sha256 of every fixed-size chunk.
+
+A range read cannot be checked against a whole-blob sha256, so the pusher publishes a table of
+chunk digests, signed and bound to the model manifest digest, and the loader checks every chunk
+before it reaches a device. The table travels as a DSSE in-toto statement (subject = manifest
+digest, predicateType ``https://modelpack.dev/chunk-digests/v1``) in a Sigstore bundle, pushed as a
+referrer with its own ``artifactType`` (``application/vnd.modelpack.chunk-digests.v1+json``) so
+cosign never mistakes it for an image signature.
+
+Predicate::
+
+    {"manifestDigest": "sha256:…", "chunkSize": 16777216, "algorithm": "sha256",
+     "layers": {"sha256:<layer>": {"size": 123, "chunks": ["<hex>", …]}}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.mediatypes import parse_layer_media_type
+from modelpack.signing.bundle import sign_statement
+from modelpack.signing.errors import BundleError, ChunkDigestMismatch, ChunkTableError
+from modelpack.signing.keys import PrivateKey, PublicKey
+from modelpack.signing.referrers import (
+    ARTIFACT_TYPE_CHUNK_DIGESTS,
+    find_bundle_referrers,
+    push_bundle_referrer,
+)
+from modelpack.signing.statements import PREDICATE_CHUNK_DIGESTS, Statement
+
+from modelpack.descriptor import Descriptor, Manifest
+from modelpack.digest import Digest
+from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError
+from modelpack.target import ReadableTarget, Target
+
+DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
+MIN_CHUNK_SIZE = 64 * 1024
+MAX_CHUNK_SIZE = 1024 * 1024 * 1024
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "ChunkDigestMismatch",
+    "ChunkTable",
+    "ChunkTableError",
+    "LayerChunks",
+    "compute_chunk_table",
+    "load_chunk_table",
+    "push_chunk_table",
+]
+
+
+@dataclass(frozen=True)
+class LayerChunks:
+    size: int
+    digests: list[bytes]  # raw 32-byte sha256 per chunk; the last chunk may be short
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    manifest_digest: str
+    chunk_size: int
+    layers: dict[str, LayerChunks] = field(default_factory=dict)
+
+    def chunk_count(self, layer_digest: str) -> int:
+        return len(self._layer(layer_digest).digests)
+
+    def chunk_range(self, layer_digest: str, index: int) -> tuple[int, int]:
+        """(offset, length) of chunk ``index`` in the layer blob."""
+        layer = self._layer(layer_digest)
+        if not 0 <= index < len(layer.digests):
+            raise ChunkTableError(
+                f"layer {layer_digest}: chunk {index} out of range (0..{len(layer.digests) - 1})"
+            )
+        start = index * self.chunk_size
+        return start, min(self.chunk_size, layer.size - start)
+
+    def _layer(self, layer_digest: str) -> LayerChunks:
+        try:
+            return self.layers[str(layer_digest)]
+        except KeyError:
+            raise ChunkTableError(
+                f"chunk table of {self.manifest_digest} has no entry for layer {layer_digest}"
+            ) from None
+
+    def verify_chunk(self, layer_digest: str, index: int, data: bytes | bytearray | memoryview) -> None:
+        """Raise ``ChunkDigestMismatch`` unless ``data`` is exactly chunk ``index`` of the layer."""
+        layer = self._layer(layer_digest)
+        _, length = self.chunk_range(layer_digest, index)
+        expected = layer.digests[index]
+        actual = hashlib.sha256(data).digest()
+        if len(data) != length or not hmac.compare_digest(actual, expected):
+            raise ChunkDigestMismatch(
+                str(layer_digest),
+                index,
+                f"sha256:{expected.hex()} ({length} bytes)",
+                f"sha256:{actual.hex()} ({len(data)} bytes)",
+            )
+
+    # -------------------------------------------------------------- wire form
+    def to_predicate(self) -> dict[str, Any]:
+        return {
+            "manifestDigest": str(self.manifest_digest),
+            "chunkSize": self.chunk_size,
+            "algorithm": "sha256",
+            "layers": {
+                d: {"size": lc.size, "chunks": [c.hex() for c in lc.digests]}
+                for d, lc in sorted(self.layers.items())
+            },
+        }
+
+    @classmethod
+    def from_predicate(cls, doc: Any, manifest: Manifest | None = None) -> ChunkTable:
+        """Parse and check a predicate; with ``manifest`` also check every layer belongs to it."""
+        if not isinstance(doc, dict):
+            raise ChunkTableError("chunk table predicate must be an object")
+        if doc.get("algorithm", "sha256") != "sha256":
+            raise ChunkTableError(f"chunk table algorithm {doc.get('algorithm')!r}; only sha256 is accepted")
+        chunk_size = doc.get("chunkSize")
+        if (
+            isinstance(chunk_size, bool)
+            or not isinstance(chunk_size, int)
+            or not (MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE)
+        ):
+            raise ChunkTableError(f"chunk table chunkSize {chunk_size!r} out of range")
+        try:
+            manifest_digest = Digest(doc.get("manifestDigest", ""))
+        except ValueError as exc:
+            raise ChunkTableError(f"chunk table manifestDigest: {exc}") from exc
+        layers_doc = doc.get("layers")
+        if not isinstance(layers_doc, dict):
+            raise ChunkTableError("chunk table layers must be an object")
+        sizes = {str(layer.digest): layer.size for layer in manifest.layers} if manifest else None
+        layers: dict[str, LayerChunks] = {}
+        for digest, entry in layers_doc.items():
+            try:
+                Digest(digest)
+            except ValueError as exc:
+                raise ChunkTableError(f"chunk table layer key: {exc}") from exc
+            if not isinstance(entry, dict):
+                raise ChunkTableError(f"chunk table layer {digest}: must be an object")
+            size, chunks = entry.get("size"), entry.get("chunks")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ChunkTableError(f"chunk table layer {digest}: bad size {size!r}")
+            if sizes is not None and sizes.get(digest) != size:
+                raise ChunkTableError(
+                    f"chunk table layer {digest} ({size} bytes) is not a layer of manifest {manifest_digest}"
+                )
+            expected_n = -(-size // chunk_size)
+            if not isinstance(chunks, list) or len(chunks) != expected_n:
+                raise ChunkTableError(f"chunk table layer {digest}: expected {expected_n} chunk digests")
+            raw: list[bytes] = []
+            for c in chunks:
+                if not isinstance(c, str) or len(c) != 64:
+                    raise ChunkTableError(f"chunk table layer {digest}: bad chunk digest {c!r}")
+                try:
+                    raw.append(bytes.fromhex(c))
+                except ValueError as exc:
+                    raise ChunkTableError(f"chunk table layer {digest}: bad chunk digest {c!r}") from exc
+            layers[digest] = LayerChunks(size, raw)
+        return cls(str(manifest_digest), chunk_size, layers)
+
+
+def _weight_layers(manifest: Manifest) -> list[Descriptor]:
+    out = []
+    for layer in manifest.layers:
+        lt = parse_layer_media_type(layer.media_type)
+        if lt is not None and lt.kind == "weight":
+            out.append(layer)
+    return out
+
+
+def _read_full(stream: Any, view: memoryview) -> int:
+    """Fill ``view`` from ``stream`` (fewer bytes only at EOF)."""
+    n = 0
+    readinto = getattr(stream, "readinto", None)
+    while n < len(view):
+        if readinto is not None:
+            got = readinto(view[n:])
+        else:
+            data = stream.read(len(view) - n)
+            got = len(data)
+            view[n : n + got] = data
+        if not got:
+            break
+        n += got
+    return n
+
+
+def _hash_layer(target: ReadableTarget, layer: Descriptor, chunk_size: int) -> LayerChunks:
+    """Chunk digests and the whole-blob digest in one read. The two sha256 runs of each chunk go
+    on two threads (hashlib releases the GIL), so checking the blob costs no extra wall time when a
+    second core is free."""
+    digests: list[bytes] = []
+    whole = hashlib.sha256()
+    size = 0
+    view = memoryview(bytearray(chunk_size))  # one buffer, reused for every chunk
+    stream = target.fetch_blob(layer)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as helper:
+            while True:
+                n = _read_full(stream, view)
+                if n == 0:
+                    break
+                size += n
+                if size > layer.size:
+                    raise SizeMismatchError(layer.digest, layer.size, size, source=target.name)
+                chunk = view[:n]
+                pending = helper.submit(lambda v: hashlib.sha256(v).digest(), chunk)
+                whole.update(chunk)
+                digests.append(pending.result())  # before the buffer is refilled
+                if n < chunk_size:
+                    break
+    finally:
+        stream.close()
+    if size != layer.size:
+        raise SizeMismatchError(layer.digest, layer.size, size, source=target.name)
+    actual = "sha256:" + whole.hexdigest()
+    if actual != layer.digest:
+        raise DigestMismatchError(layer.digest, actual, what="blob", source=target.name)
+    return LayerChunks(layer.size, digests)
+
+
+def compute_chunk_table(
+    target: ReadableTarget,
+    manifest: Manifest,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    layers: Sequence[Descriptor] | None = None,
+    jobs: int = 2,
+) -> ChunkTable:
+    """Hash every weight layer blob in chunks, checking each whole-blob digest in the same pass."""
+    if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ChunkTableError(f"chunk size {chunk_size} out of range [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
+    todo = list(layers) if layers is not None else _weight_layers(manifest)
+    unique = {str(layer.digest): layer for layer in todo}
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(unique) or 1))) as pool:
+        futures = {d: pool.submit(_hash_layer, target, layer, chunk_size) for d, layer in unique.items()}
+        result = {d: f.result() for d, f in futures.items()}
+    return ChunkTable(str(manifest.digest), chunk_size, result)
+
+
+def push_chunk_table(
+    target: Target, manifest_desc: Descriptor, table: ChunkTable, private_key: PrivateKey
+) -> Descriptor:
+    """Sign the table (subject = manifest digest) and push it as a referrer; returns its descriptor."""
+    if table.manifest_digest != manifest_desc.digest:
+        raise ChunkTableError(
+            f"chunk table is for {table.manifest_digest}, not for manifest {manifest_desc.digest}"
+        )
+    statement = Statement(
+        ({"digest": {"sha256": manifest_desc.digest.hex}},), PREDICATE_CHUNK_DIGESTS, table.to_predicate()
+    )
+    bundle = sign_statement(statement, private_key)
+    return push_bundle_referrer(
+        target,
+        manifest_desc,
+        bundle,
+        artifact_type=ARTIFACT_TYPE_CHUNK_DIGESTS,
+        predicate_type=PREDICATE_CHUNK_DIGESTS,
+    )
+
+
+def load_chunk_table(
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    trusted_public_keys: Sequence[PublicKey],
+    *,
+    manifest: Manifest | None = None,
+) -> ChunkTable | None:
+    """The signed chunk table of ``manifest_desc``; None when there is none.
+
+    Raises ``ChunkTableError`` when tables exist but none is signed by a trusted key and bound to
+    exactly this manifest digest (a replayed or forged table is an attack, not an absence).
+    """
+    stored = find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_CHUNK_DIGESTS)
+    if not stored:
+        return None
+    problems: list[str] = []
+    for item in stored:
+        if item.bundle is None:
+            problems.append(item.error)
+            continue
+        signer = item.bundle.verify(list(trusted_public_keys))
+        if signer is None:
+            problems.append(
+                f"referrer {item.descriptor.digest}: not signed by a trusted key (hint {item.bundle.key_hint[:16] or 'none'})"
+            )
+            continue
+        try:
+            st = item.bundle.statement
+            if st.predicate_type != PREDICATE_CHUNK_DIGESTS:
+                raise ChunkTableError(f"predicateType {st.predicate_type!r}")
+            if st.subject_sha256 != [manifest_desc.digest.hex]:
+                raise ChunkTableError(
+                    f"statement subject {st.subject_sha256} is not manifest {manifest_desc.digest}"
+                )
+            table = ChunkTable.from_predicate(st.predicate, manifest)
+            if table.manifest_digest != manifest_desc.digest:
+                raise ChunkTableError(f"predicate manifestDigest {table.manifest_digest} mismatch")
+        except (ChunkTableError, BundleError, ModelpackError) as exc:
+            problems.append(f"referrer {item.descriptor.digest}: {exc}")
+            continue
+        return table
+    raise ChunkTableError(
+        f"{target.name}: chunk tables of {manifest_desc.digest} found but none is valid: "
+        + "; ".join(problems)
+    )

@@ -1,0 +1,53 @@
+"""Optional keyless signing through sigstore-python (``pip install modelpack[keyless]``).
+
+CI systems with an OIDC identity (GitHub Actions, GitLab, Buildkite…) can sign without a key:
+sigstore-python gets a short-lived Fulcio certificate for the job's identity, signs the same
+in-toto statement as the key-based path (subject = manifest digest, predicateType
+``https://sigstore.dev/cosign/sign/v1``) as a DSSE envelope, logs it in Rekor and returns a v0.3
+bundle, which is stored exactly like a key-based one (same referrer layout, cosign-readable).
+
+This needs network access to Sigstore's public good instance and an ambient OIDC credential, so
+it cannot run in the offline test suite; it is deliberately small and imported lazily. Verifying
+keyless bundles (identity + issuer policy) is left to ``cosign verify --certificate-identity``;
+modelpack's offline verifier checks key-based bundles only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelpack.signing.bundle import Bundle
+from modelpack.signing.errors import SigningError
+from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, push_bundle_referrer
+from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
+
+from modelpack.descriptor import Descriptor
+from modelpack.target import Target
+
+
+def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = False) -> dict[str, Any]:
+    try:
+        from sigstore import dsse
+        from sigstore.models import ClientTrustConfig
+        from sigstore.oidc import IdentityToken, Issuer, detect_credential
+        from sigstore.sign import SigningContext
+    except ImportError as exc:  # pragma: no cover - depends on the optional extra
+        raise SigningError("keyless signing needs sigstore-python: pip install 'modelpack[keyless]'") from exc
+    trust = ClientTrustConfig.staging() if staging else ClientTrustConfig.production()
+    raw_token = detect_credential()
+    if raw_token is None:  # interactive fallback (browser flow) for a person at a terminal
+        raw_token = str(Issuer(trust.signing_config.get_oidc_url()).identity_token())
+    token = IdentityToken(raw_token)
+    statement = dsse.Statement(manifest_statement(manifest_desc.digest.hex).to_bytes())
+    ctx = SigningContext.from_trust_config(trust)
+    with ctx.signer(token) as signer:
+        bundle_json = signer.sign_dsse(statement).to_json().encode()
+    bundle = Bundle.from_bytes(bundle_json, source="sigstore bundle")
+    desc = push_bundle_referrer(
+        target,
+        manifest_desc,
+        bundle,
+        artifact_type=ARTIFACT_TYPE_SIGNATURE,
+        predicate_type=PREDICATE_COSIGN_SIGN,
+    )
+    return {"digest": str(manifest_desc.digest), "signature": str(desc.digest), "identity": token.identity}

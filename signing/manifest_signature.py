@@ -1,0 +1,102 @@
+"""The manifest signature: a cosign-compatible DSSE bundle over the manifest digest, as a referrer.
+
+``cosign verify --key pub.pem --insecure-ignore-tlog --new-bundle-format`` finds it through the
+referrers API (or the ``sha256-<hex>`` tag-schema index) by ``artifactType
+application/vnd.dev.sigstore.bundle.v0.3+json``, and checks that the in-toto subject is the image
+digest. We check exactly the same, plus that the predicate type is cosign's signature predicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelpack.signing.bundle import sign_statement
+from modelpack.signing.errors import BundleError
+from modelpack.signing.keys import PrivateKey, PublicKey
+from modelpack.signing.referrers import (
+    ARTIFACT_TYPE_SIGNATURE,
+    StoredBundle,
+    find_bundle_referrers,
+    push_bundle_referrer,
+)
+from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
+
+from modelpack.descriptor import Descriptor
+from modelpack.target import ReadableTarget, Target
+
+
+def sign_manifest(target: Target, manifest_desc: Descriptor, private_key: PrivateKey) -> Descriptor:
+    bundle = sign_statement(manifest_statement(manifest_desc.digest.hex), private_key)
+    return push_bundle_referrer(
+        target,
+        manifest_desc,
+        bundle,
+        artifact_type=ARTIFACT_TYPE_SIGNATURE,
+        predicate_type=PREDICATE_COSIGN_SIGN,
+    )
+
+
+@dataclass(frozen=True)
+class SignatureCheck:
+    """The outcome for one signature referrer. ``status``: verified | invalid | untrusted."""
+
+    referrer: str
+    kind: str
+    status: str
+    key_id: str = ""
+    reason: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "referrer": self.referrer,
+            "kind": self.kind,
+            "status": self.status,
+            "keyId": self.key_id,
+            "reason": self.reason,
+        }
+
+
+def check_stored_signature(
+    item: StoredBundle, manifest_desc: Descriptor, keys: list[PublicKey], *, kind: str = "manifest"
+) -> SignatureCheck:
+    ref = str(item.descriptor.digest)
+    if item.bundle is None:
+        return SignatureCheck(ref, kind, "invalid", reason=item.error)
+    signer = item.bundle.verify(keys)
+    if signer is None:
+        hint = item.bundle.key_hint
+        return SignatureCheck(
+            ref,
+            kind,
+            "untrusted",
+            key_id=hint,
+            reason=f"signature {ref[:19]} is not by a trusted key (key hint {hint[:16] or 'none'})",
+        )
+    try:
+        st = item.bundle.statement
+    except BundleError as exc:
+        return SignatureCheck(ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: {exc}")
+    if st.predicate_type != PREDICATE_COSIGN_SIGN:
+        return SignatureCheck(
+            ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: predicateType {st.predicate_type!r}"
+        )
+    subjects = st.subject_sha256
+    if subjects != [manifest_desc.digest.hex]:
+        shown = ", ".join(f"sha256:{s}" for s in subjects)
+        return SignatureCheck(
+            ref,
+            kind,
+            "invalid",
+            signer.key_id,
+            f"signature {ref[:19]} is for {shown}, not for {manifest_desc.digest} (replayed signature)",
+        )
+    return SignatureCheck(ref, kind, "verified", signer.key_id)
+
+
+def check_manifest_signatures(
+    target: ReadableTarget, manifest_desc: Descriptor, keys: list[PublicKey]
+) -> list[SignatureCheck]:
+    return [
+        check_stored_signature(item, manifest_desc, keys)
+        for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_SIGNATURE)
+    ]

@@ -1,0 +1,189 @@
+"""Trust policy: which keys are trusted for which repositories, and whether a signature is required.
+
+YAML::
+
+    version: 1
+    default:                      # used when no rule matches (optional; default: refuse unsigned)
+      require_signature: true
+    rules:                        # first match wins; globs match Reference.repo_name
+      - match: ["registry.example.com/models/*", "oci:/srv/models*"]
+        require_signature: true
+        keys:
+          - path: keys/ci.pub     # relative to the policy file
+          - env: MODELPACK_TRUSTED_KEY
+          - pem: |
+              -----BEGIN PUBLIC KEY-----
+              …
+        require_directory_signature: false
+        require_chunk_table: false
+
+Like sigstore-python's policies, a ``RepositoryPolicy`` is a small object that answers with a
+decision and a reason a person can act on; it never raises for a policy "no".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from modelpack.signing.keys import PublicKey, load_public_key
+
+from modelpack.errors import ModelpackError
+from modelpack.reference import Reference, parse_reference
+
+MAX_POLICY_BYTES = 1024 * 1024
+
+
+class PolicyError(ModelpackError):
+    """A policy file that cannot be read or is malformed (names the file and the field)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    allowed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class RepositoryPolicy:
+    """The requirements for one repository: trusted keys and what must be present."""
+
+    keys: tuple[PublicKey, ...] = ()
+    require_signature: bool = True
+    require_directory_signature: bool = False
+    require_chunk_table: bool = False
+    rule: str = "default"
+
+    @property
+    def key_ids(self) -> list[str]:
+        return [k.key_id for k in self.keys]
+
+    def decide(self, verified_key_ids: Sequence[str], problems: Sequence[str]) -> PolicyDecision:
+        if verified_key_ids:
+            return PolicyDecision(
+                True, f"signed by trusted key {verified_key_ids[0][:16]} (rule {self.rule})"
+            )
+        if not self.require_signature:
+            why = "; ".join(problems) if problems else "no signature"
+            return PolicyDecision(True, f"signature not required by rule {self.rule} ({why})")
+        if not self.keys:
+            return PolicyDecision(False, f"rule {self.rule} requires a signature but trusts no key")
+        if not problems:
+            return PolicyDecision(
+                False, f"unsigned: no signature referrer, and rule {self.rule} requires one"
+            )
+        return PolicyDecision(False, "; ".join(problems))
+
+
+@dataclass
+class TrustPolicy:
+    rules: list[tuple[tuple[str, ...], RepositoryPolicy]] = field(default_factory=list)
+    default: RepositoryPolicy = field(default_factory=RepositoryPolicy)
+    path: str = ""
+
+    @classmethod
+    def from_keys(cls, keys: Sequence[PublicKey], *, require_signature: bool = True) -> TrustPolicy:
+        return cls(default=RepositoryPolicy(tuple(keys), require_signature, rule="--key"))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> TrustPolicy:
+        p = os.fspath(path)
+        try:
+            with open(p, "rb") as f:
+                raw = f.read(MAX_POLICY_BYTES + 1)
+        except OSError as exc:
+            raise PolicyError(f"{p}: cannot read policy: {exc.strerror or exc}") from exc
+        if len(raw) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{p}: larger than {MAX_POLICY_BYTES} bytes")
+        try:
+            doc = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise PolicyError(f"{p}: not YAML: {exc}") from exc
+        return cls.from_dict(doc, base_dir=os.path.dirname(os.path.abspath(p)), path=p)
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, base_dir: str = ".", path: str = "<policy>") -> TrustPolicy:
+        if not isinstance(doc, dict):
+            raise PolicyError(f"{path}: a policy is a mapping with 'rules' (and optional 'default')")
+        unknown = set(doc) - {"version", "rules", "default"}
+        if unknown:
+            raise PolicyError(f"{path}: unknown top-level keys {sorted(unknown)}")
+        if doc.get("version", 1) != 1:
+            raise PolicyError(f"{path}: unsupported policy version {doc.get('version')!r}")
+        rules_doc = doc.get("rules")
+        rules_doc = [] if rules_doc is None else rules_doc
+        if not isinstance(rules_doc, list):
+            raise PolicyError(f"{path}: 'rules' must be a list")
+        rules = []
+        for i, r in enumerate(rules_doc):
+            where = f"{path}: rules[{i}]"
+            if not isinstance(r, dict):
+                raise PolicyError(f"{where}: must be a mapping")
+            match = r.get("match")
+            globs = (match,) if isinstance(match, str) else tuple(match) if isinstance(match, list) else ()
+            if not globs or not all(isinstance(g, str) and g for g in globs):
+                raise PolicyError(f"{where}: 'match' must be a glob or a list of globs")
+            rules.append((globs, _repo_policy(r, where, base_dir, name=f"{i} ({globs[0]})")))
+        default_doc = doc.get("default")
+        default = (
+            _repo_policy(default_doc, f"{path}: default", base_dir, name="default")
+            if default_doc is not None
+            else RepositoryPolicy(rule="default")
+        )
+        return cls(rules, default, path)
+
+    def for_reference(self, ref: Reference | str) -> RepositoryPolicy:
+        """The requirements for ``ref`` (first rule whose glob matches ``ref.repo_name``)."""
+        ref = parse_reference(ref) if isinstance(ref, str) else ref
+        name = ref.repo_name
+        for globs, rp in self.rules:
+            if any(fnmatch.fnmatchcase(name, g) for g in globs):
+                return rp
+        return self.default
+
+
+_RULE_KEYS = {"match", "keys", "require_signature", "require_directory_signature", "require_chunk_table"}
+
+
+def _repo_policy(doc: Any, where: str, base_dir: str, *, name: str) -> RepositoryPolicy:
+    if not isinstance(doc, dict):
+        raise PolicyError(f"{where}: must be a mapping")
+    unknown = set(doc) - _RULE_KEYS
+    if unknown:
+        raise PolicyError(f"{where}: unknown keys {sorted(unknown)}")
+    keys = []
+    for j, k in enumerate(doc.get("keys") or []):
+        kw = f"{where}.keys[{j}]"
+        if isinstance(k, str):
+            k = {"path": k}
+        if not isinstance(k, dict) or len(k) != 1:
+            raise PolicyError(f"{kw}: one of path / env / pem")
+        ((kind, value),) = k.items()
+        if not isinstance(value, str):
+            raise PolicyError(f"{kw}: {kind} must be a string")
+        try:
+            if kind == "path":
+                keys.append(load_public_key(os.path.join(base_dir, os.path.expanduser(value))))
+            elif kind == "env":
+                keys.append(load_public_key(f"env:{value}"))
+            elif kind == "pem":
+                keys.append(load_public_key(value.encode()))
+            else:
+                raise PolicyError(f"{kw}: unknown key source {kind!r} (path, env, pem)")
+        except ModelpackError as exc:
+            if isinstance(exc, PolicyError):
+                raise
+            raise PolicyError(f"{kw}: {exc}") from exc
+    flags = {}
+    for flag in ("require_signature", "require_directory_signature", "require_chunk_table"):
+        v = doc.get(flag, flag == "require_signature")
+        if not isinstance(v, bool):
+            raise PolicyError(f"{where}: {flag} must be true or false")
+        flags[flag] = v
+    return RepositoryPolicy(tuple(keys), rule=name, **flags)

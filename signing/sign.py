@@ -1,0 +1,165 @@
+"""Signing an artifact that is already in a writable target: the three signed referrers.
+
+1. the manifest signature (cosign-readable, ``manifest_signature``),
+2. the OpenSSF model_signing directory signature (``model_signing``; raw-layer artifacts only),
+3. the chunk-digest table of the weight layers (``chunks``).
+
+All three are bound to the manifest digest; none changes the manifest or its tags.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.mediatypes import ModelSpecConfig, is_model_config
+from modelpack.signing.bundle import Bundle, sign_statement
+from modelpack.signing.chunks import (
+    DEFAULT_CHUNK_SIZE,
+    ChunkTable,
+    _weight_layers,
+    compute_chunk_table,
+    push_chunk_table,
+)
+from modelpack.signing.errors import SigningError
+from modelpack.signing.keys import PrivateKey, PublicKey, load_private_key
+from modelpack.signing.manifest_signature import sign_manifest
+from modelpack.signing.model_signing import directory_statement, files_from_manifest
+from modelpack.signing.referrers import (
+    ARTIFACT_TYPE_MODEL_SIGNATURE,
+    find_bundle_referrers,
+    push_bundle_referrer,
+)
+from modelpack.signing.statements import PREDICATE_MODEL_SIGNING
+
+from modelpack.descriptor import Descriptor, Manifest
+from modelpack.digest import verify_bytes
+from modelpack.errors import ModelpackError
+from modelpack.fsutil import atomic_write_bytes
+from modelpack.reference import Reference, parse_reference
+from modelpack.target import ReadableTarget, Target
+
+
+@dataclass
+class SignResult:
+    manifest_digest: str
+    key_id: str
+    signature: Descriptor
+    directory_signature: Descriptor | None = None
+    chunk_table: Descriptor | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.manifest_digest,
+            "keyId": self.key_id,
+            "signature": str(self.signature.digest),
+            "directorySignature": str(self.directory_signature.digest) if self.directory_signature else None,
+            "chunkTable": str(self.chunk_table.digest) if self.chunk_table else None,
+            "skipped": dict(self.skipped),
+        }
+
+
+def _fetch_manifest(target: ReadableTarget, manifest_desc: Descriptor) -> Manifest:
+    raw, media_type = target.fetch_manifest(str(manifest_desc.digest))
+    verify_bytes(raw, manifest_desc.digest, None, what="manifest", source=target.name)
+    return Manifest.parse(raw, media_type=media_type)
+
+
+def _model_name(target: ReadableTarget, manifest: Manifest, reference: Reference | None) -> str:
+    if is_model_config(manifest.config.media_type) and manifest.config.size <= 4 * 1024 * 1024:
+        try:
+            with target.fetch_blob(manifest.config) as f:
+                data = f.read(manifest.config.size + 1)
+            verify_bytes(
+                data, manifest.config.digest, manifest.config.size, what="config", source=target.name
+            )
+            name = ModelSpecConfig.from_bytes(data).to_dict().get("descriptor", {}).get("name")
+            if isinstance(name, str) and name:
+                return name
+        except (ModelpackError, ValueError):
+            pass
+    if reference is not None and reference.scheme == "registry":
+        return reference.repository.rsplit("/", 1)[-1]
+    return "model"
+
+
+def sign_artifact(
+    target: Target,
+    manifest_desc: Descriptor,
+    private_key: PrivateKey | str,
+    *,
+    chunk_table: bool | ChunkTable = True,
+    directory_signature: bool = True,
+    reference: Reference | str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> SignResult:
+    """Sign an artifact already stored in ``target``. ``chunk_table`` may be a precomputed table
+    (the pusher hashed the files anyway); else the weight blobs are read back and hashed."""
+    key = private_key if isinstance(private_key, PrivateKey) else load_private_key(private_key)
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    manifest = _fetch_manifest(target, manifest_desc)
+    if manifest.digest != manifest_desc.digest:
+        raise SigningError(
+            f"{target.name}: fetched manifest is {manifest.digest}, not {manifest_desc.digest}"
+        )
+    result = SignResult(str(manifest_desc.digest), key.key_id, sign_manifest(target, manifest_desc, key))
+    if directory_signature:
+        try:
+            files = files_from_manifest(manifest)
+        except SigningError as exc:
+            result.skipped["directorySignature"] = str(exc)
+        else:
+            bundle = sign_statement(directory_statement(files, _model_name(target, manifest, ref)), key)
+            result.directory_signature = push_bundle_referrer(
+                target,
+                manifest_desc,
+                bundle,
+                artifact_type=ARTIFACT_TYPE_MODEL_SIGNATURE,
+                predicate_type=PREDICATE_MODEL_SIGNING,
+            )
+    if chunk_table is not False:
+        if isinstance(chunk_table, ChunkTable):
+            table = chunk_table
+        elif _weight_layers(manifest):
+            table = compute_chunk_table(target, manifest, chunk_size)
+        else:
+            table = None
+            result.skipped["chunkTable"] = "no weight layers"
+        if table is not None:
+            result.chunk_table = push_chunk_table(target, manifest_desc, table, key)
+    return result
+
+
+def write_directory_signature(
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    path: str | os.PathLike[str],
+    trusted_keys: Sequence[PublicKey] | None = None,
+) -> str:
+    """Write the model_signing bundle of ``manifest_desc`` to ``path`` (e.g. ``DIR/model.sig``)
+    so ``model_signing verify key --signature PATH --public_key PUB DIR`` can check the files.
+
+    Picks a stored directory signature whose file list is exactly the manifest's (and, with
+    ``trusted_keys``, signed by one of them); raises ``SigningError`` when there is none.
+    """
+    from modelpack.signing.verify import select_directory_bundle
+
+    manifest = _fetch_manifest(target, manifest_desc)
+    bundles: list[Bundle] = [
+        item.bundle
+        for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_MODEL_SIGNATURE)
+        if item.bundle is not None
+    ]
+    chosen = select_directory_bundle(bundles, manifest, trusted_keys)
+    if chosen is None:
+        raise SigningError(
+            f"{target.name}: {manifest_desc.digest} has no model_signing directory signature"
+            + (" by a trusted key" if trusted_keys else "")
+            + " matching its files"
+        )
+    p = os.fspath(path)
+    atomic_write_bytes(p, chosen.to_bytes())
+    return p

@@ -1,0 +1,79 @@
+"""in-toto v1 statements: the signed payloads of every modelpack signature.
+
+The statement names what is signed (``subject``: digests) and what kind of claim it is
+(``predicateType``). Verifiers must compare the subject with the digest they are about to use:
+a valid signature over another digest is a replay, not a signature.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.signing.errors import BundleError
+
+from modelpack.descriptor import canonical_json
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+PREDICATE_COSIGN_SIGN = "https://sigstore.dev/cosign/sign/v1"
+PREDICATE_MODEL_SIGNING = "https://model_signing/signature/v1.0"
+PREDICATE_CHUNK_DIGESTS = "https://modelpack.dev/chunk-digests/v1"
+MAX_STATEMENT_BYTES = 64 * 1024 * 1024
+MAX_SUBJECTS = 64
+
+
+@dataclass(frozen=True)
+class Statement:
+    subjects: tuple[dict[str, Any], ...]
+    predicate_type: str
+    predicate: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "_type": STATEMENT_TYPE,
+            "subject": [dict(s) for s in self.subjects],
+            "predicateType": self.predicate_type,
+            "predicate": self.predicate,
+        }
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.to_dict())
+
+    @property
+    def subject_sha256(self) -> list[str]:
+        """Every subject's sha256 hex (lowercase), in order; a subject without one yields ''."""
+        out = []
+        for s in self.subjects:
+            d = s.get("digest")
+            v = d.get("sha256") if isinstance(d, dict) else None
+            out.append(v.lower() if isinstance(v, str) else "")
+        return out
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Statement:
+        if len(raw) > MAX_STATEMENT_BYTES:
+            raise BundleError(f"in-toto statement is {len(raw)} bytes; the limit is {MAX_STATEMENT_BYTES}")
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BundleError(f"in-toto statement is not JSON: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE:
+            raise BundleError(f"payload is not an in-toto v1 statement (_type {STATEMENT_TYPE})")
+        subjects = doc.get("subject")
+        if not isinstance(subjects, list) or not subjects or len(subjects) > MAX_SUBJECTS:
+            raise BundleError(f"in-toto statement must have 1..{MAX_SUBJECTS} subjects")
+        if not all(isinstance(s, dict) for s in subjects):
+            raise BundleError("in-toto statement subjects must be objects")
+        pt = doc.get("predicateType")
+        if not isinstance(pt, str):
+            raise BundleError("in-toto statement has no predicateType")
+        predicate = doc.get("predicate", {})
+        if not isinstance(predicate, dict):
+            raise BundleError("in-toto statement predicate must be an object")
+        return cls(tuple(subjects), pt, predicate)
+
+
+def manifest_statement(manifest_hex: str) -> Statement:
+    """The cosign-style signature statement over a manifest digest (empty predicate)."""
+    return Statement(({"digest": {"sha256": manifest_hex}},), PREDICATE_COSIGN_SIGN, {})
