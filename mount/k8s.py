@@ -1,0 +1,369 @@
+"""Kubernetes objects for the three ways a model reaches a pod (DESIGN §5).
+
+1. **image volume** (``volumes[].image``, Kubernetes 1.31+ behind the ``ImageVolume`` feature
+   gate, beta in 1.33): the kubelet asks the runtime to pull the artifact and mounts it
+   read-only. CRI-O 1.33+ mounts a raw ModelPack artifact as files named by their title
+   annotations; containerd 2.1+ mounts only images, so push the image-shaped variant
+   (``--format image``) and find the files under ``models/``.
+2. **init container**: ``modelpack pull --cache`` verifies signatures per policy and publishes a
+   snapshot in a node cache (hostPath, shared by pods on the node) or an emptyDir; the serving
+   container mounts it read-only. Works on every runtime.
+3. **pre-warm DaemonSet**: keeps chosen models pulled on selected nodes so starts are cache hits.
+
+Every reference is pinned by digest: a tag would let two replicas run different weights. The
+generated dicts are checked against the ``kubernetes`` client models (``validate``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from modelpack.errors import InvalidReferenceError, ModelpackError
+from modelpack.reference import Reference, parse_reference
+
+DEFAULT_MODELPACK_IMAGE = "ghcr.io/modelpack/modelpack:0.1.0"
+DEFAULT_CACHE_HOST_PATH = "/var/cache/modelpack"
+DEFAULT_CACHE_MOUNT = "/var/cache/modelpack"
+POLICY_MOUNT = "/etc/modelpack/policy"
+DOCKER_CONFIG_MOUNT = "/etc/modelpack/docker"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+RUNTIME_TABLE = [
+    ("image volume, raw ModelPack artifact", "CRI-O >= 1.33", "files at their title paths under the mount"),
+    (
+        "image volume, image-shaped (--format image)",
+        "containerd >= 2.1, CRI-O >= 1.33",
+        "files under <mount>/models/",
+    ),
+    ("init container + node cache", "any runtime", "<cache>/snapshots/<manifest hex>/ (read-only)"),
+    ("pre-warm DaemonSet", "any runtime", "same node cache; pods start on a cache hit"),
+]
+
+IMAGE_VOLUME_NOTES = [
+    "Image volumes need Kubernetes >= 1.31 with the ImageVolume feature gate (beta, on by default in 1.33+).",
+    "CRI-O >= 1.33 mounts the raw ModelPack artifact: files appear under the mount path by title annotation.",
+    "containerd >= 2.1 mounts only images: push with 'modelpack push --format image' and read <mount>/models/.",
+    "The reference is pinned by digest; pullPolicy IfNotPresent then never re-pulls a changed tag.",
+]
+
+
+# The pod UID groups the init container's and the server's events into one start (``modelpack timeline``).
+def _start_id_env() -> dict[str, Any]:
+    return {"name": "MODELPACK_START_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+
+
+class K8sError(ModelpackError):
+    """A Kubernetes object cannot be generated from the given inputs."""
+
+
+def _pinned_image_ref(reference: str | Reference, *, what: str) -> tuple[Reference, str]:
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    if ref.scheme != "registry":
+        raise InvalidReferenceError(f"{what}: {ref} is not a registry reference (host/repo@sha256:…)")
+    if not ref.digest:
+        raise InvalidReferenceError(
+            f"{what}: {ref} is not pinned by digest; use host/repo@sha256:… "
+            "(resolve it with 'modelpack inspect REF' or pass --resolve)"
+        )
+    return ref, f"{ref.location}/{ref.repository}@{ref.digest}"
+
+
+def _name_from(ref: Reference) -> str:
+    base = ref.repository.rsplit("/", 1)[-1].replace("_", "-").replace(".", "-").lower()
+    return (base or "model")[:50].strip("-") or "model"
+
+
+def _secret_volume(name: str, secret: str, items: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    src: dict[str, Any] = {"secretName": secret, "defaultMode": 0o440}
+    if items:
+        src["items"] = items
+    return {"name": name, "secret": src}
+
+
+def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str, Any]:
+    if kind == "hostPath":
+        return {"name": "modelpack-cache", "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
+    if kind == "emptyDir":
+        empty: dict[str, Any] = {}
+        if size_limit:
+            empty["sizeLimit"] = size_limit
+        return {"name": "modelpack-cache", "emptyDir": empty}
+    raise K8sError(f"cache volume must be hostPath or emptyDir, got {kind!r}")
+
+
+def _pull_command(
+    references: Sequence[str], cache_path: str, policy_secret: str | None, policy_key: str
+) -> list[str]:
+    args = ["modelpack", "pull"]
+    cmd: list[str] = []
+    for r in references:
+        one = [*args, r, "--cache", cache_path, "--json"]
+        if policy_secret:
+            one += ["--policy", f"{POLICY_MOUNT}/{policy_key}"]
+        cmd.append(shlex.join(one))
+    return cmd
+
+
+def _credential_env_and_mounts(
+    registry_secret: str | None, policy_secret: str | None, policy_key: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    env: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    if registry_secret:
+        # A kubernetes.io/dockerconfigjson Secret: its .dockerconfigjson becomes $DOCKER_CONFIG/config.json
+        volumes.append(
+            _secret_volume(
+                "registry-credentials",
+                registry_secret,
+                [{"key": ".dockerconfigjson", "path": "config.json"}],
+            )
+        )
+        mounts.append({"name": "registry-credentials", "mountPath": DOCKER_CONFIG_MOUNT, "readOnly": True})
+        env.append({"name": "DOCKER_CONFIG", "value": DOCKER_CONFIG_MOUNT})
+    if policy_secret:
+        volumes.append(_secret_volume("trust-policy", policy_secret))
+        mounts.append({"name": "trust-policy", "mountPath": POLICY_MOUNT, "readOnly": True})
+    return env, mounts, volumes
+
+
+def image_volume_pod(
+    reference: str | Reference,
+    *,
+    mount_path: str = "/models",
+    pull_policy: str = "IfNotPresent",
+    name: str | None = None,
+    namespace: str | None = None,
+    image: str = "vllm/vllm-openai:latest",
+    container_name: str = "server",
+) -> dict[str, Any]:
+    """A Pod whose model arrives as an image volume (kubelet + runtime pull it, read-only)."""
+    ref, image_ref = _pinned_image_ref(reference, what="image volume")
+    if pull_policy not in PULL_POLICIES:
+        raise K8sError(f"pullPolicy must be one of {', '.join(PULL_POLICIES)}")
+    meta: dict[str, Any] = {
+        "name": name or _name_from(ref),
+        "labels": {"app.kubernetes.io/name": name or _name_from(ref)},
+        "annotations": {"modelpack.dev/model-digest": str(ref.digest)},
+    }
+    if namespace:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "containers": [
+                {
+                    "name": container_name,
+                    "image": image,
+                    "env": [{"name": "MODELPACK_MODEL_DIR", "value": mount_path}],
+                    "volumeMounts": [{"name": "model", "mountPath": mount_path, "readOnly": True}],
+                }
+            ],
+            "volumes": [{"name": "model", "image": {"reference": image_ref, "pullPolicy": pull_policy}}],
+        },
+    }
+
+
+def init_container_pod(
+    reference: str | Reference,
+    *,
+    cache_path: str = DEFAULT_CACHE_MOUNT,
+    cache_volume: str = "hostPath",
+    host_path: str = DEFAULT_CACHE_HOST_PATH,
+    size_limit: str | None = None,
+    policy_secret: str | None = None,
+    policy_key: str = "policy.yaml",
+    registry_secret: str | None = None,
+    modelpack_image: str = DEFAULT_MODELPACK_IMAGE,
+    image: str = "vllm/vllm-openai:latest",
+    name: str | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
+    """A Pod whose init container pulls, verifies and publishes the model in the node cache.
+
+    The serving container mounts the cache read-only and finds the model at
+    ``<cache>/snapshots/<manifest hex>`` (``$MODELPACK_MODEL_DIR``), known up front because the
+    reference is pinned by digest.
+    """
+    ref, image_ref = _pinned_image_ref(reference, what="init container")
+    assert ref.digest is not None
+    env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    snapshot = f"{cache_path.rstrip('/')}/snapshots/{ref.digest.hex}"
+    pull = _pull_command([image_ref], cache_path, policy_secret, policy_key)
+    meta: dict[str, Any] = {
+        "name": name or _name_from(ref),
+        "labels": {"app.kubernetes.io/name": name or _name_from(ref)},
+        "annotations": {"modelpack.dev/model-digest": str(ref.digest)},
+    }
+    if namespace:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "initContainers": [
+                {
+                    "name": "modelpack-pull",
+                    "image": modelpack_image,
+                    "command": ["sh", "-c", pull[0]],
+                    "env": [*env, {"name": "MODELPACK_CACHE", "value": cache_path}, _start_id_env()],
+                    "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
+                    "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+                }
+            ],
+            "containers": [
+                {
+                    "name": "server",
+                    "image": image,
+                    "env": [{"name": "MODELPACK_MODEL_DIR", "value": snapshot}, _start_id_env()],
+                    "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": True}],
+                }
+            ],
+            "volumes": [_cache_volume(cache_volume, host_path, size_limit), *volumes],
+        },
+    }
+
+
+def prewarm_daemonset(
+    references: Sequence[str | Reference],
+    *,
+    node_selector: Mapping[str, str],
+    host_path: str = DEFAULT_CACHE_HOST_PATH,
+    cache_path: str = DEFAULT_CACHE_MOUNT,
+    interval_s: int = 300,
+    policy_secret: str | None = None,
+    policy_key: str = "policy.yaml",
+    registry_secret: str | None = None,
+    modelpack_image: str = DEFAULT_MODELPACK_IMAGE,
+    name: str = "modelpack-prewarm",
+    namespace: str | None = None,
+    tolerate_all: bool = False,
+) -> dict[str, Any]:
+    """A DaemonSet that pulls ``references`` into every selected node's cache and re-checks them.
+
+    Tags are allowed here (pre-warming "the current v1"), but pods should consume digests.
+    Re-pulling a cached digest is a hit (no hashing, no transfer), so the loop is cheap.
+    """
+    if not references:
+        raise K8sError("prewarm needs at least one reference")
+    if not node_selector:
+        raise K8sError("prewarm needs --node-selector KEY=VALUE (pre-warming every node is rarely meant)")
+    refs = []
+    for r in references:
+        ref = parse_reference(r) if isinstance(r, str) else r
+        if ref.scheme != "registry":
+            raise InvalidReferenceError(f"prewarm: {ref} is not a registry reference")
+        refs.append(str(ref))
+    if interval_s < 10:
+        raise K8sError("--interval must be at least 10 seconds")
+    env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    pulls = _pull_command(refs, cache_path, policy_secret, policy_key)
+    script = "set -u\nwhile true; do\n" + "".join(
+        f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls
+    )
+    script += f"  sleep {int(interval_s)}\ndone\n"
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "modelpack-prewarm"}
+    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
+    if namespace:
+        meta["namespace"] = namespace
+    pod_spec: dict[str, Any] = {
+        "nodeSelector": dict(node_selector),
+        "containers": [
+            {
+                "name": "prewarm",
+                "image": modelpack_image,
+                "command": ["sh", "-c", script],
+                "env": [*env, {"name": "MODELPACK_CACHE", "value": cache_path}],
+                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+            }
+        ],
+        "volumes": [_cache_volume("hostPath", host_path, None), *volumes],
+    }
+    if tolerate_all:
+        pod_spec["tolerations"] = [{"operator": "Exists"}]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": dict(labels)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
+    }
+
+
+_MODEL_CLASSES = {("v1", "Pod"): "V1Pod", ("apps/v1", "DaemonSet"): "V1DaemonSet"}
+
+
+def validate(obj: Mapping[str, Any]) -> Any:
+    """Load ``obj`` into the ``kubernetes`` client model and check nothing was dropped.
+
+    The client ignores unknown keys when deserialising, so the object is serialised back and
+    compared: a misspelt field shows up as a difference. Returns the model object.
+    """
+    from kubernetes.client import ApiClient
+
+    cls = _MODEL_CLASSES.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+    if cls is None:
+        raise K8sError(f"no client model for {obj.get('apiVersion')}/{obj.get('kind')}")
+    client = ApiClient()
+    try:
+        model = client._ApiClient__deserialize(dict(obj), cls)  # type: ignore[attr-defined]
+    except (ValueError, TypeError) as exc:
+        raise K8sError(f"{obj.get('kind')} does not load into {cls}: {exc}") from exc
+    back = client.sanitize_for_serialization(model)
+    if back != obj:
+        raise K8sError(f"{obj.get('kind')} has fields the {cls} model does not know: {_diff(obj, back)}")
+    return model
+
+
+def _diff(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in a:
+            if k not in b:
+                return f"{path}.{k}"
+            d = _diff(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return ""
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            d = _diff(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return "" if len(a) == len(b) else f"{path} (length)"
+    return "" if a == b else f"{path} ({a!r} != {b!r})"
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None  # scripts stay readable as literal blocks
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def to_yaml(obj: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
+    """YAML with the notes as leading comments (kubectl ignores them)."""
+    header = "".join(f"# {n}\n" for n in notes)
+    return header + yaml.dump(dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def runtime_table_markdown() -> str:
+    lines = ["| how the model is mounted | runtime | where the files are |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in RUNTIME_TABLE]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,432 @@
+"""Snapshots: a model's files at their paths, hard-linked from the store, read-only.
+
+Per manifest digest ``<hex>`` under ``<cache>/snapshots/``::
+
+    <hex>/          the files (hard links to blobs/sha256/…; extracted files for tar layers)
+    <hex>.ready     the ready marker (JSON: digest, files); the ONLY thing a reader trusts
+    <hex>.lease     readers hold a shared flock on it while they use the files; GC needs an
+                    exclusive one to delete; its mtime is the last use (LRU)
+
+A snapshot is built in a temp directory and renamed into place in one step; the marker is then
+written atomically. A directory without a marker (a crash between the two) is never used: the
+next pull replaces it. Deletion goes the other way: marker first, then the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import stat
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.mediatypes import (
+    MEDIA_TYPE_IMAGE_CONFIG,
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    parse_layer_media_type,
+)
+from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath
+from modelpack.mount.locks import pid_alive, try_exclusive
+from modelpack.mount.store import Store
+
+from modelpack.descriptor import Manifest
+from modelpack.digest import Digest
+from modelpack.errors import ManifestError, ModelpackError, NotFoundError
+from modelpack.fsutil import TEMP_PREFIX, atomic_write_bytes, fsync_dir
+
+MARKER_SUFFIX = ".ready"
+LEASE_SUFFIX = ".lease"
+MARKER_VERSION = 1
+MAX_MARKER_BYTES = 16 * 1024 * 1024
+IMAGE_LAYER_TYPES = (
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+)
+
+
+class SnapshotError(ModelpackError):
+    """A snapshot cannot be built, published or used."""
+
+
+class SnapshotInUseError(SnapshotError):
+    """A reader holds the snapshot's lease; it cannot be removed now."""
+
+
+@dataclass
+class SnapshotFile:
+    path: str
+    digest: str
+    size: int
+    linked: bool  # True: hard link of the blob (its digest is the file's); False: extracted
+
+
+@dataclass
+class SnapshotInfo:
+    digest: Digest
+    path: str
+    files: list[SnapshotFile]
+    created: float
+    last_used: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def blob_digests(self) -> set[str]:
+        return set(self.meta.get("blobs", []))
+
+
+class Snapshots:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.dir = os.path.join(store.root, "snapshots")
+        os.makedirs(self.dir, exist_ok=True)
+
+    def path(self, digest: str) -> str:
+        return os.path.join(self.dir, Digest(digest).hex)
+
+    def marker_path(self, digest: str) -> str:
+        return self.path(digest) + MARKER_SUFFIX
+
+    def lease_path(self, digest: str) -> str:
+        return self.path(digest) + LEASE_SUFFIX
+
+    def trust_path(self, digest: str) -> str:
+        """Which trusted keys verified this digest (written by the cache after verification)."""
+        return self.path(digest) + ".trust.json"
+
+    # ------------------------------------------------------------------ read side
+    def ready(self, digest: str) -> SnapshotInfo | None:
+        """The snapshot if its marker says it is ready for ``digest``; None otherwise. No hashing."""
+        marker = self.marker_path(digest)
+        try:
+            with open(marker, "rb") as f:
+                raw = f.read(MAX_MARKER_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        if len(raw) > MAX_MARKER_BYTES:
+            raise SnapshotError(f"{marker}: larger than {MAX_MARKER_BYTES} bytes")
+        try:
+            doc = json.loads(raw)
+            if doc.get("digest") != digest or doc.get("version") != MARKER_VERSION:
+                raise ValueError("marker names another digest or version")
+            files = [
+                SnapshotFile(f["path"], f["digest"], int(f["size"]), bool(f["linked"])) for f in doc["files"]
+            ]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SnapshotError(f"{marker}: invalid ready marker ({exc}); run 'modelpack cache rm'") from exc
+        path = self.path(digest)
+        if not os.path.isdir(path):
+            return None
+        try:
+            last_used = os.stat(self.lease_path(digest)).st_mtime
+        except FileNotFoundError:
+            last_used = float(doc.get("created", 0))
+        return SnapshotInfo(Digest(digest), path, files, float(doc.get("created", 0)), last_used, doc)
+
+    def list_ready(self) -> list[SnapshotInfo]:
+        out = []
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(MARKER_SUFFIX) and not entry.name.startswith("."):
+                hexd = entry.name[: -len(MARKER_SUFFIX)]
+                with contextlib.suppress(ModelpackError):
+                    info = self.ready("sha256:" + hexd)
+                    if info is not None:
+                        out.append(info)
+        return out
+
+    def touch(self, digest: str) -> None:
+        """Record a use (LRU) on the lease file's mtime: one utime, no content write."""
+        lease = self.lease_path(digest)
+        try:
+            os.utime(lease)
+        except FileNotFoundError:
+            fd = os.open(lease, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def lease(self, digest: str) -> Iterator[SnapshotInfo]:
+        """Hold a reader lease (shared flock) while the snapshot's files are in use."""
+        import fcntl
+
+        lease = self.lease_path(digest)
+        while True:
+            try:
+                fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                # A serving container may see the cache read-only: a shared flock needs no write access.
+                if exc.errno not in (errno.EROFS, errno.EACCES):
+                    raise
+                fd = os.open(lease, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(lease).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                break
+            os.close(fd)  # GC replaced the lease file while we waited; lock the current one
+        try:
+            info = self.ready(digest)
+            if info is None:
+                raise NotFoundError(f"snapshot {digest} is not ready in {self.store.root}")
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+            yield info
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def in_use(self, digest: str) -> bool:
+        fd = try_exclusive(self.lease_path(digest))
+        if fd is None:
+            return os.path.exists(self.lease_path(digest))
+        os.close(fd)
+        return False
+
+    # ------------------------------------------------------------------ build & publish
+    def build(
+        self, manifest: Manifest, config_raw: bytes | None, *, extra: dict[str, Any] | None = None
+    ) -> str:
+        """Materialise ``manifest`` from committed blobs into a fresh temp directory; returns it."""
+        tmp = os.path.join(
+            self.dir, f"{TEMP_PREFIX}{manifest.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        os.mkdir(tmp, 0o755)
+        try:
+            files = self._materialise(manifest, config_raw, tmp)
+            meta = {
+                **(extra or {}),
+                "version": MARKER_VERSION,
+                "digest": str(manifest.digest),
+                "files": [f.__dict__ for f in files],
+                "bytes_total": manifest.config.size
+                + sum({str(x.digest): x.size for x in manifest.layers}.values()),
+                "blobs": sorted(
+                    {str(manifest.config.digest), *(str(layer.digest) for layer in manifest.layers)}
+                ),
+            }
+            atomic_write_bytes(os.path.join(tmp, TEMP_PREFIX + "meta.json"), json.dumps(meta).encode())
+            return tmp
+        except BaseException:
+            remove_tree(tmp)
+            raise
+
+    def _materialise(self, manifest: Manifest, config_raw: bytes | None, dest: str) -> list[SnapshotFile]:
+        from modelpack.image_format import extract_tar_layer, image_diff_ids
+
+        diff_ids: list[str] = []
+        image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG
+        if image_shaped:
+            if config_raw is None:
+                raise SnapshotError(f"{manifest.digest}: image config missing")
+            diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
+        files: list[SnapshotFile] = []
+        seen: set[str] = set()
+        for i, layer in enumerate(manifest.layers):
+            lt = parse_layer_media_type(layer.media_type)
+            is_tar = layer.media_type in IMAGE_LAYER_TYPES or (lt is not None and not lt.is_raw)
+            if is_tar:
+                fmt = (
+                    layer.media_type
+                    if layer.media_type in IMAGE_LAYER_TYPES
+                    else (lt.format if lt else "tar")
+                )
+                with open(self.store.blob_path(layer.digest), "rb") as blob:
+                    extracted = extract_tar_layer(
+                        blob,
+                        dest,
+                        strip="models/" if image_shaped else "",
+                        media_type=fmt,
+                        diff_id=diff_ids[i] if image_shaped else None,
+                        where=f"layer {layer.digest}",
+                        existing=seen,
+                    )
+                for path, size, digest in extracted:
+                    seen.add(path)
+                    files.append(SnapshotFile(path, digest, size, False))
+                continue
+            try:
+                rel = layer_filepath(layer.annotations)
+            except UnsafePathError as exc:
+                raise ManifestError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
+            if rel is None:
+                raise ManifestError(
+                    f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
+                )
+            if rel in seen:
+                raise ManifestError(f"{manifest.digest}: two layers claim the path {rel!r}")
+            seen.add(rel)
+            target = _safe_join(dest, rel)
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            src = self.store.blob_path(layer.digest)
+            try:
+                os.link(src, target, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.EMLINK, errno.EXDEV, errno.EPERM):
+                    raise
+                shutil.copyfile(src, target)
+                os.chmod(target, 0o444)
+            files.append(SnapshotFile(rel, str(layer.digest), layer.size, True))
+        return files
+
+    def publish(self, tmp: str, digest: str) -> SnapshotInfo:
+        """Rename ``tmp`` into place, then write the marker.
+
+        Normally the caller holds the manifest lock; without it (a stale lock) several
+        publishers may race. Snapshots are content-addressed, so any complete one is as good as
+        another: whoever finds a ready snapshot discards its own, and a directory without a
+        marker is moved aside (an atomic rename only one racer wins) before retrying.
+        """
+        final = self.path(digest)
+        meta_tmp = os.path.join(tmp, TEMP_PREFIX + "meta.json")
+        with open(meta_tmp, "rb") as f:
+            meta = json.loads(f.read())
+        os.unlink(meta_tmp)
+        meta["created"] = time.time()
+        _make_read_only(tmp)
+        try:
+            for _ in range(50):
+                info = self.ready(digest)
+                if info is not None:
+                    return info  # someone else published the same content
+                try:
+                    os.rename(tmp, final)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise
+                    # A directory without a marker: a crash between rename and marker, or a racer
+                    # about to write its marker. Never trusted; move it aside and try again.
+                    aside = os.path.join(
+                        self.dir,
+                        f"{TEMP_PREFIX}old-{Digest(digest).hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                    )
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(final, aside)
+                        remove_tree(aside)
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(final, 0o555)
+                fsync_dir(self.dir)
+                self.touch(digest)
+                atomic_write_bytes(
+                    self.marker_path(digest), json.dumps(meta, sort_keys=True).encode(), mode=0o444
+                )
+                info = self.ready(digest)
+                if info is not None:
+                    return info
+                time.sleep(0.01)  # a racer moved our directory aside; its own publish follows
+            raise SnapshotError(f"{final}: could not publish (persistent concurrent replacement)")
+        finally:
+            if os.path.lexists(tmp):
+                remove_tree(tmp)
+
+    # ------------------------------------------------------------------ removal
+    def remove(self, digest: str, *, force: bool = False) -> bool:
+        """Unpublish (marker first) and delete; refuses while a reader holds the lease."""
+        lease = self.lease_path(digest)
+        fd = try_exclusive(lease)
+        if fd is None and os.path.exists(lease) and not force:
+            raise SnapshotInUseError(f"snapshot {digest} is in use (a reader holds {lease})")
+        try:
+            existed = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.marker_path(digest))
+                existed = True
+            fsync_dir(self.dir)
+            final = self.path(digest)
+            if os.path.lexists(final):
+                existed = True
+                aside = os.path.join(
+                    self.dir,
+                    f"{TEMP_PREFIX}rm-{Digest(digest).hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                )
+                os.rename(final, aside)
+                remove_tree(aside)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.trust_path(digest))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lease)
+            return existed
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def sweep(self) -> list[str]:
+        """Remove temp snapshot directories whose builder process is gone, and orphan leftovers."""
+        removed = []
+        for entry in list(os.scandir(self.dir)):
+            if not entry.name.startswith(TEMP_PREFIX):
+                continue
+            # names end in -<pid>-<random>: a live builder's directory is left alone
+            parts = entry.name[len(TEMP_PREFIX) :].split("-")
+            pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
+            if pid is not None and (pid == os.getpid() or pid_alive(pid)):
+                continue
+            remove_tree(entry.path)
+            removed.append(entry.path)
+        # lease/trust files of snapshots that no longer exist (a reader asked for a missing one)
+        for entry in list(os.scandir(self.dir)):
+            for suffix in (LEASE_SUFFIX, ".trust.json"):
+                if not entry.name.endswith(suffix) or entry.name.startswith("."):
+                    continue
+                base = os.path.join(self.dir, entry.name[: -len(suffix)])
+                if os.path.lexists(base) or os.path.exists(base + MARKER_SUFFIX):
+                    continue
+                fd = try_exclusive(entry.path)
+                if fd is None and suffix == LEASE_SUFFIX:
+                    continue  # someone holds it right now
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+                if fd is not None:
+                    os.close(fd)
+        return removed
+
+
+def _safe_join(root: str, rel: str) -> str:
+    target = os.path.join(root, *rel.split("/"))
+    parent = os.path.realpath(os.path.dirname(target))
+    if os.path.commonpath([os.path.realpath(root), parent]) != os.path.realpath(root):
+        raise UnsafePathError(f"{rel!r} would land outside {root}")
+    if os.path.lexists(target):
+        raise ManifestError(f"{rel!r} appears twice")
+    return target
+
+
+def _make_read_only(root: str) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if stat.S_IMODE(os.lstat(p).st_mode) & 0o222:
+                os.chmod(p, 0o444)
+        if dirpath != root:
+            os.chmod(dirpath, 0o555)
+
+
+def remove_tree(path: str) -> None:
+    """rmtree that first restores write permission on directories (snapshots are read-only)."""
+    if not os.path.lexists(path):
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(dirpath, d), 0o755)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
