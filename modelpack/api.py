@@ -44,9 +44,19 @@ def pack(
     target_options: TargetOptions | None = None,
     *,
     jobs: int = 4,
+    format: str = "artifact",
+    compression: str | None = None,
 ) -> PackResult:
-    """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3)."""
-    if not os.path.isdir(checkpoint_dir):
+    """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3).
+
+    ``format="image"`` builds the image-shaped variant (``modelpack.image_format``, for containerd
+    image volumes); ``compression="zstd"`` compresses its tar layers.
+
+    ``checkpoint_dir`` may be ``s3://BUCKET/PREFIX/``: the checkpoint is then read from the bucket
+    by streaming (``modelpack.s3_checkpoint``), never landing on local disk.
+    """
+    from_s3 = checkpoint_dir.startswith("s3://")
+    if not from_s3 and not os.path.isdir(checkpoint_dir):
         raise PackError(f"{checkpoint_dir}: not a directory")
     ref = parse_reference(destination) if isinstance(destination, str) else destination
     if ref.digest:
@@ -54,7 +64,22 @@ def pack(
     target = open_target(ref, target_options, for_write=True)
     staging_parent = ref.location if ref.scheme == "oci" else None
     options = options or PackOptions()
-    artifact = build_artifact(checkpoint_dir, options, staging_parent=staging_parent)
+    if from_s3:
+        from modelpack.s3_checkpoint import build_s3_artifact
+
+        if format != "artifact" or compression:
+            raise PackError(f"{checkpoint_dir}: --format image needs local files; not supported for s3://")
+        artifact = build_s3_artifact(checkpoint_dir, options, target_options)
+    elif format == "image":
+        from modelpack.image_format import build_image_artifact
+
+        artifact = build_image_artifact(checkpoint_dir, options, compression, staging_parent=staging_parent)
+    else:
+        if format != "artifact" or compression:
+            raise PackError(
+                f"format {format!r} / compression {compression!r}: compression needs --format image"
+            )
+        artifact = build_artifact(checkpoint_dir, options, staging_parent=staging_parent)
     try:
         artifact.tag = ref.tag or "latest"
         result = copy(

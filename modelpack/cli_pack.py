@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -67,6 +68,25 @@ def pack_options(fn: Any) -> Any:
     return fn
 
 
+def format_options(fn: Any) -> Any:
+    """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
+    fn = click.option(
+        "--compression",
+        type=click.Choice(["zstd"]),
+        default=None,
+        help="Compress the tar layers of --format image with zstd (+zstd layer media type).",
+    )(fn)
+    return click.option(
+        "--format",
+        "artifact_format",
+        type=click.Choice(["artifact", "image"]),
+        default="artifact",
+        show_default=True,
+        help="artifact: ModelPack, one raw layer per file (CRI-O image volumes, our pull). image: an OCI "
+        "image with files under models/ (containerd >= 2.1 image volumes).",
+    )(fn)
+
+
 def pack_options_from(kwargs: dict[str, Any], progress: str) -> PackOptions:
     return PackOptions(
         include=kwargs.pop("include", ()),
@@ -89,16 +109,24 @@ def pack_options_from(kwargs: dict[str, Any], progress: str) -> PackOptions:
 
 
 @main.command("pack")
-@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("checkpoint_dir")
 @click.argument("destination")
 @pack_options
+@format_options
 @target_options
 @jobs_option
 @progress_option
 @json_option
 @handle_errors
 def pack_cmd(
-    checkpoint_dir: str, destination: str, jobs: int, progress: str, as_json: bool, **kwargs: Any
+    checkpoint_dir: str,
+    destination: str,
+    jobs: int,
+    progress: str,
+    as_json: bool,
+    artifact_format: str = "artifact",
+    compression: str | None = None,
+    **kwargs: Any,
 ) -> None:
     """Pack CHECKPOINT_DIR into a ModelPack artifact at DESTINATION.
 
@@ -112,6 +140,8 @@ def pack_cmd(
       *.bin, *.pt, *.gguf, *.onnx …                    weight      (marked untested)
       anything else                                    --other-files (default doc, marked untested)
     Hidden files (.git, .cache) are skipped; symlinks leaving the directory are refused.
+    CHECKPOINT_DIR may be s3://BUCKET/PREFIX/: the objects are hashed and uploaded by streaming,
+    nothing is written to local disk (--max-file-size is not supported there).
 
     The same directory always packs to the same manifest digest (fixed file metadata, sorted
     files, no timestamp unless --created).
@@ -120,11 +150,15 @@ def pack_cmd(
     Example:
       modelpack pack ./llama-8b oci:./layout:v1 --version 1.0 --max-file-size 4GiB
     """
+    if not checkpoint_dir.startswith("s3://") and not os.path.isdir(checkpoint_dir):
+        raise click.BadParameter(f"{checkpoint_dir!r} is not a directory", param_hint="CHECKPOINT_DIR")
     popts = pack_options_from(kwargs, progress)
     link = kwargs.pop("link", "auto")
     topts = build_target_options(kwargs)
     topts.link = link
-    result = api.pack(checkpoint_dir, destination, popts, topts, jobs=jobs)
+    result = api.pack(
+        checkpoint_dir, destination, popts, topts, jobs=jobs, format=artifact_format, compression=compression
+    )
     if as_json:
         emit_json(result.to_json())
     else:

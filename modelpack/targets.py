@@ -39,7 +39,7 @@ def open_target(
     if ref.scheme == "registry":
         from modelpack.registry.target import RegistryTarget
 
-        return RegistryTarget.from_reference(ref, options)
+        return RegistryTarget.from_reference(ref, options, for_write=for_write)
     if ref.scheme == "s3":
         from modelpack.s3 import S3Target
 
