@@ -21,8 +21,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from modelpack.cli import parse_size  # noqa: E402
-from modelpack.synthetic import SyntheticSpec, write_checkpoint  # noqa: E402
+from modelpack.cli import parse_size
+from modelpack.synthetic import SyntheticSpec, write_checkpoint
 
 PACK_CHILD = """
 import sys
@@ -74,15 +74,18 @@ def main() -> None:
     for mode in ("auto", "copy"):
         layout = os.path.join(args.dir, f"layout-{mode}")
         shutil.rmtree(layout, ignore_errors=True)
-        dt, rss, out = run_timed([sys.executable, "-c", PACK_CHILD, ckpt, layout, mode])
+        dt, rss, _ = run_timed([sys.executable, "-c", PACK_CHILD, ckpt, layout, mode])
         results.append((f"modelpack pack (link={mode})", dt, rss))
         shutil.rmtree(layout, ignore_errors=True)
 
     print(f"\ncheckpoint: {len(files)} files, {gib:.2f} GiB, {cores} cores, hot page cache")
     print(f"{'':44} {'GiB/s':>7} {'× parallel sha256sum':>21} {'peak RSS':>10}")
     for name, dt, rss in results:
-        print(f"{name:44} {gib / dt:7.2f} {ceiling / dt:21.2f} {rss / 2**20:8.0f} MB" if rss else
-              f"{name:44} {gib / dt:7.2f} {ceiling / dt:21.2f}")
+        print(
+            f"{name:44} {gib / dt:7.2f} {ceiling / dt:21.2f} {rss / 2**20:8.0f} MB"
+            if rss
+            else f"{name:44} {gib / dt:7.2f} {ceiling / dt:21.2f}"
+        )
 
 
 if __name__ == "__main__":

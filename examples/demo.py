@@ -37,7 +37,9 @@ def main() -> None:
 
     step("1. generate a synthetic Llama-shaped checkpoint (bf16 safetensors, 2 shards)")
     ckpt = os.path.join(OUT, "checkpoint")
-    for path in write_checkpoint(ckpt, SyntheticSpec(hidden=512, intermediate=1376, layers=4, vocab=4096, shards=2)):
+    for path in write_checkpoint(
+        ckpt, SyntheticSpec(hidden=512, intermediate=1376, layers=4, vocab=4096, shards=2)
+    ):
         print(f"  {os.path.relpath(path, OUT):45} {os.path.getsize(path):>10,} bytes")
 
     step("2. pack it into an OCI image layout (no server needed)")
@@ -50,7 +52,9 @@ def main() -> None:
 
     step("4. the layout is a standard OCI layout: skopeo reads our exact manifest bytes")
     if shutil.which("skopeo"):
-        raw = subprocess.run(["skopeo", "inspect", "--raw", f"oci:{layout}:v1"], check=True, capture_output=True).stdout
+        raw = subprocess.run(
+            ["skopeo", "inspect", "--raw", f"oci:{layout}:v1"], check=True, capture_output=True
+        ).stdout
         import hashlib
 
         ok = "sha256:" + hashlib.sha256(raw).hexdigest() == digest

@@ -7,7 +7,6 @@ from importlib import resources
 
 import jsonschema
 import pytest
-
 from modelpack.mediatypes import (
     ARTIFACT_TYPE_MODEL,
     FORMATS,
@@ -118,8 +117,14 @@ def test_config_round_trips_and_matches_the_json_schema() -> None:
         (lambda d: d["modelfs"].update(diffIds=["md5:abc"]), "$.modelfs.diffIds[0]"),
         (lambda d: d["descriptor"].update(name=""), "$.descriptor.name"),
         (lambda d: d["descriptor"].update(createdAt="yesterday"), "$.descriptor.createdAt"),
-        (lambda d: d["config"]["transformerConfig"].update(numLayers=0), "$.config.transformerConfig.numLayers"),
-        (lambda d: d["config"]["transformerConfig"].update(attentionType="x"), "$.config.transformerConfig.attentionType"),
+        (
+            lambda d: d["config"]["transformerConfig"].update(numLayers=0),
+            "$.config.transformerConfig.numLayers",
+        ),
+        (
+            lambda d: d["config"]["transformerConfig"].update(attentionType="x"),
+            "$.config.transformerConfig.attentionType",
+        ),
     ],
 )
 def test_config_schema_violations_are_refused_like_jsonschema_does(mutate, path) -> None:  # type: ignore[no-untyped-def]

@@ -25,7 +25,13 @@ D = "sha256:" + "0123456789abcdef" * 4
 )
 def test_parse(text, scheme, location, repo, tag, digest) -> None:  # type: ignore[no-untyped-def]
     ref = parse_reference(text)
-    assert (ref.scheme, ref.location, ref.repository, ref.tag, ref.digest) == (scheme, location, repo, tag, digest)
+    assert (ref.scheme, ref.location, ref.repository, ref.tag, ref.digest) == (
+        scheme,
+        location,
+        repo,
+        tag,
+        digest,
+    )
 
 
 def test_identifier_prefers_digest_and_defaults_to_latest() -> None:
@@ -36,8 +42,17 @@ def test_identifier_prefers_digest_and_defaults_to_latest() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "r.io/UPPER:v1", "r.io/m:bad tag", "r.io/m@sha256:short", "http://r.io/m", "s3://B_ad/x", "s3://bucket/../x",
-     "r.io/m:-dash", "oci::v1"],
+    [
+        "",
+        "r.io/UPPER:v1",
+        "r.io/m:bad tag",
+        "r.io/m@sha256:short",
+        "http://r.io/m",
+        "s3://B_ad/x",
+        "s3://bucket/../x",
+        "r.io/m:-dash",
+        "oci::v1",
+    ],
 )
 def test_invalid_references_are_refused(text: str) -> None:
     with pytest.raises(InvalidReferenceError):

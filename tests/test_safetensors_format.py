@@ -21,7 +21,10 @@ def _write(path: Path, header: bytes | dict, data: bytes = b"", length: int | No
 
 
 def test_real_safetensors_file_parses_with_offsets_in_file_order(tmp_path: Path) -> None:
-    tensors = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.ones(4, dtype=torch.bfloat16)}
+    tensors = {
+        "b": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "a": torch.ones(4, dtype=torch.bfloat16),
+    }
     p = tmp_path / "m.safetensors"
     save_file(tensors, str(p), metadata={"format": "pt"})
     hdr = read_header(p)
@@ -45,7 +48,20 @@ def test_build_header_round_trips(tmp_path: Path) -> None:
 
 
 def test_full_dtype_table() -> None:
-    for dtype in ("F8_E4M3", "F8_E5M2", "F8_E8M0", "BF16", "F16", "F32", "F64", "I8", "U8", "BOOL", "I64", "U64"):
+    for dtype in (
+        "F8_E4M3",
+        "F8_E5M2",
+        "F8_E8M0",
+        "BF16",
+        "F16",
+        "F32",
+        "F64",
+        "I8",
+        "U8",
+        "BOOL",
+        "I64",
+        "U64",
+    ):
         assert dtype in DTYPE_BITS
 
 
@@ -57,14 +73,26 @@ CASES = {
     "length past EOF": (lambda p: _write(p, {"w": _t()}, bytes(8), length=10_000), "runs past the end", None),
     "header over 100 MB": (lambda p: _write(p, b"{}", b"", length=100_000_001), "100 MB", None),
     "too short": (lambda p: p.write_bytes(b"\x01\x00"), "at least 8", None),
-    "overlap": (lambda p: _write(p, {"a": _t(offs=[0, 8]), "b": _t(offs=[4, 12])}, bytes(12)), "overlap", "b"),
+    "overlap": (
+        lambda p: _write(p, {"a": _t(offs=[0, 8]), "b": _t(offs=[4, 12])}, bytes(12)),
+        "overlap",
+        "b",
+    ),
     "gap": (lambda p: _write(p, {"a": _t(offs=[0, 8]), "b": _t(offs=[12, 20])}, bytes(20)), "gap", "b"),
     "wrong size": (lambda p: _write(p, {"a": _t(shape=[3], offs=[0, 8])}, bytes(8)), "does not match", "a"),
     "unknown dtype": (lambda p: _write(p, {"a": _t(dtype="F12")}, bytes(8)), "unknown dtype", "a"),
     "invalid utf8": (lambda p: _write(p, b'{"\xff": 1}', b""), "UTF-8", None),
     "invalid json": (lambda p: _write(p, b'{"a": ', b""), "JSON", None),
     "not an object": (lambda p: _write(p, b"[1, 2]", b""), "object", None),
-    "duplicate key": (lambda p: _write(p, b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', bytes(1)), "duplicate", None),
+    "duplicate key": (
+        lambda p: _write(
+            p,
+            b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            bytes(1),
+        ),
+        "duplicate",
+        None,
+    ),
     "trailing bytes": (lambda p: _write(p, {"a": _t()}, bytes(12)), "trailing", None),
     "data past end": (lambda p: _write(p, {"a": _t(offs=[0, 8])}, bytes(4)), "data bytes", "a"),
     "negative dim": (lambda p: _write(p, {"a": _t(shape=[-2])}, bytes(8)), "shape", "a"),
