@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -133,6 +133,8 @@ class PackedFile:
     untested: bool
     size: int
     digest: Digest
+    # Remote files (an S3 checkpoint) have no local path: ``opener(offset)`` streams their bytes.
+    opener: Callable[[int], BinaryIO] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -171,6 +173,8 @@ class PackedArtifact:
         f = self._by_digest.get(descriptor.digest)
         if f is None:
             raise NotFoundError(f"{self.name}: blob {descriptor.digest} not found")
+        if f.opener is not None:
+            return BlobSource(descriptor, f.opener)  # unverified: the writer checks the digest
         return file_blob_source(descriptor, f.path, verified=True)
 
     def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
