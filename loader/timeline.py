@@ -1,0 +1,192 @@
+"""Model start-up timelines from event logs (DESIGN §7): p50/p95 per stage, per cache state.
+
+Stages: t2 version confirmed (manifest digest resolved and verified) → t3 read start → t4 read
+done → t5 device load done → t9 first deterministic check passed. Events of one model start
+share a ``start_id`` (the node cache and the loader write into the same or separate logs; all
+files given are merged). For each start:
+
+- t0 is its earliest event; a stage's time is measured from t0 (``at``) and from the previous
+  stage present (``interval``);
+- start points (t2, t3) take the stage's FIRST event, completion points (t4, t5, t9) its LAST:
+  on a cold start the cache's download is the first read and the loader's copy the last, so
+  t3 → t4 spans both;
+- the state is the first ``cold`` / ``hit`` / ``streamed`` seen (the cache states it at t2,
+  before the loader does), else ``unknown``.
+
+Percentiles use the nearest-rank method on the starts that reached the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.loader.errors import LoaderError
+
+STAGES = ("t2", "t3", "t4", "t5", "t9")
+STAGE_NAMES = {
+    "t2": "version confirmed",
+    "t3": "read start",
+    "t4": "read done",
+    "t5": "device load done",
+    "t9": "check passed",
+}
+_FIRST = {"t2", "t3"}
+STATES = ("cold", "hit", "streamed")
+MAX_LINE_BYTES = 1024 * 1024
+MAX_FILE_BYTES = 1024 * 1024 * 1024
+
+
+class TimelineError(LoaderError):
+    """An event log that cannot be read (missing, oversized, not JSON lines)."""
+
+
+def read_event_file(path: str) -> list[dict[str, Any]]:
+    """Events of one JSON-lines file; bounded (1 MiB per line, 1 GiB per file)."""
+    out: list[dict[str, Any]] = []
+    total = 0
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                total += len(raw)
+                if total > MAX_FILE_BYTES:
+                    raise TimelineError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+                if len(raw) > MAX_LINE_BYTES:
+                    raise TimelineError(f"{path}:{n}: line longer than {MAX_LINE_BYTES} bytes")
+                line = raw.strip()
+                if not line:
+                    continue
+                try:
+                    doc = json.loads(line)
+                except ValueError as exc:
+                    raise TimelineError(f"{path}:{n}: not a JSON line: {exc}") from exc
+                if isinstance(doc, dict) and isinstance(doc.get("event"), str):
+                    out.append(doc)
+    except OSError as exc:
+        raise TimelineError(f"{path}: cannot read: {exc.strerror}") from exc
+    return out
+
+
+@dataclass
+class Start:
+    start_id: str
+    state: str
+    t0: float
+    stages: dict[str, float] = field(default_factory=dict)  # stage → absolute ts
+    digest: str | None = None
+
+    def at_ms(self, stage: str) -> float | None:
+        ts = self.stages.get(stage)
+        return None if ts is None else (ts - self.t0) * 1000.0
+
+    def interval_ms(self, stage: str) -> float | None:
+        """From the previous stage this start reached (or t0) to ``stage``."""
+        ts = self.stages.get(stage)
+        if ts is None:
+            return None
+        prev = self.t0
+        for s in STAGES:
+            if s == stage:
+                break
+            if s in self.stages:
+                prev = self.stages[s]
+        return (ts - prev) * 1000.0
+
+
+def group_starts(events: Iterable[Mapping[str, Any]]) -> list[Start]:
+    by_id: dict[str, list[Mapping[str, Any]]] = {}
+    for e in events:
+        sid = e.get("start_id")
+        ts = e.get("ts")
+        if not isinstance(sid, str) or not sid or not isinstance(ts, (int, float)):
+            continue
+        by_id.setdefault(sid, []).append(e)
+    starts = []
+    for sid, evs in by_id.items():
+        evs = sorted(evs, key=lambda e: float(e["ts"]))
+        state = next((e["state"] for e in evs if e.get("state") in STATES), "unknown")
+        digest = next((e["digest"] for e in evs if isinstance(e.get("digest"), str)), None)
+        st = Start(sid, state, float(evs[0]["ts"]), digest=digest)
+        for e in evs:
+            stage = e.get("stage")
+            if stage not in STAGES:
+                continue
+            if stage == "t9" and e.get("passed") is False:
+                continue
+            ts = float(e["ts"])
+            if stage in _FIRST:
+                st.stages.setdefault(stage, ts)
+            else:
+                st.stages[stage] = ts
+        starts.append(st)
+    starts.sort(key=lambda s: s.t0)
+    return starts
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"count": 0, "p50_ms": None, "p95_ms": None}
+    return {
+        "count": len(values),
+        "p50_ms": round(percentile(values, 50), 3),
+        "p95_ms": round(percentile(values, 95), 3),
+    }
+
+
+def summarize(starts: Sequence[Start]) -> dict[str, Any]:
+    """{"starts": N, "states": {state: {"starts", "stages": {t: {at, interval}}}}} incl. "all"."""
+    groups: dict[str, list[Start]] = {"all": list(starts)}
+    for s in starts:
+        groups.setdefault(s.state, []).append(s)
+    out: dict[str, Any] = {"starts": len(starts), "states": {}}
+    for state, members in groups.items():
+        stages = {}
+        for stage in STAGES:
+            at = [v for v in (s.at_ms(stage) for s in members) if v is not None]
+            iv = [v for v in (s.interval_ms(stage) for s in members) if v is not None]
+            stages[stage] = {"name": STAGE_NAMES[stage], "at": _summary(at), "interval": _summary(iv)}
+        out["states"][state] = {"starts": len(members), "stages": stages}
+    return out
+
+
+def timeline(paths: Sequence[str]) -> dict[str, Any]:
+    events: list[dict[str, Any]] = []
+    for p in paths:
+        events.extend(read_event_file(p))
+    return summarize(group_starts(events))
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    lines = [f"{summary['starts']} model starts"]
+    order = ["all", *STATES, "unknown"]
+    for state in order:
+        doc = summary["states"].get(state)
+        if not doc or (state != "all" and not doc["starts"]):
+            continue
+        lines.append("")
+        lines.append(f"state {state} ({doc['starts']} starts)")
+        lines.append(
+            f"  {'stage':<22} {'n':>5} {'p50 since t0':>14} {'p95 since t0':>14} {'p50 step':>10} {'p95 step':>10}"
+        )
+        for stage in STAGES:
+            s = doc["stages"][stage]
+            at, iv = s["at"], s["interval"]
+
+            def ms(v: float | None) -> str:
+                return "-" if v is None else f"{v:.1f} ms"
+
+            lines.append(
+                f"  {stage + ' ' + s['name']:<22} {at['count']:>5} {ms(at['p50_ms']):>14} {ms(at['p95_ms']):>14} "
+                f"{ms(iv['p50_ms']):>10} {ms(iv['p95_ms']):>10}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""``timeline`` (start-up stages from event logs) and ``load`` (a quick loader check)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from modelpack.cli import (
+    build_target_options,
+    emit_json,
+    handle_errors,
+    human_size,
+    json_option,
+    main,
+    progress_option,
+    target_options,
+)
+
+
+@main.command("timeline")
+@click.argument("event_logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@json_option
+@handle_errors
+def timeline_cmd(event_logs: tuple[str, ...], as_json: bool) -> None:
+    """Per-stage start-up latency (count, p50, p95) from EVENT_LOGS, per cache state.
+
+    \b
+    Stages: t2 version confirmed → t3 read start → t4 read done → t5 device load done
+            → t9 check passed. Events are grouped by start_id across all files given;
+    states: cold (downloaded), hit (node cache), streamed (range reads, no cache).
+
+    \b
+    Example:
+      modelpack timeline ~/.cache/modelpack/events.jsonl loader-events.jsonl --json
+    """
+    from modelpack.loader.timeline import format_table, timeline
+
+    summary = timeline(list(event_logs))
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(format_table(summary))
+
+
+@main.command("load")
+@click.argument("source")
+@click.option("--tp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
+@click.option("--tp-rank", type=click.IntRange(0, 1023), default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu or cuda:0.")
+@click.option("--expected-digest", help="Pin the manifest digest (required for tag references).")
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="PEM public key whose signed chunk table enables verified range reads (repeatable).",
+)
+@click.option(
+    "--fingerprint",
+    "fingerprint",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Recorded fingerprint file the load must match (fails closed).",
+)
+@click.option(
+    "--record-fingerprint", type=click.Path(dir_okay=False), help="Write this load's fingerprint here."
+)
+@click.option(
+    "--events", "events", type=click.Path(dir_okay=False), help="Append loader events (JSON lines)."
+)
+@click.option("--start-id", help="Group this load's events with a pull's (see 'modelpack timeline').")
+@click.option(
+    "--allow-unverified", is_flag=True, help="Accept a plain directory (no snapshot marker, no digest)."
+)
+@click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
+@target_options
+@progress_option
+@json_option
+@handle_errors
+def load_cmd(
+    source: str,
+    tp_size: int,
+    tp_rank: int,
+    device: str,
+    expected_digest: str | None,
+    trusted_keys: tuple[str, ...],
+    fingerprint: str | None,
+    record_fingerprint: str | None,
+    events: str | None,
+    start_id: str | None,
+    allow_unverified: bool,
+    direct_io: bool,
+    progress: str,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Load SOURCE's weights for one tensor-parallel rank and report what it cost.
+
+    SOURCE is a snapshot directory (printed by 'modelpack pull --cache'), or a reference
+    streamed by range reads: host/repo@sha256:…, oci:DIR@sha256:…, s3://BUCKET/PREFIX@sha256:….
+    """
+    from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
+    from modelpack.loader.errors import PlanError
+
+    if tp_rank >= tp_size:
+        raise PlanError(f"--tp-rank {tp_rank} must be below --tp-size {tp_size}")
+    keys = None
+    if trusted_keys:
+        from modelpack.signing.keys import load_public_key
+
+        keys = [load_public_key(k) for k in trusted_keys]
+    stats = LoadStats()
+    sd = load_state_dict(
+        source,
+        device,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        expected_digest=expected_digest,
+        trusted_keys=keys,
+        fingerprint=fingerprint,
+        events=events,
+        start_id=start_id,
+        allow_unverified=allow_unverified,
+        target_options=build_target_options(kwargs),
+        options=LoaderOptions(direct_io=direct_io),
+        progress=progress,
+        stats=stats,
+    )
+    if record_fingerprint and stats.fingerprint is not None:
+        stats.fingerprint.write(record_fingerprint)
+    doc = {
+        "reference": stats.reference,
+        "digest": stats.digest,
+        "tensors": len(sd),
+        "bytesToRead": stats.bytes_to_read,
+        "bytesRead": stats.bytes_read,
+        "seconds": round(stats.seconds, 6),
+        "gbps": round(stats.gbps, 3),
+        "tpSize": tp_size,
+        "tpRank": tp_rank,
+        "device": device,
+        "state": stats.state,
+        "startId": stats.start_id,
+        "fingerprint": stats.fingerprint.to_dict() if stats.fingerprint else None,
+        "fingerprintDigest": stats.fingerprint.digest if stats.fingerprint else None,
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(
+        f"loaded {len(sd)} tensors ({human_size(stats.bytes_read)} read) in {stats.seconds:.3f} s "
+        f"({stats.gbps:.2f} GB/s), rank {tp_rank}/{tp_size} on {device}"
+    )
+    click.echo(f"digest      {stats.digest or '-'}")
+    if stats.fingerprint:
+        click.echo(f"fingerprint {stats.fingerprint.digest}")
