@@ -1,6 +1,7 @@
 """Shared fixtures. Test data is generated; servers are real and bound to 127.0.0.1.
 
-Area fixtures live in ``tests/fixtures/`` (registry, S3, …) and are registered here as plugins.
+Server fixtures live in ``tests/fixtures/`` (a real distribution registry in its plain, Basic,
+token and TLS variants; moto in server mode for S3) and are registered here as plugins.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ import pytest
 
 from modelpack.synthetic import SyntheticSpec, write_checkpoint
 
-_FIXTURE_MODULES = ["registry", "s3"]
-pytest_plugins = [
-    f"tests.fixtures.{m}" for m in _FIXTURE_MODULES if (Path(__file__).parent / "fixtures" / f"{m}.py").exists()
-]
+pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3"]
 
 
 @pytest.fixture(scope="session")

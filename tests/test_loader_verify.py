@@ -36,7 +36,8 @@ CHUNK = 64 * 1024
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("ckpt")
-    write_checkpoint(str(d), SyntheticSpec(shards=2))
+    # a seed of its own: one test below corrupts these blobs in the session-wide registry
+    write_checkpoint(str(d), SyntheticSpec(shards=2, seed=61))
     return d
 
 
@@ -277,18 +278,22 @@ def test_chunk_corrupted_in_the_registry_mid_stream(
     hdr = read_header(data_path)
     victim = hdr.tensors[len(hdr.tensors) // 2]
     start, end = hdr.absolute(victim)
+    original = data_path.read_bytes()
     corrupt(data_path, (start + end) // 2)
-    served = []
-    with pytest.raises(ChunkDigestMismatch, match=str(layer.digest)):
-        for name, tensor in iter_tensors(
-            f"{repo}@{digest}", chunk_table=table, options=LoaderOptions(remote_inflight=2)
-        ):
-            served.append(name)
-            assert torch.equal(tensor, ref[name])
-    assert victim.name not in served
-    # and with no table: the layer's digest check refuses it, nothing of the layer is served
-    with pytest.raises(DigestMismatchError):
-        load_state_dict(f"{repo}@{digest}")
+    try:
+        served = []
+        with pytest.raises(ChunkDigestMismatch, match=str(layer.digest)):
+            for name, tensor in iter_tensors(
+                f"{repo}@{digest}", chunk_table=table, options=LoaderOptions(remote_inflight=2)
+            ):
+                served.append(name)
+                assert torch.equal(tensor, ref[name])
+        assert victim.name not in served
+        # and with no table: the layer's digest check refuses it, nothing of the layer is served
+        with pytest.raises(DigestMismatchError):
+            load_state_dict(f"{repo}@{digest}")
+    finally:
+        data_path.write_bytes(original)  # the registry is shared by the whole session
 
 
 # --------------------------------------------------------------------------- node-cache snapshots
