@@ -1,69 +1,205 @@
-"""`make demo`: the main job end to end on an embedded default.
+"""`make demo`: the whole delivery chain on an embedded default, end to end.
 
-generate a synthetic checkpoint → pack into an OCI layout → inspect. Everything lands under
-examples/generated/ (ignored by git); rerunning starts from scratch.
+generate a tiny Llama (transformers, fixed seed, no hub download) → pack into an OCI layout →
+push to a local registry with a signature (when Debian's docker-registry is installed; the
+layout otherwise) → pull-and-verify into a node cache under a trust policy → load through the
+streaming loader into a fresh model → t9 check (logits identical) → a cache-hit start and a
+direct streaming start → `modelpack timeline` over the event log.
+
+Everything lands under examples/generated/ (ignored by git); rerunning starts from scratch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "generated")
-MODELPACK = os.path.join(os.path.dirname(sys.executable), "modelpack")
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "generated"
+MODELPACK = str(Path(sys.executable).with_name("modelpack"))
+sys.path.insert(0, str(HERE.parent))  # the test suite's registry launcher, reused below
 
 
 def step(title: str) -> None:
     print(f"\n=== {title}", flush=True)
 
 
-def run(*args: str) -> str:
+def run(*args: str, env: dict[str, str] | None = None, show: bool = True) -> str:
     print("$ modelpack " + " ".join(args), flush=True)
-    out = subprocess.run([MODELPACK, *args], check=True, capture_output=True, text=True)
-    sys.stdout.write(out.stdout)
+    out = subprocess.run(
+        [MODELPACK, *args], check=False, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
+    if out.returncode != 0:
+        sys.stderr.write(out.stdout + out.stderr)
+        raise SystemExit(f"demo step failed: modelpack {' '.join(args)}")
+    if show:
+        sys.stdout.write(out.stdout)
     return out.stdout
 
 
+def tiny_llama(seed: int):  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        torch_dtype="float32",
+    )
+    return LlamaForCausalLM(config).eval()
+
+
 def main() -> None:
-    from modelpack.synthetic import SyntheticSpec, write_checkpoint
+    import torch
+    from modelpack.loader import emit_check, load_into
+    from modelpack.signing.keys import load_public_key
 
     shutil.rmtree(OUT, ignore_errors=True)
-    os.makedirs(OUT)
+    OUT.mkdir(parents=True)
     t0 = time.monotonic()
+    events = str(OUT / "events.jsonl")
 
-    step("1. generate a synthetic Llama-shaped checkpoint (bf16 safetensors, 2 shards)")
-    ckpt = os.path.join(OUT, "checkpoint")
-    for path in write_checkpoint(
-        ckpt, SyntheticSpec(hidden=512, intermediate=1376, layers=4, vocab=4096, shards=2)
-    ):
-        print(f"  {os.path.relpath(path, OUT):45} {os.path.getsize(path):>10,} bytes")
+    step("1. generate a tiny Llama with transformers (fixed seed, safetensors)")
+    original = tiny_llama(seed=0)
+    ckpt = OUT / "checkpoint"
+    original.save_pretrained(ckpt, safe_serialization=True)
+    prompt = torch.tensor([[1, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        reference_logits = original(prompt).logits
+    for p in sorted(ckpt.iterdir()):
+        print(f"  {p.name:28} {p.stat().st_size:>10,} bytes")
 
-    step("2. pack it into an OCI image layout (no server needed)")
-    layout = os.path.join(OUT, "layout")
-    digest = run("pack", ckpt, f"oci:{layout}:v1", "--version", "1.0", "--progress", "off").split()[-1]
-
-    step("3. inspect the artifact")
+    step("2. pack it into an OCI image layout (no server needed) and inspect it")
+    layout = OUT / "layout"
+    run(
+        "pack", str(ckpt), f"oci:{layout}:v1", "--name", "tiny-llama", "--version", "1.0", "--progress", "off"
+    )
     run("inspect", f"oci:{layout}:v1")
-    run("ls", f"oci:{layout}")
 
-    step("4. the layout is a standard OCI layout: skopeo reads our exact manifest bytes")
-    if shutil.which("skopeo"):
-        raw = subprocess.run(
-            ["skopeo", "inspect", "--raw", f"oci:{layout}:v1"], check=True, capture_output=True
-        ).stdout
-        import hashlib
+    step("3. CI: a signing key, then push (+ sign: manifest, model_signing, chunk table)")
+    run("keygen", "--out", str(OUT / "ci"))
+    server = None
+    if shutil.which("docker-registry") or os.path.exists("/usr/bin/docker-registry"):
+        from tests.fixtures.registry import start_registry
 
-        ok = "sha256:" + hashlib.sha256(raw).hexdigest() == digest
-        print(f"skopeo manifest digest matches: {ok}")
-        if not ok:
-            sys.exit(1)
+        server = start_registry(OUT / "registry")
+        ref = server.ref("demo/tiny-llama", "v1")
+        print(f"local registry (distribution 2.8) on {server.host}")
+        pushed = json.loads(
+            run(
+                "push",
+                str(ckpt),
+                ref,
+                "--sign-key",
+                str(OUT / "ci.key"),
+                "--progress",
+                "off",
+                "--json",
+                show=False,
+            )
+        )
+        print(
+            f"pushed {pushed['reference']}\n  digest {pushed['digest']} (the same as the layout's: packing is reproducible)"
+        )
+        repo_glob = ref.rsplit(":", 1)[0]
     else:
-        print("skopeo not installed; skipped")
+        print("docker-registry is not installed: the OCI layout is the registry for this run")
+        ref = f"oci:{layout}:v1"
+        run("sign", ref, "--key", str(OUT / "ci.key"))
+        repo_glob = f"oci:{layout}"
+    try:
+        step("4. node: a trust policy, then pull-and-verify into the node cache (start 1: cold)")
+        policy = OUT / "policy.yaml"
+        policy.write_text(
+            "version: 1\ndefault:\n  require_signature: true\nrules:\n"
+            f"  - match: {json.dumps(repo_glob)}\n"
+            f"    keys: [{{path: {json.dumps(str(OUT / 'ci.pub'))}}}]\n"
+            "    require_signature: true\n    require_chunk_table: true\n"
+        )
+        cache = OUT / "cache"
+        pulled = json.loads(
+            run(
+                "pull",
+                ref,
+                "--cache",
+                str(cache),
+                "--policy",
+                str(policy),
+                "--events",
+                events,
+                "--json",
+                env={"MODELPACK_START_ID": "start-1"},
+                show=False,
+            )
+        )
+        digest = pulled["digest"]
+        print(f"snapshot {pulled['path']}\n  state {pulled['state']}, digest {digest}")
 
+        pub = load_public_key(str(OUT / "ci.pub"))
+
+        def start(start_id: str, source: object, state: str | None = None) -> None:
+            fresh = tiny_llama(seed=1234)  # different weights until the load replaces them
+            stats = load_into(
+                fresh,
+                source,
+                expected_digest=digest,
+                trusted_keys=[pub],
+                events=events,
+                start_id=start_id,
+                state=state,
+            )
+            with torch.no_grad():
+                same = torch.equal(fresh(prompt).logits, reference_logits)
+            emit_check(events, start_id=start_id, digest=digest, passed=same)
+            print(
+                f"  {start_id}: loaded {stats.bytes_read:,} bytes ({stats.state}); logits identical: {same}"
+            )
+            if not same:
+                raise SystemExit("t9 check failed: logits differ")
+
+        step("5. load the snapshot through the streaming loader, t9 check against the original logits")
+        start("start-1", pulled["path"], state=pulled["state"])
+
+        step("6. start 2: the same pull is a node-cache hit (no hashing, no download)")
+        pinned = f"{ref.rsplit(':', 1)[0]}@{digest}"  # consumers pin digests: no tag lookup at all
+        again = json.loads(
+            run(
+                "pull",
+                pinned,
+                "--cache",
+                str(cache),
+                "--policy",
+                str(policy),
+                "--events",
+                events,
+                "--json",
+                env={"MODELPACK_START_ID": "start-2"},
+                show=False,
+            )
+        )
+        print(f"  state {again['state']}")
+        start("start-2", again["path"], state=again["state"])
+
+        if server is not None:
+            step("7. start 3: stream straight from the registry by range reads, chunk-verified")
+            start("start-3", pinned, state="streamed")
+
+        step("8. the start-up timeline over all starts (p50/p95 per stage and cache state)")
+        run("timeline", events)
+    finally:
+        if server is not None:
+            server.stop()
     print(f"\ndemo finished in {time.monotonic() - t0:.1f} s; artifact {digest}")
 
 

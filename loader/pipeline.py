@@ -200,6 +200,9 @@ class _ChunkFetcher:
         self.file = file
         self.table = file.chunks
         self.layer = str(file.descriptor.digest) if file.descriptor else ""
+        # the last verified chunk: the 8-byte prefix and the header JSON are two reads that
+        # usually fall in the same chunk, which should cross the network once
+        self._last: tuple[int, bytearray] | None = None
 
     def __call__(self, offset: int, length: int) -> bytes:
         cs = self.table.chunk_size
@@ -207,9 +210,13 @@ class _ChunkFetcher:
         first, last = offset // cs, (offset + length - 1) // cs
         for idx in range(first, last + 1):
             c0, clen = self.table.chunk_range(self.layer, idx)
-            buf = bytearray(clen)
-            self.reader.read_into(c0, memoryview(buf))
-            self.table.verify_chunk(self.layer, idx, memoryview(buf))
+            if self._last is not None and self._last[0] == idx:
+                buf = self._last[1]
+            else:
+                buf = bytearray(clen)
+                self.reader.read_into(c0, memoryview(buf))
+                self.table.verify_chunk(self.layer, idx, memoryview(buf))
+                self._last = (idx, buf)
             s = max(offset, c0) - c0
             e = min(offset + length, c0 + clen) - c0
             out += buf[s:e]
@@ -861,7 +868,9 @@ def iter_tensors(
     """
     opts = options or LoaderOptions()
     st = stats if stats is not None else LoadStats()
-    st.start_id = start_id or uuid.uuid4().hex
+    # one start = one id across the node cache's and the loader's events (the k8s recipes set
+    # MODELPACK_START_ID to the pod UID in both containers)
+    st.start_id = start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex
     log = _event_log(events)
     try:
         prep = prepare(
@@ -894,6 +903,17 @@ def iter_tensors(
     st.fingerprint = prep.fingerprint
     st.plan = prep.plan
     st.bytes_to_read = prep.plan.bytes_to_read
+    if st.state == "streamed":
+        # no node cache said "version confirmed" for this start: the pinned manifest (and its
+        # chunk table) just resolved and verified here is that point
+        log.emit(
+            "loader.version_confirmed",
+            stage="t2",
+            start_id=st.start_id,
+            state=st.state,
+            reference=prep.source.name,
+            digest=prep.source.digest,
+        )
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -16,22 +16,6 @@ from modelpack.synthetic import SyntheticSpec, write_checkpoint
 pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3"]
 
 
-@pytest.fixture(scope="session")
-def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """Make (and cache per session) a synthetic checkpoint for a spec; returns its directory."""
-    cache: dict[SyntheticSpec, Path] = {}
-
-    def make(spec: SyntheticSpec | None = None) -> Path:
-        spec = spec or SyntheticSpec()
-        if spec not in cache:
-            d = tmp_path_factory.mktemp("ckpt")
-            write_checkpoint(str(d), spec)
-            cache[spec] = d
-        return cache[spec]
-
-    return make
-
-
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     """A small 2-shard Llama-shaped checkpoint in a fresh directory the test may modify."""

@@ -157,3 +157,17 @@ def test_real_cache_pull_and_load_make_a_timeline(tmp_path: Path) -> None:
                 state,
                 stage,
             )
+
+
+def test_a_streamed_start_records_its_own_version_confirmed_point(checkpoint: Path, tmp_path: Path) -> None:
+    from modelpack.loader import load_state_dict
+
+    from modelpack import api
+    from modelpack.events import read_events
+
+    digest = str(api.pack(str(checkpoint), f"oci:{tmp_path / 'l'}:v1").artifact.digest)
+    log = tmp_path / "events.jsonl"
+    load_state_dict(f"oci:{tmp_path / 'l'}@{digest}", events=str(log), start_id="s1")
+    stages = [(e["stage"], e.get("state")) for e in read_events(str(log)) if e.get("stage")]
+    assert stages[:2] == [("t2", "streamed"), ("t3", "streamed")]
+    assert next(e for e in read_events(str(log)) if e.get("stage") == "t2")["digest"] == digest
