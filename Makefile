@@ -27,6 +27,7 @@ fmt: deps
 bench: deps
 	$(PY) benchmarks/pack.py
 	$(PY) benchmarks/transfer.py
+	$(PY) benchmarks/s3_transfer.py
 	$(PY) benchmarks/cache_hit.py
 	$(PY) benchmarks/load.py
 
