@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,11 +39,10 @@ from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath, sa
 
 from modelpack.descriptor import Descriptor, Manifest
 from modelpack.digest import Digest, verify_bytes
-from modelpack.errors import ManifestError, ModelpackError
+from modelpack.errors import ManifestError, ModelpackError, NotFoundError
 from modelpack.reference import parse_reference
 from modelpack.target import ReadableTarget
 
-MAX_MARKER_BYTES = 16 * 1024 * 1024
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -121,42 +120,21 @@ def _config_json_layer(manifest: Manifest) -> Descriptor | None:
 
 
 # --------------------------------------------------------------------------- snapshots
-def _read_marker(snapshot: str) -> dict[str, Any] | None:
-    marker = snapshot.rstrip("/") + ".ready"
-    try:
-        with open(marker, "rb") as f:
-            raw = f.read(MAX_MARKER_BYTES + 1)
-    except FileNotFoundError:
+def _snapshot_of(real: str) -> tuple[Any, str] | None:
+    """``(Snapshots, digest)`` when ``real`` is ``<cache>/snapshots/<hex>`` with a ready marker.
+
+    The node cache owns the marker format and the reader lease; the loader only asks it.
+    """
+    name = os.path.basename(real)
+    parent = os.path.dirname(real)
+    if not _HEX_RE.match(name) or os.path.basename(parent) != "snapshots":
         return None
-    if len(raw) > MAX_MARKER_BYTES:
-        raise SourceError(f"{marker}: larger than {MAX_MARKER_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise SourceError(f"{marker}: invalid ready marker: {exc}") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
-        raise SourceError(f"{marker}: invalid ready marker")
-    return doc
+    if not os.path.exists(real + ".ready"):
+        return None
+    from modelpack.mount.snapshots import Snapshots
+    from modelpack.mount.store import Store
 
-
-@contextlib.contextmanager
-def _snapshot_lease(snapshot: str) -> Iterator[None]:
-    """Hold the node cache's reader lease (shared flock) so GC cannot delete the files under us."""
-    import fcntl
-
-    lease = snapshot.rstrip("/") + ".lease"
-    try:
-        fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        yield  # read-only cache mount (image volume): nothing can GC it from under us
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    return Snapshots(Store(os.path.dirname(parent))), "sha256:" + name
 
 
 def open_snapshot(
@@ -164,50 +142,48 @@ def open_snapshot(
 ) -> ResolvedSource:
     """A snapshot directory (trusted behind its ready marker) or, if allowed, a plain directory."""
     real = os.path.realpath(path)
-    name = os.path.basename(real)
-    doc = _read_marker(real) if _HEX_RE.match(name) else None
-    cleanup: list[Callable[[], None]] = []
-    if doc is not None:
-        digest = "sha256:" + name
-        if doc.get("digest") != digest:
-            raise SourceError(f"{real}: ready marker names {doc.get('digest')!r}, not {digest}")
+    found = _snapshot_of(real)
+    if found is not None:
+        snapshots, digest = found
         if expected_digest and Digest(expected_digest) != digest:
             raise ExpectedDigestError(expected_digest, digest, source=real)
-        lease = _snapshot_lease(real)
-        lease.__enter__()
+        # the cache's reader lease (shared flock) for the whole load: GC cannot delete the files,
+        # and the marker is re-read under it (GC removes the marker first, then the files)
+        lease = snapshots.lease(digest)
+        try:
+            info = lease.__enter__()
+        except NotFoundError as exc:
+            raise SourceError(f"{real}: snapshot was removed while opening it") from exc
 
         def release() -> None:
             lease.__exit__(None, None, None)
 
-        cleanup.append(release)
-        # re-read the marker under the lease: GC removes the marker first, then the files
-        if _read_marker(real) is None:
+        try:
+            manifest = _snapshot_manifest(real, digest)
+            entries: list[tuple[str, int, Descriptor | None]] = []
+            if manifest is not None:
+                for relpath, layer in weight_layers(manifest, real):
+                    entries.append((relpath, layer.size, layer))
+            else:
+                for sf in info.files:
+                    if sf.path.endswith(".safetensors"):
+                        safe = safe_relative_path(sf.path, what=f"{real}.ready file")
+                        entries.append((safe, sf.size, None))
+            files = []
+            for relpath, size, desc in entries:
+                full = os.path.join(real, *relpath.split("/"))
+                files.append(
+                    WeightFile(relpath, size, _file_opener(full, size, direct), "trusted", descriptor=desc)
+                )
+            hf = _read_small(os.path.join(real, "config.json"))
+        except UnsafePathError as exc:
             release()
-            raise SourceError(f"{real}: snapshot was removed while opening it")
-        manifest = _snapshot_manifest(real, digest)
-        entries: list[tuple[str, int, Descriptor | None]] = []
-        if manifest is not None:
-            for relpath, layer in weight_layers(manifest, real):
-                entries.append((relpath, layer.size, layer))
-        else:
-            for entry in doc["files"]:
-                path_value = entry.get("path") if isinstance(entry, dict) else None
-                if isinstance(path_value, str) and path_value.endswith(".safetensors"):
-                    try:
-                        safe = safe_relative_path(path_value, what=f"{real}.ready file")
-                    except UnsafePathError as exc:
-                        release()
-                        raise SourceError(str(exc)) from exc
-                    entries.append((safe, int(entry.get("size", -1)), None))
-        files = []
-        for relpath, size, desc in entries:
-            full = os.path.join(real, *relpath.split("/"))
-            files.append(
-                WeightFile(relpath, size, _file_opener(full, size, direct), "trusted", descriptor=desc)
-            )
-        hf = _read_small(os.path.join(real, "config.json"))
+            raise SourceError(str(exc)) from exc
+        except BaseException:
+            release()
+            raise
         return ResolvedSource(
-            real, digest, manifest, files, False, _quantization_from_hf_config(hf), "hit", cleanup
+            real, digest, manifest, files, False, _quantization_from_hf_config(hf), "hit", [release]
         )
     if not allow_unverified:
         raise UnverifiedSourceError(
@@ -232,7 +208,7 @@ def open_snapshot(
     if not files:
         raise SourceError(f"{real}: no .safetensors files")
     hf = _read_small(os.path.join(real, "config.json"))
-    return ResolvedSource(real, None, None, files, False, _quantization_from_hf_config(hf), "local", cleanup)
+    return ResolvedSource(real, None, None, files, False, _quantization_from_hf_config(hf), "local", [])
 
 
 def _read_small(path: str) -> bytes | None:

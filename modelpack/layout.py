@@ -13,7 +13,7 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from modelpack.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
@@ -31,6 +31,45 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 
 class LayoutError(ModelpackError):
     pass
+
+
+def referrers_from_index(
+    entries: list[dict[str, Any]],
+    read_manifest: Callable[[str, int | None], bytes],
+    subject: Descriptor,
+    artifact_type: str | None = None,
+) -> list[Descriptor]:
+    """Referrers in an OCI layout index: the image manifests listed there whose ``subject`` is
+    ``subject`` (layouts have no referrers API, so every layout-shaped backing scans its index).
+
+    ``read_manifest(digest, size)`` returns verified bytes; unreadable entries are skipped.
+    """
+    found: list[Descriptor] = []
+    for entry in entries:
+        if entry.get("mediaType") != MEDIA_TYPE_OCI_MANIFEST or entry.get("digest") == subject.digest:
+            continue
+        try:
+            raw = read_manifest(entry["digest"], entry.get("size"))
+            parsed = parse_manifest_or_index(raw)
+        except (NotFoundError, ManifestError, KeyError, ValueError):
+            continue
+        if parsed.subject is None or parsed.subject.digest != subject.digest:
+            continue
+        at = parsed.artifact_type
+        if at is None and isinstance(parsed, Manifest):
+            at = parsed.config.media_type
+        if artifact_type and at != artifact_type:
+            continue
+        found.append(
+            Descriptor(
+                parsed.media_type,
+                Digest(entry["digest"]),
+                len(raw),
+                artifact_type=at,
+                annotations=parsed.annotations,
+            )
+        )
+    return found
 
 
 class OCILayoutTarget:
@@ -198,32 +237,7 @@ class OCILayoutTarget:
                 yield tag
 
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
-        found: list[Descriptor] = []
-        for entry in self._index_entries():
-            if entry.get("mediaType") != MEDIA_TYPE_OCI_MANIFEST or entry.get("digest") == subject.digest:
-                continue
-            try:
-                raw = self._read_blob_bytes(entry["digest"], entry.get("size"))
-                parsed = parse_manifest_or_index(raw)
-            except (NotFoundError, ManifestError):
-                continue
-            if parsed.subject is None or parsed.subject.digest != subject.digest:
-                continue
-            at = parsed.artifact_type
-            if at is None and isinstance(parsed, Manifest):
-                at = parsed.config.media_type
-            if artifact_type and at != artifact_type:
-                continue
-            found.append(
-                Descriptor(
-                    parsed.media_type,
-                    Digest(entry["digest"]),
-                    len(raw),
-                    artifact_type=at,
-                    annotations=parsed.annotations,
-                )
-            )
-        return found
+        return referrers_from_index(self._index_entries(), self._read_blob_bytes, subject, artifact_type)
 
     # ----------------------------------------------------------------- write side
     def push_blob(self, source: BlobSource) -> None:

@@ -457,6 +457,34 @@ def infer_config(
 
 
 # ------------------------------------------------------------------------- build
+def describe_model(
+    packed: list[PackedFile],
+    headers: dict[str, SafetensorsHeader],
+    hf_config: dict[str, Any] | None,
+    opts: PackOptions,
+    default_name: str,
+) -> tuple[ModelSpecConfig, bytes, Manifest]:
+    """Config and manifest for hashed files, wherever they live (local directory or S3)."""
+    spec = infer_config(packed, headers, hf_config, opts, default_name)
+    config_bytes = spec.to_bytes()
+    config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
+    layers = []
+    for f in packed:
+        annotations = {
+            ANNOTATION_FILEPATH: f.relpath,
+            ANNOTATION_TITLE: f.relpath,
+            ANNOTATION_FILE_METADATA: FileMetadata(name=f.relpath, size=f.size).to_json(),
+        }
+        if f.untested:
+            annotations[ANNOTATION_FILE_MEDIATYPE_UNTESTED] = "true"
+        layers.append(Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=annotations))
+    manifest_annotations = {ANNOTATION_CREATED: opts.created} if opts.created else None
+    manifest = Manifest.build(
+        config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations
+    )
+    return spec, config_bytes, manifest
+
+
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -509,25 +537,7 @@ def build_artifact(
                 doc = _read_json(f.path)
                 hf_config = doc if isinstance(doc, dict) else None
         default_name = _NAME_RE.sub("-", os.path.basename(root)) or "model"
-        spec = infer_config(packed, headers, hf_config, opts, default_name)
-        config_bytes = spec.to_bytes()
-        config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
-        layers = []
-        for f in packed:
-            annotations = {
-                ANNOTATION_FILEPATH: f.relpath,
-                ANNOTATION_TITLE: f.relpath,
-                ANNOTATION_FILE_METADATA: FileMetadata(name=f.relpath, size=f.size).to_json(),
-            }
-            if f.untested:
-                annotations[ANNOTATION_FILE_MEDIATYPE_UNTESTED] = "true"
-            layers.append(
-                Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=annotations)
-            )
-        manifest_annotations = {ANNOTATION_CREATED: opts.created} if opts.created else None
-        manifest = Manifest.build(
-            config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations
-        )
+        spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
         return PackedArtifact(manifest, spec, config_bytes, packed, staging_dir=staging, name=f"dir:{root}")
     except BaseException:
         if staging:

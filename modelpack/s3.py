@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from modelpack.descriptor import Descriptor, Manifest, parse_manifest_or_index
+from modelpack.descriptor import Descriptor, parse_manifest_or_index
 from modelpack.digest import Digest, VerifyingReader, verify_bytes
 from modelpack.errors import (
     DigestMismatchError,
@@ -59,7 +59,8 @@ from modelpack.errors import (
     NotFoundError,
     SizeMismatchError,
 )
-from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
+from modelpack.layout import referrers_from_index
+from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.reference import validate_tag
 from modelpack.target import BlobSource
 
@@ -679,32 +680,12 @@ class S3Target:
                 yield tag
 
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
-        found: list[Descriptor] = []
-        for entry in self._index_entries():
-            if entry.get("mediaType") != MEDIA_TYPE_OCI_MANIFEST or entry.get("digest") == subject.digest:
-                continue
-            try:
-                raw = self._read_manifest_bytes(Digest(entry["digest"]), entry.get("size"))
-                parsed = parse_manifest_or_index(raw)
-            except (NotFoundError, ManifestError, KeyError, ValueError):
-                continue
-            if parsed.subject is None or parsed.subject.digest != subject.digest:
-                continue
-            at = parsed.artifact_type
-            if at is None and isinstance(parsed, Manifest):
-                at = parsed.config.media_type
-            if artifact_type and at != artifact_type:
-                continue
-            found.append(
-                Descriptor(
-                    parsed.media_type,
-                    Digest(entry["digest"]),
-                    len(raw),
-                    artifact_type=at,
-                    annotations=parsed.annotations,
-                )
-            )
-        return found
+        return referrers_from_index(
+            self._index_entries(),
+            lambda digest, size: self._read_manifest_bytes(Digest(digest), size),
+            subject,
+            artifact_type,
+        )
 
     # ----------------------------------------------------------------- write side
     def _executor(self) -> ThreadPoolExecutor:

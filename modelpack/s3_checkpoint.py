@@ -24,20 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from modelpack.descriptor import Descriptor, Manifest
 from modelpack.digest import HASH_CHUNK, Digest
 from modelpack.errors import InvalidReferenceError, PackError, SafetensorsError
-from modelpack.mediatypes import (
-    ANNOTATION_CREATED,
-    ANNOTATION_FILE_MEDIATYPE_UNTESTED,
-    ANNOTATION_FILE_METADATA,
-    ANNOTATION_FILEPATH,
-    ANNOTATION_TITLE,
-    ARTIFACT_TYPE_MODEL,
-    MEDIA_TYPE_CONFIG,
-    FileMetadata,
-    layer_media_type,
-)
 from modelpack.mediatypes.annotations import UnsafePathError, safe_relative_path
 from modelpack.packer import (
     OTHER_FILE_CHOICES,
@@ -45,7 +33,7 @@ from modelpack.packer import (
     PackedFile,
     PackOptions,
     classify,
-    infer_config,
+    describe_model,
 )
 from modelpack.progress import Progress
 from modelpack.s3 import S3ReadStream, _client_errors, _is_not_found, _wrap, make_client
@@ -287,23 +275,7 @@ def build_s3_artifact(
             hf_config = doc if isinstance(doc, dict) else None
     last = prefix.rsplit("/", 1)[-1] if prefix else bucket
     default_name = _NAME_RE.sub("-", last) or "model"
-    spec = infer_config(packed, headers, hf_config, opts, default_name)
-    config_bytes = spec.to_bytes()
-    config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
-    layers = []
-    for f in packed:
-        annotations = {
-            ANNOTATION_FILEPATH: f.relpath,
-            ANNOTATION_TITLE: f.relpath,
-            ANNOTATION_FILE_METADATA: FileMetadata(name=f.relpath, size=f.size).to_json(),
-        }
-        if f.untested:
-            annotations[ANNOTATION_FILE_MEDIATYPE_UNTESTED] = "true"
-        layers.append(Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=annotations))
-    manifest_annotations = {ANNOTATION_CREATED: opts.created} if opts.created else None
-    manifest = Manifest.build(
-        config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations
-    )
+    spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
     name = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     return PackedArtifact(manifest, spec, config_bytes, packed, name=name)
 
