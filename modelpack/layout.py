@@ -33,6 +33,25 @@ class LayoutError(ModelpackError):
     pass
 
 
+def index_entries_with(
+    entries: list[dict[str, Any]], descriptor: Descriptor, tag: str | None
+) -> list[dict[str, Any]]:
+    """``index.json`` entries after pointing ``tag`` at ``descriptor`` (tags are unique), or after
+    adding it untagged when absent (untagged entries keep referrers and digests reachable)."""
+    new = descriptor.to_dict()
+    if tag:
+        new["annotations"] = {**new.get("annotations", {}), REF_NAME: tag}
+        current = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) == tag]
+        if current == [new]:
+            return entries  # already so: no rewrite, no reordering (a second push writes nothing)
+        kept = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) != tag]
+        return [*kept, new]
+    if any(e.get("digest") == descriptor.digest for e in entries):
+        return entries
+    new.pop("annotations", None)
+    return [*entries, new]
+
+
 def referrers_from_index(
     entries: list[dict[str, Any]],
     read_manifest: Callable[[str, int | None], bytes],
@@ -149,16 +168,7 @@ class OCILayoutTarget:
     def _update_index(self, descriptor: Descriptor, tag: str | None) -> None:
         with self._index_lock():
             doc = self._read_index()
-            entries: list[dict[str, Any]] = doc["manifests"]
-            new = descriptor.to_dict()
-            if tag:
-                entries = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) != tag]
-                new["annotations"] = {**new.get("annotations", {}), REF_NAME: tag}
-                entries.append(new)
-            elif not any(e.get("digest") == descriptor.digest for e in entries):
-                new.pop("annotations", None)
-                entries.append(new)
-            doc["manifests"] = entries
+            doc["manifests"] = index_entries_with(doc["manifests"], descriptor, tag)
             atomic_write_bytes(self._index_path, json.dumps(doc, separators=(",", ":")).encode())
 
     # ----------------------------------------------------------------- read side

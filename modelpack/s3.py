@@ -59,7 +59,7 @@ from modelpack.errors import (
     NotFoundError,
     SizeMismatchError,
 )
-from modelpack.layout import referrers_from_index
+from modelpack.layout import index_entries_with, referrers_from_index
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.reference import validate_tag
 from modelpack.target import BlobSource
@@ -936,21 +936,8 @@ class S3Target:
         return desc
 
     def _set_entry(self, descriptor: Descriptor, tag: str | None) -> None:
-        def mutate(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            new = descriptor.to_dict()
-            if tag:
-                current = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) == tag]
-                new["annotations"] = {**new.get("annotations", {}), REF_NAME: tag}
-                if len(current) == 1 and current[0] == new:
-                    return entries
-                entries = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) != tag]
-                entries.append(new)
-            elif not any(e.get("digest") == descriptor.digest for e in entries):
-                new.pop("annotations", None)
-                entries.append(new)
-            return entries
-
-        self._update_index(mutate)
+        # an unchanged entry list is not rewritten (_update_index compares before writing)
+        self._update_index(lambda entries: index_entries_with(entries, descriptor, tag))
 
     def tag(self, descriptor: Descriptor, tag: str) -> None:
         validate_tag(tag)
