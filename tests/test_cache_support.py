@@ -40,7 +40,7 @@ class CountingProxy:
         self.rate = rate  # bytes per second per response, None = unthrottled
         self.lock = threading.Lock()
         self.blob_gets: Counter[str] = Counter()
-        self.blob_bytes: Counter[str] = Counter()
+        self._blob_bytes: Counter[str] = Counter()
         self.requests: list[tuple[str, str, int]] = []
         self.active = 0
         proxy = self
@@ -91,7 +91,7 @@ class CountingProxy:
                         self.wfile.write(chunk)
                         if digest:
                             with proxy.lock:
-                                proxy.blob_bytes[digest] += len(chunk)
+                                proxy._blob_bytes[digest] += len(chunk)
                         rate = proxy.rate
                         if rate:
                             time.sleep(len(chunk) / rate)
@@ -128,12 +128,27 @@ class CountingProxy:
     def reset(self) -> None:
         with self.lock:
             self.blob_gets.clear()
-            self.blob_bytes.clear()
+            self._blob_bytes.clear()
             self.requests.clear()
 
-    def total_blob_bytes(self) -> int:
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no relay is running: a client can hold a whole response before the relay
+        thread that wrote it has counted the last chunk."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.active == 0:
+                    return
+            time.sleep(0.01)
+
+    @property
+    def blob_bytes(self) -> Counter[str]:
+        self.settle()
         with self.lock:
-            return sum(self.blob_bytes.values())
+            return Counter(self._blob_bytes)
+
+    def total_blob_bytes(self) -> int:
+        return sum(self.blob_bytes.values())
 
     def stop(self) -> None:
         self.server.shutdown()
