@@ -75,7 +75,9 @@ def main() -> None:
     if shutil.which("openssl"):
         # coreutils sha256sum has no SHA-NI code path; OpenSSL (which hashlib uses) does: the
         # honest parallel-hash ceiling is OpenSSL on every core
-        dt, _, _ = run_timed(["sh", "-c", f'printf "%s\\n" "$@" | xargs -P{cores} -n1 openssl dgst -sha256', "x", *files])
+        dt, _, _ = run_timed(
+            ["sh", "-c", f'printf "%s\\n" "$@" | xargs -P{cores} -n1 openssl dgst -sha256', "x", *files]
+        )
         results.append((f"openssl dgst -sha256 ({cores} processes)", dt, 0))
     ceiling = dt
     for mode in ("auto", "copy"):

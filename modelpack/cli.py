@@ -1,7 +1,8 @@
 """The ``modelpack`` command: a thin click skin over the library.
 
-Commands live in ``cli_*.py`` modules by area (pack, transfer, trust, node, loader) and register
-themselves on ``main``; this module holds the shared options, output helpers and error mapping.
+Commands live in ``cli_*.py`` modules by area (pack, transfer, trust, node, loader), imported at
+the end of this module, and register themselves on ``main``; this module holds the shared
+options, output helpers and error mapping.
 Exit codes: 0 ok, 1 a modelpack error (bad input, verification refused, not found), 2 usage.
 """
 
@@ -165,15 +166,7 @@ def main(debug: bool) -> None:
     )
 
 
-def _register_commands() -> None:
-    import importlib
+# Each area module registers its commands on ``main`` when imported.
+from modelpack import cli_loader, cli_node, cli_pack, cli_transfer, cli_trust  # noqa: E402
 
-    for module in ("cli_pack", "cli_transfer", "cli_trust", "cli_node", "cli_loader"):
-        try:
-            importlib.import_module(f"modelpack.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"modelpack.{module}":
-                raise
-
-
-_register_commands()
+__all__ = ["cli_loader", "cli_node", "cli_pack", "cli_transfer", "cli_trust", "main"]
