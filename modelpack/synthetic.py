@@ -42,6 +42,23 @@ class SyntheticSpec:
         return cls(hidden, inter, layers, 16, 8, vocab, dtype, shards, seed)
 
 
+def hf_config(spec: SyntheticSpec) -> dict[str, object]:
+    """The transformers ``config.json`` that describes the synthetic tensors."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "vocab_size": spec.vocab,
+        "torch_dtype": TORCH_DTYPE[spec.dtype],
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    }
+
+
 def tensor_shapes(spec: SyntheticSpec) -> list[tuple[str, tuple[int, ...]]]:
     h, i, kv = spec.hidden, spec.intermediate, spec.hidden * spec.kv_heads // spec.heads
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec.vocab, h))]
@@ -127,19 +144,7 @@ def write_checkpoint(
             )
         paths.append(p)
     if extra_files:
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": spec.hidden,
-            "intermediate_size": spec.intermediate,
-            "num_hidden_layers": spec.layers,
-            "num_attention_heads": spec.heads,
-            "num_key_value_heads": spec.kv_heads,
-            "vocab_size": spec.vocab,
-            "torch_dtype": TORCH_DTYPE[spec.dtype],
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False,
-        }
+        cfg = hf_config(spec)
         for name, content in (
             ("config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n"),
             ("generation_config.json", json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n"),
