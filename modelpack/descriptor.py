@@ -41,6 +41,11 @@ class Descriptor:
     data: str | None = None
     urls: tuple[str, ...] | None = None
 
+    def reference_only(self) -> Descriptor:
+        """Just what names the content (type, digest, size, artifact type): what an index entry
+        or a tag should carry, without another entry's annotations."""
+        return Descriptor(self.media_type, self.digest, self.size, artifact_type=self.artifact_type)
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mediaType": self.media_type, "digest": str(self.digest), "size": self.size}
         if self.artifact_type:

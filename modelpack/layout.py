@@ -180,8 +180,7 @@ class OCILayoutTarget:
             digest = Digest(reference)
             for entry in self._index_entries():
                 if entry.get("digest") == digest:
-                    d = Descriptor.from_dict(entry, where=f"{self._index_path} entry")
-                    return Descriptor(d.media_type, d.digest, d.size, artifact_type=d.artifact_type)
+                    return Descriptor.from_dict(entry, where=f"{self._index_path} entry").reference_only()
             path = self.blob_path(digest)
             if not os.path.exists(path):
                 raise NotFoundError(f"{self.name}: manifest {digest} not found")
@@ -191,8 +190,7 @@ class OCILayoutTarget:
         validate_tag(reference)
         for entry in reversed(self._index_entries()):
             if (entry.get("annotations") or {}).get(REF_NAME) == reference:
-                d = Descriptor.from_dict(entry, where=f"{self._index_path} entry")
-                return Descriptor(d.media_type, d.digest, d.size, artifact_type=d.artifact_type)
+                return Descriptor.from_dict(entry, where=f"{self._index_path} entry").reference_only()
         raise NotFoundError(f"{self.name}: tag {reference!r} not found")
 
     def _read_blob_bytes(self, digest: str, size: int | None = None, limit: int = 4 * 1024 * 1024) -> bytes:
@@ -299,15 +297,7 @@ class OCILayoutTarget:
         validate_tag(tag)
         if not self.exists(descriptor):
             raise NotFoundError(f"{self.name}: cannot tag {descriptor.digest}: manifest not in the layout")
-        self._update_index(
-            Descriptor(
-                descriptor.media_type,
-                descriptor.digest,
-                descriptor.size,
-                artifact_type=descriptor.artifact_type,
-            ),
-            tag,
-        )
+        self._update_index(descriptor.reference_only(), tag)
 
     def untag(self, tag: str) -> None:
         with self._index_lock():

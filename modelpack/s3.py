@@ -604,16 +604,18 @@ class S3Target:
             digest = Digest(reference)
             for entry in self._index_entries():
                 if entry.get("digest") == digest:
-                    d = Descriptor.from_dict(entry, where=f"{self._where(self._index_key)} entry")
-                    return Descriptor(d.media_type, d.digest, d.size, artifact_type=d.artifact_type)
+                    return Descriptor.from_dict(
+                        entry, where=f"{self._where(self._index_key)} entry"
+                    ).reference_only()
             raw = self._read_manifest_bytes(digest, None)
             parsed = parse_manifest_or_index(raw)
             return Descriptor(parsed.media_type, digest, len(raw), artifact_type=parsed.artifact_type)
         validate_tag(reference)
         for entry in reversed(self._index_entries()):
             if (entry.get("annotations") or {}).get(REF_NAME) == reference:
-                d = Descriptor.from_dict(entry, where=f"{self._where(self._index_key)} entry")
-                return Descriptor(d.media_type, d.digest, d.size, artifact_type=d.artifact_type)
+                return Descriptor.from_dict(
+                    entry, where=f"{self._where(self._index_key)} entry"
+                ).reference_only()
         raise NotFoundError(f"{self.name}: tag {reference!r} not found")
 
     def _read_manifest_bytes(self, digest: str, size: int | None) -> bytes:
@@ -943,15 +945,7 @@ class S3Target:
         validate_tag(tag)
         if not self.exists(descriptor):
             raise NotFoundError(f"{self.name}: cannot tag {descriptor.digest}: manifest not in the bucket")
-        self._set_entry(
-            Descriptor(
-                descriptor.media_type,
-                descriptor.digest,
-                descriptor.size,
-                artifact_type=descriptor.artifact_type,
-            ),
-            tag,
-        )
+        self._set_entry(descriptor.reference_only(), tag)
 
     def untag(self, tag: str) -> None:
         validate_tag(tag)

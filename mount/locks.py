@@ -215,31 +215,26 @@ def is_locked(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def shared_lock(path: str) -> Iterator[int]:
+def _blocking_flock(path: str, operation: int) -> Iterator[int]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, operation)
+        yield fd
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def shared_lock(path: str) -> contextlib.AbstractContextManager[int]:
     """A blocking shared flock (the GC gate and snapshot leases); yields the fd."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield fd
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    return _blocking_flock(path, fcntl.LOCK_SH)
 
 
-@contextlib.contextmanager
-def exclusive_lock(path: str) -> Iterator[int]:
+def exclusive_lock(path: str) -> contextlib.AbstractContextManager[int]:
     """A blocking exclusive flock without heartbeat (short critical sections only)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+    return _blocking_flock(path, fcntl.LOCK_EX)
 
 
 def try_exclusive(path: str) -> int | None:
