@@ -33,6 +33,28 @@ class LayoutError(ModelpackError):
     pass
 
 
+def entry_tag(entry: dict[str, Any]) -> str | None:
+    return (entry.get("annotations") or {}).get(REF_NAME)
+
+
+def tags_in_index(entries: list[dict[str, Any]]) -> list[str]:
+    """Tags in index order, each once."""
+    return list(dict.fromkeys(t for t in map(entry_tag, entries) if t))
+
+
+def descriptor_in_index(entries: list[dict[str, Any]], reference: str, where: str) -> Descriptor | None:
+    """The entry a tag (the last one wins) or a ``sha256:`` digest names, or None."""
+    if reference.startswith("sha256:"):
+        found = [e for e in entries if e.get("digest") == reference][:1]
+    else:
+        found = [e for e in entries if entry_tag(e) == reference][-1:]
+    return Descriptor.from_dict(found[0], where=f"{where} entry").reference_only() if found else None
+
+
+def index_entries_without(entries: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+    return [e for e in entries if entry_tag(e) != tag]
+
+
 def index_entries_with(
     entries: list[dict[str, Any]], descriptor: Descriptor, tag: str | None
 ) -> list[dict[str, Any]]:
@@ -41,11 +63,10 @@ def index_entries_with(
     new = descriptor.to_dict()
     if tag:
         new["annotations"] = {**new.get("annotations", {}), REF_NAME: tag}
-        current = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) == tag]
+        current = [e for e in entries if entry_tag(e) == tag]
         if current == [new]:
             return entries  # already so: no rewrite, no reordering (a second push writes nothing)
-        kept = [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) != tag]
-        return [*kept, new]
+        return [*index_entries_without(entries, tag), new]
     if any(e.get("digest") == descriptor.digest for e in entries):
         return entries
     new.pop("annotations", None)
@@ -176,22 +197,19 @@ class OCILayoutTarget:
         return list(self._read_index()["manifests"])
 
     def resolve(self, reference: str) -> Descriptor:
-        if reference.startswith("sha256:"):
-            digest = Digest(reference)
-            for entry in self._index_entries():
-                if entry.get("digest") == digest:
-                    return Descriptor.from_dict(entry, where=f"{self._index_path} entry").reference_only()
-            path = self.blob_path(digest)
-            if not os.path.exists(path):
-                raise NotFoundError(f"{self.name}: manifest {digest} not found")
-            raw = self._read_blob_bytes(digest)
-            parsed = parse_manifest_or_index(raw)
-            return Descriptor(parsed.media_type, digest, len(raw), artifact_type=parsed.artifact_type)
-        validate_tag(reference)
-        for entry in reversed(self._index_entries()):
-            if (entry.get("annotations") or {}).get(REF_NAME) == reference:
-                return Descriptor.from_dict(entry, where=f"{self._index_path} entry").reference_only()
-        raise NotFoundError(f"{self.name}: tag {reference!r} not found")
+        if not reference.startswith("sha256:"):
+            validate_tag(reference)
+        found = descriptor_in_index(self._index_entries(), reference, self._index_path)
+        if found is not None:
+            return found
+        if not reference.startswith("sha256:"):
+            raise NotFoundError(f"{self.name}: tag {reference!r} not found")
+        digest = Digest(reference)
+        if not os.path.exists(self.blob_path(digest)):
+            raise NotFoundError(f"{self.name}: manifest {digest} not found")
+        raw = self._read_blob_bytes(digest)
+        parsed = parse_manifest_or_index(raw)
+        return Descriptor(parsed.media_type, digest, len(raw), artifact_type=parsed.artifact_type)
 
     def _read_blob_bytes(self, digest: str, size: int | None = None, limit: int = 4 * 1024 * 1024) -> bytes:
         path = self.blob_path(digest)
@@ -237,12 +255,7 @@ class OCILayoutTarget:
             return False
 
     def list_tags(self) -> Iterator[str]:
-        seen: set[str] = set()
-        for entry in self._index_entries():
-            tag = (entry.get("annotations") or {}).get(REF_NAME)
-            if tag and tag not in seen:
-                seen.add(tag)
-                yield tag
+        yield from tags_in_index(self._index_entries())
 
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
         return referrers_from_index(self._index_entries(), self._read_blob_bytes, subject, artifact_type)
@@ -302,9 +315,7 @@ class OCILayoutTarget:
     def untag(self, tag: str) -> None:
         with self._index_lock():
             doc = self._read_index()
-            doc["manifests"] = [
-                e for e in doc["manifests"] if (e.get("annotations") or {}).get(REF_NAME) != tag
-            ]
+            doc["manifests"] = index_entries_without(doc["manifests"], tag)
             atomic_write_bytes(self._index_path, json.dumps(doc, separators=(",", ":")).encode())
 
     def remove_blob(self, digest: str) -> None:

@@ -59,7 +59,13 @@ from modelpack.errors import (
     NotFoundError,
     SizeMismatchError,
 )
-from modelpack.layout import index_entries_with, referrers_from_index
+from modelpack.layout import (
+    descriptor_in_index,
+    index_entries_with,
+    index_entries_without,
+    referrers_from_index,
+    tags_in_index,
+)
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.reference import validate_tag
 from modelpack.target import BlobSource
@@ -70,7 +76,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("modelpack.s3")
 
-REF_NAME = "org.opencontainers.image.ref.name"
 LAYOUT_FILE = b'{"imageLayoutVersion":"1.0.0"}'
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -600,23 +605,17 @@ class S3Target:
 
     # ----------------------------------------------------------------- read side
     def resolve(self, reference: str) -> Descriptor:
-        if reference.startswith("sha256:"):
-            digest = Digest(reference)
-            for entry in self._index_entries():
-                if entry.get("digest") == digest:
-                    return Descriptor.from_dict(
-                        entry, where=f"{self._where(self._index_key)} entry"
-                    ).reference_only()
-            raw = self._read_manifest_bytes(digest, None)
-            parsed = parse_manifest_or_index(raw)
-            return Descriptor(parsed.media_type, digest, len(raw), artifact_type=parsed.artifact_type)
-        validate_tag(reference)
-        for entry in reversed(self._index_entries()):
-            if (entry.get("annotations") or {}).get(REF_NAME) == reference:
-                return Descriptor.from_dict(
-                    entry, where=f"{self._where(self._index_key)} entry"
-                ).reference_only()
-        raise NotFoundError(f"{self.name}: tag {reference!r} not found")
+        if not reference.startswith("sha256:"):
+            validate_tag(reference)
+        found = descriptor_in_index(self._index_entries(), reference, self._where(self._index_key))
+        if found is not None:
+            return found
+        if not reference.startswith("sha256:"):
+            raise NotFoundError(f"{self.name}: tag {reference!r} not found")
+        digest = Digest(reference)
+        raw = self._read_manifest_bytes(digest, None)
+        parsed = parse_manifest_or_index(raw)
+        return Descriptor(parsed.media_type, digest, len(raw), artifact_type=parsed.artifact_type)
 
     def _read_manifest_bytes(self, digest: str, size: int | None) -> bytes:
         cached = self._manifest_cache.get(digest)
@@ -674,12 +673,7 @@ class S3Target:
         return self._head_size(self.blob_key(descriptor.digest)) == descriptor.size
 
     def list_tags(self) -> Iterator[str]:
-        seen: set[str] = set()
-        for entry in self._index_entries():
-            tag = (entry.get("annotations") or {}).get(REF_NAME)
-            if tag and tag not in seen:
-                seen.add(tag)
-                yield tag
+        yield from tags_in_index(self._index_entries())
 
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
         return referrers_from_index(
@@ -949,9 +943,7 @@ class S3Target:
 
     def untag(self, tag: str) -> None:
         validate_tag(tag)
-        self._update_index(
-            lambda entries: [e for e in entries if (e.get("annotations") or {}).get(REF_NAME) != tag]
-        )
+        self._update_index(lambda entries: index_entries_without(entries, tag))
 
 
 __all__ = ["S3Error", "S3LayoutError", "S3ReadStream", "S3Settings", "S3Target", "make_client"]

@@ -145,13 +145,7 @@ def image_volume_pod(
     ref, image_ref = _pinned_image_ref(reference, what="image volume")
     if pull_policy not in PULL_POLICIES:
         raise K8sError(f"pullPolicy must be one of {', '.join(PULL_POLICIES)}")
-    meta: dict[str, Any] = {
-        "name": name or _name_from(ref),
-        "labels": {"app.kubernetes.io/name": name or _name_from(ref)},
-        "annotations": {"modelpack.dev/model-digest": str(ref.digest)},
-    }
-    if namespace:
-        meta["namespace"] = namespace
+    meta = _pod_metadata(ref, name, namespace)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -168,6 +162,17 @@ def image_volume_pod(
             "volumes": [{"name": "model", "image": {"reference": image_ref, "pullPolicy": pull_policy}}],
         },
     }
+
+
+def _pod_metadata(ref: Reference, name: str | None, namespace: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name or _name_from(ref),
+        "labels": {"app.kubernetes.io/name": name or _name_from(ref)},
+        "annotations": {"modelpack.dev/model-digest": str(ref.digest)},
+    }
+    if namespace:
+        meta["namespace"] = namespace
+    return meta
 
 
 def init_container_pod(
@@ -196,13 +201,7 @@ def init_container_pod(
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
     snapshot = f"{cache_path.rstrip('/')}/snapshots/{ref.digest.hex}"
     pull = _pull_command([image_ref], cache_path, policy_secret, policy_key)
-    meta: dict[str, Any] = {
-        "name": name or _name_from(ref),
-        "labels": {"app.kubernetes.io/name": name or _name_from(ref)},
-        "annotations": {"modelpack.dev/model-digest": str(ref.digest)},
-    }
-    if namespace:
-        meta["namespace"] = namespace
+    meta = _pod_metadata(ref, name, namespace)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
