@@ -23,8 +23,8 @@ import time
 from modelpack.mount import NodeCache
 
 from modelpack import api
-from modelpack.digest import sha256_file
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.oci.digest import sha256_file
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 SHARDS = 136  # + model.safetensors.index.json + 4 small files = 141 files
 

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         from modelpack.signing.chunks import compute_chunk_table
 
         from modelpack import api
-        from modelpack.layout import OCILayoutTarget
+        from modelpack.targets.layout import OCILayoutTarget
 
         lay = tempfile.mkdtemp(prefix="mp-gpu-layout-", dir=os.path.dirname(args.dir) or "/tmp")
         t = time.perf_counter()

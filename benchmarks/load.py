@@ -37,7 +37,7 @@ from modelpack.cli import parse_size
 CHILD = r"""
 import json, os, resource, sys, threading, time
 import torch
-from modelpack.safetensors_format import read_header
+from modelpack.packing.safetensors_format import read_header
 from modelpack.loader.pipeline import torch_dtype
 
 name, directory, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

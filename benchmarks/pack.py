@@ -23,13 +23,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from modelpack.cli import parse_size
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 PACK_CHILD = """
 import sys, time
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import build_artifact, PackOptions
-from modelpack.copy import copy
+from modelpack.targets.layout import OCILayoutTarget
+from modelpack.packing.packer import build_artifact, PackOptions
+from modelpack.transfer.copy import copy
 t0 = time.perf_counter()
 art = build_artifact(sys.argv[1], PackOptions(progress="off"))
 t = OCILayoutTarget(sys.argv[2], create=True, link=sys.argv[3])

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from modelpack.cli import parse_size
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import start_registry
 from tests.fixtures.s3 import DUMMY_ENV, S3Server, _wait_ready, free_port
 

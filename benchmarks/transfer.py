@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from modelpack import api  # noqa: E402
 from modelpack.cli import parse_size  # noqa: E402
-from modelpack.synthetic import SyntheticSpec, write_checkpoint  # noqa: E402
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint  # noqa: E402
 from tests.fixtures.registry import RegistryServer, start_registry  # noqa: E402
 
 MODELPACK = [sys.executable, "-c", "from modelpack.cli import main; main()"]

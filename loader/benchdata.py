@@ -1,6 +1,6 @@
 """Fast generation of large Llama-shaped checkpoints for the loader benchmarks.
 
-``modelpack.synthetic`` derives every byte from a seeded SHAKE-128 stream per tensor
+``modelpack.testdata.synthetic`` derives every byte from a seeded SHAKE-128 stream per tensor
 (reproducible, one core); the benchmarks need 4–16 GiB in seconds. Here one random block (finite as bf16: the top exponent bit
 of every 16-bit word is cleared) is written at a different rotation for every tensor, so no two
 tensors are equal and nothing compresses, at disk speed.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-from modelpack.safetensors_format import build_header
-from modelpack.synthetic import DTYPE_SIZES, SyntheticSpec, hf_config, tensor_shapes
+from modelpack.packing.safetensors_format import build_header
+from modelpack.testdata.synthetic import DTYPE_SIZES, SyntheticSpec, hf_config, tensor_shapes
 
 BLOCK = 64 * 1024 * 1024
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from modelpack.loader.errors import FingerprintFileError, FingerprintMismatchError
 
-from modelpack.descriptor import canonical_json
-from modelpack.fsutil import atomic_write_bytes
+from modelpack.files import atomic_write_bytes
+from modelpack.oci.descriptor import canonical_json
 
 LOADER_FORMAT_VERSION = "modelpack-loader/1"
 FINGERPRINT_FILE = "modelpack.fingerprint.json"

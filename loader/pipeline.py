@@ -52,8 +52,8 @@ from modelpack.loader.staging import Slot, StagingRing
 
 from modelpack.errors import DigestMismatchError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
+from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
 from modelpack.progress import Progress
-from modelpack.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
 
 MiB = 1024 * 1024
 

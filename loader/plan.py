@@ -25,7 +25,7 @@ from enum import Enum
 
 from modelpack.loader.errors import PlanError
 
-from modelpack.safetensors_format import DTYPE_BITS, SafetensorsHeader, TensorInfo
+from modelpack.packing.safetensors_format import DTYPE_BITS, SafetensorsHeader, TensorInfo
 
 
 class ShardRule(str, Enum):

@@ -25,8 +25,8 @@ from typing import Protocol
 import numpy as np
 from modelpack.loader.errors import SourceError, TruncatedSourceError
 
-from modelpack.descriptor import Descriptor
-from modelpack.target import ReadableTarget
+from modelpack.oci.descriptor import Descriptor
+from modelpack.targets.base import ReadableTarget
 
 ALIGN = 4096
 

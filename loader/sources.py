@@ -37,11 +37,11 @@ from modelpack.loader.readers import FileReader, RangeReader, TargetReader
 from modelpack.mediatypes import parse_layer_media_type
 from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath, safe_relative_path
 
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import Digest, verify_bytes
 from modelpack.errors import ManifestError, ModelpackError, NotFoundError
-from modelpack.reference import parse_reference
-from modelpack.target import ReadableTarget
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import Digest, verify_bytes
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.base import ReadableTarget
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -359,7 +359,7 @@ def resolve_source(
             ref = parse_reference(source)
         except ModelpackError as exc:
             raise SourceError(f"{source!r} is neither a directory nor a reference: {exc}") from exc
-        from modelpack.targets import open_readable
+        from modelpack.targets.opener import open_readable
 
         target = open_readable(ref, target_options)
         return open_target_source(

@@ -26,3 +26,31 @@ def _source_checkout_path() -> None:
 
 
 _source_checkout_path()
+
+# The public API, importable as ``modelpack.pack(...)`` etc. Resolved on first use so that
+# ``import modelpack`` (and so every CLI start) stays cheap.
+_PUBLIC_API = {
+    "pack": "modelpack.api.artifacts",
+    "inspect": "modelpack.api.artifacts",
+    "list_tags": "modelpack.api.artifacts",
+    "push": "modelpack.api.transfer",
+    "pull": "modelpack.api.transfer",
+    "cp": "modelpack.api.transfer",
+    "tag": "modelpack.api.transfer",
+    "login": "modelpack.api.transfer",
+    "logout": "modelpack.api.transfer",
+    "copy": "modelpack.transfer.copy",
+    "open_target": "modelpack.targets.opener",
+    "open_readable": "modelpack.targets.opener",
+    "TargetOptions": "modelpack.targets.opener",
+    "ModelpackError": "modelpack.errors",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _PUBLIC_API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'modelpack' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -37,8 +37,6 @@ from modelpack.mount.locks import DEFAULT_STALE_AFTER_S, acquire, exclusive_lock
 from modelpack.mount.snapshots import SnapshotInfo, SnapshotInUseError, Snapshots
 from modelpack.mount.store import IngestResult, Store
 
-from modelpack.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
-from modelpack.digest import Digest, sha256_file, verify_bytes
 from modelpack.errors import (
     DigestMismatchError,
     ManifestError,
@@ -47,10 +45,12 @@ from modelpack.errors import (
     SizeMismatchError,
 )
 from modelpack.events import EventLog
-from modelpack.fsutil import atomic_write_bytes
-from modelpack.reference import Reference, parse_reference
-from modelpack.target import ReadableTarget
-from modelpack.targets import TargetOptions, open_readable
+from modelpack.files import atomic_write_bytes
+from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
+from modelpack.oci.digest import Digest, sha256_file, verify_bytes
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import ReadableTarget
+from modelpack.targets.opener import TargetOptions, open_readable
 
 MAX_REF_BYTES = 64 * 1024
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from modelpack.errors import InvalidReferenceError, ModelpackError
-from modelpack.reference import Reference, parse_reference
+from modelpack.oci.reference import Reference, parse_reference
 
 DEFAULT_MODELPACK_IMAGE = "ghcr.io/modelpack/modelpack:0.1.0"
 DEFAULT_CACHE_HOST_PATH = "/var/cache/modelpack"

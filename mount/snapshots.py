@@ -37,10 +37,10 @@ from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath
 from modelpack.mount.locks import pid_alive, try_exclusive
 from modelpack.mount.store import Store
 
-from modelpack.descriptor import Manifest
-from modelpack.digest import Digest
 from modelpack.errors import ManifestError, ModelpackError, NotFoundError
-from modelpack.fsutil import TEMP_PREFIX, atomic_write_bytes, fsync_dir
+from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.digest import Digest
 
 MARKER_SUFFIX = ".ready"
 LEASE_SUFFIX = ".lease"
@@ -228,7 +228,7 @@ class Snapshots:
             raise
 
     def _materialise(self, manifest: Manifest, config_raw: bytes | None, dest: str) -> list[SnapshotFile]:
-        from modelpack.image_format import extract_tar_layer, image_diff_ids
+        from modelpack.packing.image_format import extract_tar_layer, image_diff_ids
 
         diff_ids: list[str] = []
         image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG

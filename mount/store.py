@@ -28,12 +28,12 @@ from typing import Any
 
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire, exclusive_lock, is_locked
 
-from modelpack.descriptor import Descriptor
-from modelpack.digest import HASH_CHUNK, Digest
 from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError
-from modelpack.fsutil import TEMP_PREFIX, atomic_write_bytes, fsync_dir
-from modelpack.layout import OCILayoutTarget
-from modelpack.target import ReadableTarget
+from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
+from modelpack.oci.descriptor import Descriptor
+from modelpack.oci.digest import HASH_CHUNK, Digest
+from modelpack.targets.base import ReadableTarget
+from modelpack.targets.layout import OCILayoutTarget
 
 PARTIAL_SUFFIX = ".partial"
 # Network reads block until this many bytes arrived: small enough that a partial file grows

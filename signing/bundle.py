@@ -17,7 +17,7 @@ from modelpack.signing.errors import BundleError
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.statements import Statement
 
-from modelpack.descriptor import canonical_json
+from modelpack.oci.descriptor import canonical_json
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
 ACCEPTED_BUNDLE_MEDIA_TYPES = (

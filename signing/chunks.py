@@ -33,10 +33,10 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_CHUNK_DIGESTS, Statement
 
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import Digest
 from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError
-from modelpack.target import ReadableTarget, Target
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import Digest
+from modelpack.targets.base import ReadableTarget, Target
 
 DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
 MIN_CHUNK_SIZE = 64 * 1024

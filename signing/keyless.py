@@ -21,8 +21,8 @@ from modelpack.signing.errors import SigningError
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, push_bundle_referrer
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
-from modelpack.descriptor import Descriptor
-from modelpack.target import Target
+from modelpack.oci.descriptor import Descriptor
+from modelpack.targets.base import Target
 
 
 def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = False) -> dict[str, Any]:

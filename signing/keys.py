@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from modelpack.signing.errors import KeyLoadError
 
-from modelpack.fsutil import atomic_write_bytes
+from modelpack.files import atomic_write_bytes
 
 PASSPHRASE_ENV = "MODELPACK_SIGNING_PASSPHRASE"
 MAX_KEY_BYTES = 64 * 1024

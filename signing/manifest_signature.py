@@ -21,8 +21,8 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
-from modelpack.descriptor import Descriptor
-from modelpack.target import ReadableTarget, Target
+from modelpack.oci.descriptor import Descriptor
+from modelpack.targets.base import ReadableTarget, Target
 
 
 def sign_manifest(target: Target, manifest_desc: Descriptor, private_key: PrivateKey) -> Descriptor:

@@ -25,8 +25,8 @@ from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.errors import BundleError, SigningError
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING, Statement
 
-from modelpack.descriptor import Manifest
-from modelpack.digest import sha256_file
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.digest import sha256_file
 
 SERIALIZATION = {"method": "files", "hash_type": "sha256", "allow_symlinks": False}
 MAX_RESOURCES = 1_000_000

@@ -33,7 +33,7 @@ import yaml
 from modelpack.signing.keys import PublicKey, load_public_key
 
 from modelpack.errors import ModelpackError
-from modelpack.reference import Reference, parse_reference
+from modelpack.oci.reference import Reference, parse_reference
 
 MAX_POLICY_BYTES = 1024 * 1024
 

@@ -34,12 +34,12 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING
 
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import verify_bytes
 from modelpack.errors import ModelpackError
-from modelpack.fsutil import atomic_write_bytes
-from modelpack.reference import Reference, parse_reference
-from modelpack.target import ReadableTarget, Target
+from modelpack.files import atomic_write_bytes
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import verify_bytes
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import ReadableTarget, Target
 
 
 @dataclass

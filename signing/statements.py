@@ -13,7 +13,7 @@ from typing import Any
 
 from modelpack.signing.errors import BundleError
 
-from modelpack.descriptor import canonical_json
+from modelpack.oci.descriptor import canonical_json
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_COSIGN_SIGN = "https://sigstore.dev/cosign/sign/v1"

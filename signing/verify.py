@@ -29,12 +29,12 @@ from modelpack.signing.referrers import (
     find_bundle_referrers,
 )
 
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import verify_bytes
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.reference import Reference, parse_reference
-from modelpack.target import ReadableTarget
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import verify_bytes
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import ReadableTarget
 
 PolicyOrKeys = TrustPolicy | RepositoryPolicy | PublicKey | Sequence[PublicKey]
 
@@ -167,7 +167,7 @@ def verify_reference(
     """Open, resolve and verify ``reference``. A tag that resolves to bytes not matching their
     digest (tampered storage) is a refusal with an event too, not a bare transport error."""
     from modelpack.errors import DigestMismatchError, ManifestError, SizeMismatchError
-    from modelpack.targets import open_readable
+    from modelpack.targets.opener import open_readable
 
     events = events or NullEventLog()
     ref = parse_reference(reference) if isinstance(reference, str) else reference

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3"]
 

@@ -11,8 +11,8 @@ from modelpack.loader.plan import ShardRule
 from safetensors.torch import load_file
 
 from modelpack import api
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.layout import OCILayoutTarget
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.targets.layout import OCILayoutTarget
 
 
 def reference_tensors(directory: Path | str) -> dict[str, torch.Tensor]:
@@ -59,7 +59,7 @@ class Layout:
 
 def pack_layout(checkpoint: Path, layout: Path, tag: str = "v1") -> Layout:
     """Pack into an OCI layout by copying (so corrupting a blob never touches the checkpoint)."""
-    from modelpack.targets import TargetOptions
+    from modelpack.targets.opener import TargetOptions
 
     api.pack(str(checkpoint), f"oci:{layout}:{tag}", target_options=TargetOptions(link="copy"))
     target = OCILayoutTarget(str(layout))

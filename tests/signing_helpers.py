@@ -10,8 +10,8 @@ from pathlib import Path
 from modelpack.mediatypes import layer_filepath
 
 from modelpack import api
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.layout import OCILayoutTarget
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.targets.layout import OCILayoutTarget
 
 SMALL_CHUNK = 64 * 1024
 

@@ -15,10 +15,10 @@ from modelpack.signing.referrers import (
 )
 
 from modelpack import api
-from modelpack.audit import audit_repository
 from modelpack.cli import main
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import PackOptions
+from modelpack.inspection.audit import audit_repository
+from modelpack.packing.packer import PackOptions
+from modelpack.targets.layout import OCILayoutTarget
 from tests.signing_helpers import SMALL_CHUNK
 
 

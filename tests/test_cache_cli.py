@@ -12,9 +12,9 @@ from modelpack.signing.keys import write_keypair
 
 from modelpack.cli import main
 from modelpack.events import read_events
-from modelpack.reference import parse_reference
-from modelpack.registry.target import RegistryTarget
-from modelpack.targets import TargetOptions
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.opener import TargetOptions
+from modelpack.targets.registry.target import RegistryTarget
 from tests.test_cache_support import push_model
 
 pytestmark = pytest.mark.timeout(180)

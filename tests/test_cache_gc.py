@@ -9,7 +9,7 @@ from modelpack.mount import NodeCache
 
 from modelpack import api
 from modelpack.events import read_events
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 
 def _versions(tmp_path: Path, n: int, repo: str = "layout") -> tuple[str, list[str]]:

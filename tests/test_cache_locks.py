@@ -14,9 +14,9 @@ from modelpack.mount import NodeCache
 from modelpack.mount.locks import SingleFlight, acquire, is_locked
 
 from modelpack import api
-from modelpack.descriptor import Manifest
 from modelpack.events import read_events
-from modelpack.layout import OCILayoutTarget
+from modelpack.oci.descriptor import Manifest
+from modelpack.targets.layout import OCILayoutTarget
 from tests.test_cache_store import FaultySource
 
 pytestmark = pytest.mark.timeout(120)

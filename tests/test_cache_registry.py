@@ -17,8 +17,8 @@ from modelpack.mount import InsufficientSpaceError, NodeCache, QuotaExceededErro
 
 from modelpack.errors import DigestMismatchError, NotFoundError
 from modelpack.events import read_events
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
-from modelpack.targets import TargetOptions
+from modelpack.targets.opener import TargetOptions
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.test_cache_support import (
     CountingProxy,
     committed,
@@ -128,7 +128,7 @@ def test_kill_9_mid_blob_then_rerun_resumes_only_the_missing_part(registry, prox
 
 
 def _manifest(cache: NodeCache, digest: str):  # type: ignore[no-untyped-def]
-    from modelpack.descriptor import Manifest
+    from modelpack.oci.descriptor import Manifest
 
     return Manifest.parse(cache.store.read_small(digest))
 
@@ -161,12 +161,12 @@ def test_corrupted_blob_in_registry_is_refused_with_event_and_no_snapshot(
     registry, proxy, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
     digest = push_model(_model(tmp_path, seed=3), registry.host, "cache/corrupt")
-    from modelpack.reference import parse_reference
-    from modelpack.registry.target import RegistryTarget
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
 
     target = RegistryTarget.from_reference(parse_reference(registry.ref("cache/corrupt", "v1")), PLAIN)
     raw, _ = target.fetch_manifest(digest)
-    from modelpack.descriptor import Manifest
+    from modelpack.oci.descriptor import Manifest
 
     layer = max(Manifest.parse(raw).layers, key=lambda x: x.size)
     data_path = registry.blob_data_path(layer.digest)
@@ -257,8 +257,8 @@ def test_a_hit_under_a_policy_is_verified_before_it_is_returned(registry, proxy,
     """A model cached without a policy must not satisfy a later pull that requires a signature."""
     from modelpack.signing import SignatureRefused, TrustPolicy, generate_key, sign_artifact
 
-    from modelpack.reference import parse_reference
-    from modelpack.registry.target import RegistryTarget
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
 
     digest = push_model(_model(tmp_path, seed=8), registry.host, "cache/trust")
     key = generate_key()

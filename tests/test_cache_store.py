@@ -17,12 +17,12 @@ from modelpack.mount import NodeCache
 from modelpack.mount.snapshots import SnapshotInUseError
 
 from modelpack import api
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import sha256_file
 from modelpack.errors import DigestMismatchError, ModelpackError, NotFoundError
 from modelpack.events import read_events
-from modelpack.fsutil import TEMP_PREFIX
-from modelpack.layout import OCILayoutTarget
+from modelpack.files import TEMP_PREFIX
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import sha256_file
+from modelpack.targets.layout import OCILayoutTarget
 
 
 class _Interrupted(ModelpackError):

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from modelpack import api
-from modelpack.digest import Digest
+from modelpack.oci.digest import Digest
 
 _BLOB_RE = re.compile(r"/v2/.+/blobs/(sha256:[0-9a-f]{64})$")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
@@ -158,7 +158,7 @@ class CountingProxy:
 PULL_SCRIPT = """
 import json, sys
 from modelpack.mount import NodeCache
-from modelpack.targets import TargetOptions
+from modelpack.targets.opener import TargetOptions
 cache, ref = sys.argv[1], sys.argv[2]
 extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 c = NodeCache(cache, stale_after=extra.pop("stale_after", 60.0))
@@ -193,7 +193,7 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
 
 def push_model(checkpoint: Path, registry_host: str, repo: str, tag: str = "v1") -> str:
     """Pack + push ``checkpoint`` straight to the registry; returns the manifest digest."""
-    from modelpack.targets import TargetOptions
+    from modelpack.targets.opener import TargetOptions
 
     res = api.pack(str(checkpoint), f"{registry_host}/{repo}:{tag}", None, TargetOptions(plain_http=True))
     return str(res.artifact.digest)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from modelpack import api
 from modelpack.cli import main
-from modelpack.diff import diff
-from modelpack.packer import PackOptions
+from modelpack.inspection.diff import diff
+from modelpack.packing.packer import PackOptions
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -84,7 +84,7 @@ def test_diff_files_added_removed(checkpoint: Path, tmp_path: Path) -> None:
 
 def test_diff_over_registry_range_reads(registry: object, checkpoint: Path, tmp_path: Path) -> None:
     """Same diff against a real registry: headers by HTTP range reads, tensor digests verified."""
-    from modelpack.transfer import push
+    from modelpack.api.transfer import push
 
     ref_a = registry.ref("diff/m", "a")  # type: ignore[attr-defined]
     ref_b = registry.ref("diff/m", "b")  # type: ignore[attr-defined]

@@ -23,9 +23,9 @@ from modelpack.signing.chunks import compute_chunk_table, push_chunk_table
 from modelpack.signing.keys import generate_key
 
 from modelpack import api
-from modelpack.api import fetch_manifest
 from modelpack.events import EventLog
-from modelpack.targets import open_target
+from modelpack.targets.fetch import fetch_manifest
+from modelpack.targets.opener import open_target
 
 
 def _config() -> Any:

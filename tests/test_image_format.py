@@ -20,14 +20,15 @@ from modelpack.mediatypes import (
 )
 from modelpack.mount import NodeCache
 
-from modelpack import api, transfer
+from modelpack import api
+from modelpack.api import transfer
 from modelpack.cli import main
-from modelpack.descriptor import Manifest
 from modelpack.errors import DigestMismatchError
-from modelpack.image_format import UnsafeTarError, build_image_artifact, extract_tar_layer
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import PackOptions
-from modelpack.targets import TargetOptions
+from modelpack.oci.descriptor import Manifest
+from modelpack.packing.image_format import UnsafeTarError, build_image_artifact, extract_tar_layer
+from modelpack.packing.packer import PackOptions
+from modelpack.targets.layout import OCILayoutTarget
+from modelpack.targets.opener import TargetOptions
 
 
 def _uncompressed(blob: bytes, media_type: str) -> bytes:
@@ -83,7 +84,7 @@ def test_structure_diff_ids_and_files_under_models(
 
 
 def test_many_weight_files_are_grouped_under_the_layer_cap(tmp_path: Path) -> None:
-    from modelpack.safetensors_format import build_header
+    from modelpack.packing.safetensors_format import build_header
 
     ck = tmp_path / "many"
     ck.mkdir()

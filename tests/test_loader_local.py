@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from modelpack.errors import SafetensorsError
 from modelpack.events import read_events
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import expected_shard, reference_tensors
 
 SPEC = SyntheticSpec(shards=2)
@@ -145,7 +145,7 @@ def test_short_read_mid_load_raises_typed_and_serves_nothing(tmp_path: Path) -> 
     d = tmp_path / "ckpt"
     write_checkpoint(str(d), SyntheticSpec(shards=1))
     victim = d / "model.safetensors"
-    from modelpack.safetensors_format import read_header
+    from modelpack.packing.safetensors_format import read_header
 
     hdr = read_header(victim)
     cut = victim.stat().st_size // 2

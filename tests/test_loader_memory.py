@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from modelpack.safetensors_format import build_header
+from modelpack.packing.safetensors_format import build_header
 
 GiB = 1024**3
 MiB = 1024**2

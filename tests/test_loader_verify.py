@@ -27,7 +27,7 @@ from modelpack.signing.errors import ChunkDigestMismatch, ChunkTableError
 from modelpack.signing.keys import generate_key
 
 from modelpack.errors import DigestMismatchError
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import Layout, corrupt, expected_shard, pack_layout, reference_tensors
 
 CHUNK = 64 * 1024
@@ -165,7 +165,7 @@ def test_signed_chunk_table_is_found_through_trusted_keys(
 
 def _corrupt_middle_tensor(layout: Layout) -> tuple[str, int]:
     """Flip a byte inside a tensor in the middle of the first weight file; returns (name, offset)."""
-    from modelpack.safetensors_format import read_header
+    from modelpack.packing.safetensors_format import read_header
 
     _, blob = layout.weight_blob("00001")
     hdr = read_header(blob)
@@ -201,7 +201,7 @@ def test_without_a_table_the_whole_layer_must_match(layout: Layout) -> None:
         for name, _ in iter_tensors(layout.ref, options=LoaderOptions(slot_bytes=64 * 1024)):
             served.append(name)
     # no tensor of the corrupted layer was handed out, not even the ones before the bad byte
-    from modelpack.safetensors_format import read_header
+    from modelpack.packing.safetensors_format import read_header
 
     _, blob = layout.weight_blob("00001")
     layer_names = {t.name for t in read_header(blob).tensors}
@@ -237,8 +237,8 @@ def pushed(registry: Any, ckpt: Path, request: pytest.FixtureRequest) -> tuple[s
 def test_registry_streaming_by_ranges_equals_slicing(
     pushed: tuple[str, str], ref: dict[str, torch.Tensor], tp: int
 ) -> None:
-    from modelpack.api import fetch_manifest
-    from modelpack.targets import open_readable
+    from modelpack.targets.fetch import fetch_manifest
+    from modelpack.targets.opener import open_readable
 
     repo, digest = pushed
     target = open_readable(f"{repo}@{digest}")
@@ -263,9 +263,9 @@ def test_registry_streaming_by_ranges_equals_slicing(
 def test_chunk_corrupted_in_the_registry_mid_stream(
     registry: Any, pushed: tuple[str, str], ref: dict[str, torch.Tensor]
 ) -> None:
-    from modelpack.api import fetch_manifest
-    from modelpack.safetensors_format import read_header
-    from modelpack.targets import open_readable
+    from modelpack.packing.safetensors_format import read_header
+    from modelpack.targets.fetch import fetch_manifest
+    from modelpack.targets.opener import open_readable
 
     repo, digest = pushed
     target = open_readable(f"{repo}@{digest}")

@@ -24,12 +24,12 @@ from modelpack.mediatypes import (
 from safetensors.torch import load_file
 
 from modelpack import api
-from modelpack.descriptor import Descriptor, Manifest
-from modelpack.digest import Digest
 from modelpack.errors import DigestMismatchError, PackError, SafetensorsError
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import PackOptions, build_artifact, classify
-from modelpack.target import bytes_blob_source
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import Digest
+from modelpack.packing.packer import PackOptions, build_artifact, classify
+from modelpack.targets.base import bytes_blob_source
+from modelpack.targets.layout import OCILayoutTarget
 
 
 def _sha(path: Path) -> str:
@@ -134,7 +134,7 @@ def test_reproducible_digest_across_copies_and_mtimes(checkpoint: Path, tmp_path
 
 
 def test_reshard_preserves_every_tensor_bit_for_bit(tmp_path: Path) -> None:
-    from modelpack.synthetic import SyntheticSpec, write_checkpoint
+    from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
     ckpt = tmp_path / "big"
     write_checkpoint(str(ckpt), SyntheticSpec(hidden=512, intermediate=1376, layers=2, vocab=2048))
@@ -260,7 +260,7 @@ def test_layout_refuses_a_blob_that_does_not_match_and_leaves_nothing(tmp_path: 
 
 
 def test_layout_on_the_same_filesystem_links_instead_of_copying(checkpoint: Path, tmp_path: Path) -> None:
-    from modelpack.copy import copy
+    from modelpack.transfer.copy import copy
 
     layout = tmp_path / "l"
     art = build_artifact(str(checkpoint))

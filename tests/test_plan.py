@@ -9,7 +9,7 @@ from modelpack.loader.errors import PlanError
 from modelpack.loader.pipeline import span_block_copies
 from modelpack.loader.plan import ReadPlan, ShardRule, Span, coalesce, compile_rules, rule_for
 
-from modelpack.safetensors_format import build_header, parse_header_bytes
+from modelpack.packing.safetensors_format import build_header, parse_header_bytes
 
 
 def header(tensors: list[tuple[str, str, tuple[int, ...]]], path: str = "m.safetensors"):  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import pytest
 from modelpack.signing import PolicyError, TrustPolicy, generate_key
 from modelpack.signing.policy import RepositoryPolicy
 
-from modelpack.reference import parse_reference
+from modelpack.oci.reference import parse_reference
 
 
 def _pub(tmp_path: Path, name: str) -> tuple[Path, str]:

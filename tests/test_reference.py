@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from modelpack.errors import InvalidReferenceError
-from modelpack.reference import parse_reference
+from modelpack.oci.reference import parse_reference
 
 D = "sha256:" + "0123456789abcdef" * 4
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from modelpack import transfer
+from modelpack.api import transfer
 from modelpack.cli import main
 from modelpack.errors import NotFoundError
-from modelpack.registry.auth import parse_challenges
-from modelpack.registry.errors import AuthenticationError, RegistryTLSError
-from modelpack.registry.target import RegistryTarget
-from modelpack.targets import TargetOptions, open_target
+from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.registry.auth import parse_challenges
+from modelpack.targets.registry.errors import AuthenticationError, RegistryTLSError
+from modelpack.targets.registry.target import RegistryTarget
 from tests.fixtures.registry import RegistryServer
 
 
@@ -204,7 +204,7 @@ def test_credentials_never_in_output_or_debug_logs(
 
 
 def test_plain_http_only_for_loopback_or_when_asked() -> None:
-    from modelpack.registry.client import RegistryClient, is_loopback_host
+    from modelpack.targets.registry.client import RegistryClient, is_loopback_host
 
     for host in ("127.0.0.1:5000", "127.9.9.9", "localhost:5000", "[::1]:5000", "LOCALHOST"):
         assert is_loopback_host(host), host

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from modelpack import api, transfer
+from modelpack import api
+from modelpack.api import transfer
 from tests.fixtures.registry import RegistryServer
 
 SKOPEO = shutil.which("skopeo") or "/usr/bin/skopeo"

@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 
-from modelpack import api, transfer
-from modelpack.descriptor import Descriptor, Manifest, empty_config_descriptor
-from modelpack.digest import Digest
+from modelpack import api
+from modelpack.api import transfer
 from modelpack.errors import DigestMismatchError, NotFoundError
-from modelpack.pull import UnsupportedLayerError, pull_to_directory
-from modelpack.reference import parse_reference
-from modelpack.registry.errors import ManifestTooLargeError, RegistryNotFoundError
-from modelpack.registry.target import RegistryTarget
-from modelpack.target import bytes_blob_source
-from modelpack.targets import TargetOptions, open_target
+from modelpack.oci.descriptor import Descriptor, Manifest, empty_config_descriptor
+from modelpack.oci.digest import Digest
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.base import bytes_blob_source
+from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.registry.errors import ManifestTooLargeError, RegistryNotFoundError
+from modelpack.targets.registry.target import RegistryTarget
+from modelpack.transfer.materialize import UnsupportedLayerError, pull_to_directory
 from tests.fixtures.registry import RegistryFactory, RegistryServer
 
 

@@ -11,13 +11,13 @@ from click.testing import CliRunner
 
 from modelpack import api
 from modelpack.cli import main
-from modelpack.copy import copy
 from modelpack.errors import PackError, SafetensorsError
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import PackOptions
-from modelpack.s3 import S3Error
-from modelpack.s3_checkpoint import build_s3_artifact
-from modelpack.targets import TargetOptions
+from modelpack.packing.packer import PackOptions
+from modelpack.packing.s3_checkpoint import build_s3_artifact
+from modelpack.targets.layout import OCILayoutTarget
+from modelpack.targets.opener import TargetOptions
+from modelpack.targets.s3 import S3Error
+from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
 OPTS = TargetOptions(extra={"s3_part_size": 64 * 1024})
@@ -48,7 +48,7 @@ def test_pack_from_s3_matches_local_pack_and_lands_nothing_on_disk(
     assert [f.relpath for f in result.artifact.files] == [f.relpath for f in local.artifact.files]
 
     pulled = OCILayoutTarget(tmp_path / "pulled", create=True)
-    from modelpack.targets import open_target
+    from modelpack.targets.opener import open_target
 
     copy(open_target(f"s3://{bucket}/models/m:v1", OPTS), pulled, "v1", "v1")
     for f in local.artifact.files:

@@ -12,9 +12,9 @@ from modelpack.signing.errors import ChunkDigestMismatch
 from modelpack.signing.keys import generate_key
 
 from modelpack import api
-from modelpack.api import fetch_manifest
-from modelpack.safetensors_format import parse_header_bytes
-from modelpack.targets import TargetOptions, open_readable, open_target
+from modelpack.packing.safetensors_format import parse_header_bytes
+from modelpack.targets.fetch import fetch_manifest
+from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from tests.fixtures.s3 import S3Server
 from tests.loader_helpers import expected_shard, reference_tensors
 

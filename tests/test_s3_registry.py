@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from modelpack import api
-from modelpack.copy import copy
-from modelpack.layout import OCILayoutTarget
-from modelpack.targets import TargetOptions, open_target
+from modelpack.targets.layout import OCILayoutTarget
+from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
 OPTS = TargetOptions(extra={"s3_part_size": 64 * 1024})

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from modelpack.descriptor import Descriptor
-from modelpack.digest import Digest
 from modelpack.errors import DigestMismatchError
-from modelpack.s3 import S3Settings, S3Target
-from modelpack.target import bytes_blob_source
+from modelpack.oci.descriptor import Descriptor
+from modelpack.oci.digest import Digest
+from modelpack.targets.base import bytes_blob_source
+from modelpack.targets.s3 import S3Settings, S3Target
 from tests.fixtures.s3 import S3Server
 
 PART = 64 * 1024
@@ -24,10 +24,10 @@ PART = 64 * 1024
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from modelpack.descriptor import Descriptor
-    from modelpack.digest import Digest
-    from modelpack.s3 import S3Settings, S3Target
-    from modelpack.target import BlobSource
+    from modelpack.oci.descriptor import Descriptor
+    from modelpack.oci.digest import Digest
+    from modelpack.targets.s3 import S3Settings, S3Target
+    from modelpack.targets.base import BlobSource
 
     endpoint, bucket, path, digest, size = sys.argv[1:6]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from modelpack.descriptor import Descriptor
-from modelpack.digest import Digest, VerifyingReader
-from modelpack.s3 import S3Error, S3ReadStream, S3Settings, S3Target
-from modelpack.target import bytes_blob_source
+from modelpack.oci.descriptor import Descriptor
+from modelpack.oci.digest import Digest, VerifyingReader
+from modelpack.targets.base import bytes_blob_source
+from modelpack.targets.s3 import S3Error, S3ReadStream, S3Settings, S3Target
 from tests.fixtures.s3 import S3Server
 
 

@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 
 from modelpack import api
-from modelpack.copy import copy
-from modelpack.descriptor import Descriptor
-from modelpack.digest import Digest
 from modelpack.errors import DigestMismatchError, NotFoundError, SizeMismatchError
-from modelpack.layout import OCILayoutTarget
-from modelpack.packer import build_artifact
-from modelpack.reference import parse_reference
-from modelpack.s3 import S3Error, S3Settings, S3Target
-from modelpack.target import BlobSource, bytes_blob_source
-from modelpack.targets import TargetOptions, open_target
+from modelpack.oci.descriptor import Descriptor
+from modelpack.oci.digest import Digest
+from modelpack.oci.reference import parse_reference
+from modelpack.packing.packer import build_artifact
+from modelpack.targets.base import BlobSource, bytes_blob_source
+from modelpack.targets.layout import OCILayoutTarget
+from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.s3 import S3Error, S3Settings, S3Target
+from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
 PART = 64 * 1024

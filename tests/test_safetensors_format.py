@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from modelpack.errors import SafetensorsError
-from modelpack.safetensors_format import DTYPE_BITS, build_header, read_header
+from modelpack.packing.safetensors_format import DTYPE_BITS, build_header, read_header
 
 
 def _write(path: Path, header: bytes | dict, data: bytes = b"", length: int | None = None) -> Path:

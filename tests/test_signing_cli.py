@@ -63,7 +63,7 @@ def test_push_sign_key_with_resharded_files(checkpoint: Path, tmp_path: Path) ->
     from modelpack.signing.keys import write_keypair
 
     from modelpack import api
-    from modelpack.layout import OCILayoutTarget
+    from modelpack.targets.layout import OCILayoutTarget
 
     priv, pub = write_keypair(str(tmp_path / "k"), generate_key())
     runner = CliRunner()

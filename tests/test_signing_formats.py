@@ -27,8 +27,8 @@ from modelpack.signing.keys import write_keypair
 from modelpack.signing.referrers import ARTIFACT_TYPE_CHUNK_DIGESTS, ARTIFACT_TYPE_SIGNATURE
 from modelpack.signing.sign import write_directory_signature
 
-from modelpack.descriptor import Manifest
-from modelpack.digest import Digest
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.digest import Digest
 from tests.signing_helpers import SMALL_CHUNK, materialise, pack_layout
 
 EMPTY_DIGEST = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"

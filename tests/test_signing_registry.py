@@ -18,11 +18,11 @@ from modelpack.signing.keys import write_keypair
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE
 
 from modelpack.cli import main
-from modelpack.descriptor import Descriptor, Manifest
 from modelpack.events import EventLog, read_events
-from modelpack.reference import parse_reference
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
-from modelpack.targets import open_target
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.opener import open_target
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 MODEL_SIGNING = str(Path(sys.executable).parent / "model_signing")
 

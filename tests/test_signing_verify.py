@@ -22,9 +22,9 @@ from modelpack.signing import (
 from modelpack.signing.policy import RepositoryPolicy
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE
 
-from modelpack.descriptor import Manifest
 from modelpack.events import EventLog, read_events
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.oci.descriptor import Manifest
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.signing_helpers import SMALL_CHUNK, materialise, pack_layout
 
 

@@ -13,7 +13,7 @@ from modelpack.loader.timeline import TimelineError, group_starts, percentile, s
 
 from modelpack.cli import main
 from modelpack.events import EventLog
-from modelpack.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import pack_layout, reference_tensors
 
 

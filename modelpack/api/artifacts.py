@@ -1,0 +1,183 @@
+"""The Python API behind the CLI: every command is a function here (or in its own module)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.errors import PackError
+from modelpack.mediatypes import ModelSpecConfig, is_model_config, parse_layer_media_type
+from modelpack.mediatypes.annotations import layer_filepath
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.packing.packer import PackedArtifact, PackOptions, build_artifact
+from modelpack.targets.fetch import fetch_config, fetch_manifest
+from modelpack.targets.opener import TargetOptions, open_readable, open_target
+from modelpack.transfer.copy import CopyResult, copy
+
+
+@dataclass
+class PackResult:
+    reference: str
+    artifact: PackedArtifact
+    copy: CopyResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "digest": str(self.artifact.digest),
+            "mediaType": self.artifact.manifest.media_type,
+            "artifactType": self.artifact.manifest.artifact_type,
+            "files": len(self.artifact.files),
+            "totalSize": self.artifact.manifest.total_size,
+            "config": self.artifact.config.to_dict(),
+            "transfer": self.copy.to_json(),
+        }
+
+
+def pack(
+    checkpoint_dir: str,
+    destination: str | Reference,
+    options: PackOptions | None = None,
+    target_options: TargetOptions | None = None,
+    *,
+    jobs: int = 4,
+    format: str = "artifact",
+    compression: str | None = None,
+) -> PackResult:
+    """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3).
+
+    ``format="image"`` builds the image-shaped variant (``modelpack.packing.image_format``, for containerd
+    image volumes); ``compression="zstd"`` compresses its tar layers.
+
+    ``checkpoint_dir`` may be ``s3://BUCKET/PREFIX/``: the checkpoint is then read from the bucket
+    by streaming (``modelpack.packing.s3_checkpoint``), never landing on local disk.
+    """
+    from_s3 = checkpoint_dir.startswith("s3://")
+    if not from_s3 and not os.path.isdir(checkpoint_dir):
+        raise PackError(f"{checkpoint_dir}: not a directory")
+    ref = parse_reference(destination) if isinstance(destination, str) else destination
+    if ref.digest:
+        raise PackError(f"{ref}: a pack destination takes a tag, not a digest (the digest is computed)")
+    target = open_target(ref, target_options, for_write=True)
+    staging_parent = ref.location if ref.scheme == "oci" else None
+    options = options or PackOptions()
+    if from_s3:
+        from modelpack.packing.s3_checkpoint import build_s3_artifact
+
+        if format != "artifact" or compression:
+            raise PackError(f"{checkpoint_dir}: --format image needs local files; not supported for s3://")
+        artifact = build_s3_artifact(checkpoint_dir, options, target_options)
+    elif format == "image":
+        from modelpack.packing.image_format import build_image_artifact
+
+        artifact = build_image_artifact(checkpoint_dir, options, compression, staging_parent=staging_parent)
+    else:
+        if format != "artifact" or compression:
+            raise PackError(
+                f"format {format!r} / compression {compression!r}: compression needs --format image"
+            )
+        artifact = build_artifact(checkpoint_dir, options, staging_parent=staging_parent)
+    try:
+        artifact.tag = ref.tag or "latest"
+        result = copy(
+            artifact, target, artifact.tag, ref.tag or "latest", jobs=jobs, progress=options.progress
+        )
+    finally:
+        artifact.cleanup()
+    return PackResult(str(ref.with_tag(ref.tag or "latest")), artifact, result)
+
+
+@dataclass
+class LayerSummary:
+    path: str | None
+    media_type: str
+    kind: str | None
+    size: int
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "mediaType": self.media_type,
+            "kind": self.kind,
+            "size": self.size,
+            "digest": self.digest,
+        }
+
+
+@dataclass
+class ArtifactSummary:
+    reference: str
+    digest: str
+    media_type: str
+    artifact_type: str | None
+    config_media_type: str
+    config: dict[str, Any] | None
+    layers: list[LayerSummary]
+    total_size: int
+    manifest: Manifest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "digest": self.digest,
+            "mediaType": self.media_type,
+            "artifactType": self.artifact_type,
+            "configMediaType": self.config_media_type,
+            "config": self.config,
+            "layers": [layer.to_json() for layer in self.layers],
+            "totalSize": self.total_size,
+        }
+
+
+def inspect(reference: str | Reference, target_options: TargetOptions | None = None) -> ArtifactSummary:
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    target = open_readable(ref, target_options)
+    manifest, digest = fetch_manifest(target, ref.identifier)
+    config: dict[str, Any] | None = None
+    if is_model_config(manifest.config.media_type):
+        config = ModelSpecConfig.from_bytes(fetch_config(target, manifest)).to_dict()
+    layers = []
+    for layer in manifest.layers:
+        lt = parse_layer_media_type(layer.media_type)
+        layers.append(
+            LayerSummary(
+                layer_filepath(layer.annotations),
+                layer.media_type,
+                lt.kind if lt else None,
+                layer.size,
+                str(layer.digest),
+            )
+        )
+    return ArtifactSummary(
+        reference=str(ref),
+        digest=digest,
+        media_type=manifest.media_type,
+        artifact_type=manifest.artifact_type,
+        config_media_type=manifest.config.media_type,
+        config=config,
+        layers=layers,
+        total_size=manifest.total_size,
+        manifest=manifest,
+    )
+
+
+def list_tags(
+    reference: str | Reference, target_options: TargetOptions | None = None
+) -> list[dict[str, Any]]:
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    target = open_readable(ref, target_options)
+    out = []
+    for tag in target.list_tags():
+        desc = target.resolve(tag)
+        out.append(
+            {
+                "tag": tag,
+                "digest": str(desc.digest),
+                "mediaType": desc.media_type,
+                "artifactType": desc.artifact_type,
+            }
+        )
+    return out

@@ -1,0 +1,539 @@
+"""``keygen``, ``sign``, ``verify``, ``audit``, ``diff``: the trust commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from typing import Any
+
+import click
+
+from modelpack.cli import (
+    build_target_options,
+    emit_json,
+    handle_errors,
+    human_size,
+    json_option,
+    main,
+    target_options,
+)
+from modelpack.errors import InvalidReferenceError, ModelpackError
+from modelpack.events import EventLog
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.opener import TargetOptions, open_readable, open_target
+
+_HOST_ONLY = re.compile(
+    r"^(localhost|[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+|[A-Za-z0-9.-]+:[0-9]+|\[[0-9A-Fa-f:]+\](:[0-9]+)?)$"
+)
+
+
+def _read_passphrase(from_stdin: bool) -> str | None:
+    if from_stdin:
+        line = sys.stdin.readline().rstrip("\n")
+        return line or None
+    return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
+
+
+def _policy_from(keys: tuple[str, ...], policy: str | None) -> Any:
+    from modelpack.signing.keys import load_public_key
+    from modelpack.signing.policy import TrustPolicy
+
+    if policy and keys:
+        raise click.UsageError("give --key or --policy, not both")
+    if policy:
+        return TrustPolicy.load(policy)
+    if keys:
+        return TrustPolicy.from_keys([load_public_key(k) for k in keys])
+    return None
+
+
+@main.command("keygen")
+@click.option(
+    "--out", "prefix", required=True, metavar="PREFIX", help="Writes PREFIX.key (0600) and PREFIX.pub."
+)
+@click.option(
+    "--passphrase-stdin",
+    is_flag=True,
+    help="Encrypt the private key with a passphrase read from stdin (else MODELPACK_SIGNING_PASSPHRASE, else none).",
+)
+@json_option
+@handle_errors
+def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
+    """Generate an ECDSA P-256 signing key pair (PKCS#8 PEM private key, SPKI PEM public key).
+
+    \b
+    CI recipe: run once, store PREFIX.key as a CI secret (and its passphrase, if any, as
+    MODELPACK_SIGNING_PASSPHRASE), publish PREFIX.pub to the nodes' trust policy.
+    """
+    from modelpack.signing.keys import generate_key, write_keypair
+
+    key = generate_key()
+    priv, pub = write_keypair(prefix, key, _read_passphrase(passphrase_stdin))
+    if as_json:
+        emit_json({"privateKey": priv, "publicKey": pub, "keyId": key.key_id})
+    else:
+        click.echo(f"private key: {priv}\npublic key:  {pub}\nkey id:      {key.key_id}")
+
+
+@main.command("sign")
+@click.argument("reference")
+@click.option("--key", "key_spec", help="Private key: a PEM file or env:VAR holding the PEM text.")
+@click.option(
+    "--keyless",
+    is_flag=True,
+    help="Sign with a Sigstore OIDC identity (needs the 'keyless' extra and network).",
+)
+@click.option(
+    "--passphrase-stdin",
+    is_flag=True,
+    help="Read the key passphrase from stdin (after --password-stdin's line).",
+)
+@click.option("--no-chunk-table", is_flag=True, help="Do not publish the signed chunk-digest table.")
+@click.option(
+    "--no-directory-signature", is_flag=True, help="Do not publish the model_signing directory signature."
+)
+@click.option(
+    "--chunk-size", type=click.IntRange(64 * 1024, 1 << 30), default=16 * 1024 * 1024, show_default=True
+)
+@target_options
+@json_option
+@handle_errors
+def sign_cmd(
+    reference: str,
+    key_spec: str | None,
+    keyless: bool,
+    passphrase_stdin: bool,
+    no_chunk_table: bool,
+    no_directory_signature: bool,
+    chunk_size: int,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Sign an artifact that is already stored: manifest signature, directory signature and
+    chunk table, each a referrer bound to the manifest digest (tags are not changed)."""
+    topts = build_target_options(kwargs)
+    ref = parse_reference(reference)
+    target = open_target(ref, topts, for_write=True)
+    desc = target.resolve(ref.identifier)
+    if keyless:
+        if key_spec:
+            raise click.UsageError("give --key or --keyless, not both")
+        from modelpack.signing.keyless import sign_keyless
+
+        result = sign_keyless(target, desc)
+        if as_json:
+            emit_json(result)
+        else:
+            click.echo(f"signed {ref} ({desc.digest}) keyless as {result.get('identity')}")
+        return
+    if not key_spec:
+        raise click.UsageError("--key is required (or --keyless)")
+    from modelpack.signing import load_private_key, sign_artifact
+
+    key = load_private_key(key_spec, _read_passphrase(passphrase_stdin))
+    res = sign_artifact(
+        target,
+        desc,
+        key,
+        chunk_table=not no_chunk_table,
+        directory_signature=not no_directory_signature,
+        reference=ref,
+        chunk_size=chunk_size,
+    )
+    if as_json:
+        emit_json({"reference": str(ref), **res.to_json()})
+        return
+    click.echo(f"signed {ref} ({desc.digest}) with key {key.key_id[:16]}")
+    click.echo(f"  signature:           {res.signature.digest}")
+    if res.directory_signature:
+        click.echo(f"  directory signature: {res.directory_signature.digest}")
+    if res.chunk_table:
+        click.echo(f"  chunk table:         {res.chunk_table.digest}")
+    for what, why in res.skipped.items():
+        click.echo(f"  skipped {what}: {why}")
+
+
+@main.command("verify")
+@click.argument("reference")
+@click.option("--key", "keys", multiple=True, help="Trusted public key (PEM file or env:VAR); repeatable.")
+@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
+@click.option(
+    "--directory", type=click.Path(exists=True, file_okay=False), help="Also check a pulled directory."
+)
+@click.option(
+    "--signature", "signature_path", help="model_signing file for --directory (default: the stored one)."
+)
+@click.option("--events", "events_path", help="Append JSON events here ('-' for stderr).")
+@target_options
+@json_option
+@handle_errors
+def verify_cmd(
+    reference: str,
+    keys: tuple[str, ...],
+    policy: str | None,
+    directory: str | None,
+    signature_path: str | None,
+    events_path: str | None,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Verify REFERENCE's signature against trusted keys or a policy; exit 1 when refused."""
+    from modelpack.signing import verify_directory
+    from modelpack.signing.bundle import Bundle
+    from modelpack.signing.referrers import ARTIFACT_TYPE_MODEL_SIGNATURE, find_bundle_referrers
+    from modelpack.signing.verify import resolve_policy, select_directory_bundle, verify_reference
+
+    pol = _policy_from(keys, policy)
+    if pol is None:
+        raise click.UsageError("--key or --policy is required")
+    topts = build_target_options(kwargs)
+    ref = parse_reference(reference)
+    events = EventLog.from_spec(None, events_path) if events_path else None
+    target, desc, result = verify_reference(ref, pol, topts, events=events)
+    doc = result.to_json()
+    if directory:
+        rp = resolve_policy(pol, ref)
+        bundle: Bundle | None = None
+        if not signature_path:
+            bundles = [
+                b.bundle
+                for b in find_bundle_referrers(target, desc, ARTIFACT_TYPE_MODEL_SIGNATURE)
+                if b.bundle
+            ]
+            manifest_raw, mt = target.fetch_manifest(str(desc.digest))
+            from modelpack.oci.descriptor import Manifest
+
+            bundle = select_directory_bundle(bundles, Manifest.parse(manifest_raw, media_type=mt), rp.keys)
+            if bundle is None:
+                raise ModelpackError(
+                    f"{ref}: no directory signature by a trusted key to check {directory} against"
+                )
+        files = verify_directory(
+            directory,
+            rp.keys,
+            signature_path=signature_path,
+            bundle=bundle,
+            reference=str(ref),
+            digest=str(desc.digest),
+            events=events,
+        )
+        doc["directory"] = {"path": directory, "files": len(files), "status": "verified"}
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(f"{ref}: {result.status} ({result.reason})")
+    click.echo(f"  digest: {result.digest}")
+    for s in result.signatures:
+        click.echo(
+            f"  {s.kind} signature {s.referrer[:19]}: {s.status}{' — ' + s.reason if s.reason else ''}"
+        )
+    click.echo(f"  directory signature: {result.directory_signature}; chunk table: {result.chunk_table}")
+    if directory:
+        click.echo(f"  {directory}: {doc['directory']['files']} files match the signed list")
+
+
+def _audit_rows(repo_doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for v in repo_doc["versions"]:
+        model = v["model"] or {}
+        sig = v["signature"]
+        keys = ",".join(k[:12] for k in sig["keyIds"])
+        refs = ",".join(f"{at.rsplit('/', 1)[-1]}×{n}" for at, n in v["referrers"].items())
+        rows.append(
+            [
+                repo_doc["repository"],
+                ",".join(v["tags"]),
+                v["digest"][:19],
+                (v["artifactType"] or v["mediaType"]).rsplit("/", 1)[-1],
+                human_size(v["totalSize"]),
+                str(v["layerCount"]),
+                v["created"] or "-",
+                " ".join(
+                    str(x) for x in (model.get("name"), model.get("version"), model.get("precision")) if x
+                )
+                or "-",
+                sig["status"] + (f"({keys})" if keys else ""),
+                refs or "-",
+            ]
+        )
+    return rows
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+@main.command("audit")
+@click.argument("location")
+@click.option("--key", "keys", multiple=True, help="Trusted public key to check signatures with; repeatable.")
+@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
+@click.option("--repo", "repo_glob", help="With a bare REGISTRY: only repositories matching this glob.")
+@click.option(
+    "--since-digests",
+    type=click.Path(exists=True, dir_okay=False),
+    help="JSON {tag: digest} (or a previous audit --json) to flag tags that moved.",
+)
+@click.option(
+    "--page-size", type=click.IntRange(1, 10000), default=100, show_default=True, help="Catalog page size."
+)
+@target_options
+@json_option
+@handle_errors
+def audit_cmd(
+    location: str,
+    keys: tuple[str, ...],
+    policy: str | None,
+    repo_glob: str | None,
+    since_digests: str | None,
+    page_size: int,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Audit REGISTRY/REPO (or oci:DIR, s3://…), or every repository of a bare REGISTRY host.
+
+    \b
+    Per version: tags (tags sharing a digest are grouped), digest, artifact type, size, layer
+    count, created, model name/version/precision, signature status (verified / invalid /
+    unsigned; 'signed' when no --key/--policy was given) with key ids, referrers by type.
+    Exit status 1 when a tag moved since --since-digests.
+    """
+    from modelpack.inspection.audit import audit_registry, audit_repository, load_since
+
+    pol = _policy_from(keys, policy)
+    since = load_since(since_digests) if since_digests else None
+    topts = build_target_options(kwargs)
+    repos = []
+    if not location.startswith(("oci:", "s3://")) and _HOST_ONLY.match(location):
+        catalog_target = open_readable(parse_reference(f"{location}/catalog"), topts)
+        catalog = getattr(catalog_target, "catalog", None)
+        if catalog is None:
+            raise ModelpackError(f"{location}: this target cannot list a catalog")
+
+        def open_repo(repo: str) -> tuple[Any, Reference]:
+            r = parse_reference(f"{location}/{repo}")
+            return open_readable(r, topts), r
+
+        repos = audit_registry(
+            catalog(page_size=page_size), open_repo, repo_glob=repo_glob, policy_or_keys=pol, since=since
+        )
+    else:
+        if repo_glob:
+            raise click.UsageError("--repo only applies to a bare REGISTRY host")
+        ref = parse_reference(location)
+        if ref.tag or ref.digest:
+            raise InvalidReferenceError(f"{location}: audit takes a repository, not a tag or digest")
+        target = open_readable(ref, topts)
+        name = ref.repo_name
+        repos = [audit_repository(target, name, policy_or_keys=pol, since=since, reference=ref)]
+    docs = [r.to_json() for r in repos]
+    moved = any(r.moved for r in repos)
+    if as_json:
+        emit_json({"repositories": docs})
+    else:
+        header = [
+            "REPOSITORY",
+            "TAGS",
+            "DIGEST",
+            "TYPE",
+            "SIZE",
+            "LAYERS",
+            "CREATED",
+            "MODEL",
+            "SIGNATURE",
+            "REFERRERS",
+        ]
+        _print_table(header, [row for d in docs for row in _audit_rows(d)])
+        for d in docs:
+            for m in d["moved"]:
+                click.echo(
+                    f"MOVED {d['repository']}:{m['tag']}: {m['previous']} → {m['current'] or '(deleted)'}"
+                )
+            if d["error"]:
+                click.echo(f"ERROR {d['repository']}: {d['error']}", err=True)
+    if moved:
+        sys.exit(1)
+
+
+@main.command("diff")
+@click.argument("ref_a")
+@click.argument("ref_b")
+@click.option("--no-tensors", is_flag=True, help="Skip per-tensor digests (no blob downloads).")
+@target_options
+@json_option
+@handle_errors
+def diff_cmd(ref_a: str, ref_b: str, no_tensors: bool, as_json: bool, **kwargs: Any) -> None:
+    """Compare two artifacts: config, files, and tensors of changed safetensors files."""
+    from modelpack.inspection.diff import diff
+
+    topts: TargetOptions = build_target_options(kwargs)
+    d = diff(ref_a, ref_b, topts, tensors=not no_tensors)
+    if as_json:
+        emit_json(d.to_json())
+        return
+    click.echo(f"a: {d.a} {d.digest_a}\nb: {d.b} {d.digest_b}")
+    if d.identical:
+        click.echo("identical")
+        return
+    for c in d.config:
+        click.echo(f"config {c['path']}: {c['before']!r} → {c['after']!r}")
+    for f in d.files:
+        sizes = " → ".join(human_size(x["size"]) for x in (f.before, f.after) if x)
+        click.echo(f"{f.change:<8} {f.path} ({sizes})")
+        for t in f.tensors or []:
+            b, a = t.before or {}, t.after or {}
+            desc = " → ".join(f"{x['dtype']}{x['shape']} {x['digest'][7:19]}" for x in (b, a) if x)
+            click.echo(f"    {t.change:<8} {t.name}: {desc}")
+        if f.tensors is not None:
+            click.echo(f"    ({f.unchanged_tensors} tensors unchanged)")
+
+
+# --------------------------------------------------------------------------- push / pull hooks
+# ``modelpack push --sign-key`` and ``modelpack pull --key/--policy/--signature`` live in
+# cli_transfer.py; the trust part of them is here so that file only gains a few lines.
+
+
+def push_sign_options(fn: Any) -> Any:
+    opts = [
+        click.option("--sign-key", help="Sign after pushing: private key PEM file or env:VAR."),
+        click.option(
+            "--sign-passphrase-stdin",
+            is_flag=True,
+            help="Read the signing key passphrase from stdin (else MODELPACK_SIGNING_PASSPHRASE).",
+        ),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+class _LocalFiles:
+    """Read-only view of a checkpoint directory by manifest layer, for hashing chunk tables from
+    the files a push just uploaded (no second download). Only ``fetch_blob`` is needed."""
+
+    def __init__(self, directory: str, manifest: Any) -> None:
+        from modelpack.mediatypes import layer_filepath
+        from modelpack.mediatypes.annotations import safe_relative_path
+
+        self.name = f"dir:{directory}"
+        self._paths = {}
+        for layer in manifest.layers:
+            rel = layer_filepath(layer.annotations)
+            if rel:
+                self._paths[str(layer.digest)] = os.path.join(directory, safe_relative_path(rel))
+
+    def covers(self, layers: list[Any]) -> bool:
+        for layer in layers:
+            path = self._paths.get(str(layer.digest))
+            if path is None or not os.path.isfile(path) or os.path.getsize(path) != layer.size:
+                return False
+        return True
+
+    def fetch_blob(self, descriptor: Any, offset: int = 0) -> Any:
+        f = open(self._paths[str(descriptor.digest)], "rb")
+        if offset:
+            f.seek(offset)
+        return f
+
+
+def sign_after_push(
+    source: str,
+    destination: str,
+    digest: str,
+    kwargs: dict[str, Any],
+    target_options: TargetOptions,
+) -> dict[str, Any] | None:
+    """Pop the push signing options from ``kwargs``; when ``--sign-key`` was given, sign the
+    pushed manifest (chunk table hashed from the local files when SOURCE is a directory; each
+    file's whole sha256 is checked against its layer in the same pass)."""
+    key_spec = kwargs.pop("sign_key", None)
+    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
+    if not key_spec:
+        return None
+    from modelpack.signing import load_private_key, sign_artifact
+    from modelpack.signing.chunks import _weight_layers, compute_chunk_table
+    from modelpack.targets.fetch import fetch_manifest
+
+    key = load_private_key(key_spec, _read_passphrase(from_stdin))
+    ref = parse_reference(destination)
+    target = open_target(ref, target_options, for_write=True)
+    manifest, _ = fetch_manifest(target, digest)
+    desc = target.resolve(digest)
+    table: Any = True
+    weights = _weight_layers(manifest)
+    if os.path.isdir(source) and weights:
+        local = _LocalFiles(source, manifest)
+        # re-sharded files (--max-file-size) are not on disk as layers: then read the blobs back
+        if local.covers(weights):
+            table = compute_chunk_table(local, manifest)  # type: ignore[arg-type]
+    return sign_artifact(target, desc, key, chunk_table=table, reference=ref).to_json()
+
+
+def pull_trust_options(fn: Any) -> Any:
+    opts = [
+        click.option(
+            "--key", "trust_keys", multiple=True, help="Verify the signature with this public key first."
+        ),
+        click.option(
+            "--policy",
+            "trust_policy",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Verify against this trust policy before any file is written.",
+        ),
+        click.option(
+            "--signature",
+            "signature_path",
+            help="Also write the model_signing signature here (for `model_signing verify key`).",
+        ),
+        click.option(
+            "--events", "trust_events", help="Append JSON events (signing.*) here ('-' for stderr)."
+        ),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def verify_before_pull(
+    reference: str, kwargs: dict[str, Any], target_options: TargetOptions
+) -> tuple[str, dict[str, Any]]:
+    """Pop the pull trust options; with ``--key``/``--policy`` verify the artifact and return a
+    digest-pinned reference (so the tag cannot move between verification and download). Also
+    returns state for ``after_pull``. Refusal raises ``SignatureRefused`` (event written)."""
+    keys = kwargs.pop("trust_keys", ())
+    policy = kwargs.pop("trust_policy", None)
+    state: dict[str, Any] = {
+        "signature": kwargs.pop("signature_path", None),
+        "events": kwargs.pop("trust_events", None),
+        "keys": None,
+    }
+    pol = _policy_from(tuple(keys), policy)
+    if pol is None:
+        return reference, state
+    from modelpack.signing.verify import resolve_policy, verify_reference
+
+    ref = parse_reference(reference)
+    events = EventLog.from_spec(None, state["events"]) if state["events"] else None
+    _, desc, result = verify_reference(ref, pol, target_options, events=events)
+    state["keys"] = list(resolve_policy(pol, ref).keys) or None
+    state["verification"] = result.to_json()
+    # digest only: "oci:DIR:tag@sha256:…" would not parse back to the same layout directory
+    pinned = dataclasses.replace(ref, tag=None, digest=desc.digest)
+    return str(pinned), state
+
+
+def after_pull(reference: str, digest: str, state: dict[str, Any], target_options: TargetOptions) -> None:
+    """Write the model_signing signature file when ``--signature`` was given."""
+    path = state.get("signature")
+    if not path:
+        return
+    from modelpack.signing import write_directory_signature
+
+    ref = parse_reference(reference)
+    target = open_readable(ref, target_options)
+    desc = target.resolve(digest)
+    write_directory_signature(target, desc, path, state.get("keys"))

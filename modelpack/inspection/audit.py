@@ -1,0 +1,245 @@
+"""Registry audit: what is in a repository (or a whole registry), and is each version signed?
+
+For every tag: digest, artifact type, size, layer count, created (when recorded), model
+name/version/precision from the config, signature status (verified / invalid / unsigned, or
+``signed`` when no keys were given) with key ids, and referrers by artifact type. Tags that share
+a digest are grouped into one version; ``since`` (a previous ``{tag: digest}`` map, or a previous
+audit's JSON) flags tags that moved or disappeared.
+
+Only the Target protocol is used, so a registry repository, an OCI layout and an S3 layout audit
+the same way; the catalog walk (``audit_registry``) needs a registry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.errors import ModelpackError
+from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_config
+from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
+from modelpack.oci.digest import verify_bytes
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import ReadableTarget
+
+MAX_SINCE_BYTES = 64 * 1024 * 1024
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class VersionAudit:
+    """One manifest digest in a repository and every tag pointing at it."""
+
+    digest: str
+    tags: list[str]
+    media_type: str
+    artifact_type: str | None = None
+    total_size: int = 0
+    layer_count: int = 0
+    created: str | None = None
+    model: dict[str, str | None] = field(default_factory=dict)
+    signature: str = "unsigned"  # verified | invalid | unsigned | signed (no keys given)
+    key_ids: list[str] = field(default_factory=list)
+    signature_reasons: list[str] = field(default_factory=list)
+    referrers: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "tags": sorted(self.tags),
+            "mediaType": self.media_type,
+            "artifactType": self.artifact_type,
+            "totalSize": self.total_size,
+            "layerCount": self.layer_count,
+            "created": self.created,
+            "model": dict(self.model),
+            "signature": {
+                "status": self.signature,
+                "keyIds": sorted(self.key_ids),
+                "reasons": list(self.signature_reasons),
+            },
+            "referrers": dict(sorted(self.referrers.items())),
+            "error": self.error,
+        }
+
+
+@dataclass
+class RepositoryAudit:
+    repository: str
+    tags: dict[str, str] = field(default_factory=dict)  # tag -> digest
+    versions: list[VersionAudit] = field(default_factory=list)
+    moved: list[dict[str, str | None]] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repository": self.repository,
+            "tags": dict(sorted(self.tags.items())),
+            "versions": [v.to_json() for v in self.versions],
+            "moved": list(self.moved),
+            "error": self.error,
+        }
+
+
+def _signature_status(
+    target: ReadableTarget, desc: Descriptor, keys: list[Any] | None
+) -> tuple[str, list[str], list[str]]:
+    from modelpack.signing.manifest_signature import check_manifest_signatures
+
+    checks = check_manifest_signatures(target, desc, list(keys or []))
+    if not checks:
+        return "unsigned", [], []
+    verified = [c.key_id for c in checks if c.status == "verified"]
+    if verified:
+        return "verified", verified, []
+    if keys is None:
+        # no keys to check against: report what is there and by which key hint
+        hints = [c.key_id for c in checks if c.status == "untrusted" and c.key_id]
+        reasons = [c.reason for c in checks if c.status == "invalid"]
+        return ("signed" if hints else "invalid"), hints, reasons
+    return "invalid", [c.key_id for c in checks if c.key_id], [c.reason for c in checks]
+
+
+def _keys_for(policy_or_keys: Any, repo_ref: Reference | None) -> list[Any] | None:
+    if policy_or_keys is None:
+        return None
+    from modelpack.signing.verify import resolve_policy
+
+    return list(resolve_policy(policy_or_keys, repo_ref).keys)
+
+
+def audit_version(
+    target: ReadableTarget, desc: Descriptor, tags: list[str], keys: list[Any] | None
+) -> VersionAudit:
+    v = VersionAudit(str(desc.digest), tags, desc.media_type, desc.artifact_type)
+    try:
+        raw, media_type = target.fetch_manifest(str(desc.digest))
+        verify_bytes(raw, desc.digest, None, what="manifest", source=target.name)
+        parsed = parse_manifest_or_index(raw, media_type)
+        v.media_type = parsed.media_type
+        if isinstance(parsed, Manifest):
+            v.artifact_type = parsed.artifact_type or parsed.config.media_type
+            v.total_size = parsed.total_size
+            v.layer_count = len(parsed.layers)
+            v.created = (parsed.annotations or {}).get(ANNOTATION_CREATED)
+            if is_model_config(parsed.config.media_type) and parsed.config.size <= MAX_CONFIG_BYTES:
+                with target.fetch_blob(parsed.config) as f:
+                    data = f.read(parsed.config.size + 1)
+                verify_bytes(
+                    data, parsed.config.digest, parsed.config.size, what="config", source=target.name
+                )
+                cfg = ModelSpecConfig.from_bytes(data).to_dict()
+                d, c = cfg.get("descriptor", {}), cfg.get("config", {})
+                v.model = {
+                    "name": d.get("name"),
+                    "version": d.get("version"),
+                    "precision": c.get("precision"),
+                }
+                v.created = d.get("createdAt") or v.created
+        else:
+            v.total_size = sum(m.size for m in parsed.manifests)
+            v.layer_count = len(parsed.manifests)
+        v.signature, v.key_ids, v.signature_reasons = _signature_status(target, desc, keys)
+        for r in target.referrers(Descriptor(desc.media_type, desc.digest, desc.size)):
+            at = r.artifact_type or "unknown"
+            v.referrers[at] = v.referrers.get(at, 0) + 1
+    except (ModelpackError, ValueError, OSError) as exc:
+        v.error = str(exc)
+    return v
+
+
+def load_since(path: str) -> dict[str, str]:
+    """A ``{tag: digest}`` map, a repository audit JSON (``tags``) or a registry audit JSON
+    (``repositories``: keys become ``repo:tag``)."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_SINCE_BYTES + 1)
+    if len(raw) > MAX_SINCE_BYTES:
+        raise ModelpackError(f"{path}: larger than {MAX_SINCE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise ModelpackError(f"{path}: not JSON: {exc}") from exc
+    out: dict[str, str] = {}
+    if isinstance(doc, dict) and isinstance(doc.get("repositories"), list):
+        for repo in doc["repositories"]:
+            if isinstance(repo, dict) and isinstance(repo.get("tags"), dict):
+                for tag, dig in repo["tags"].items():
+                    out[f"{repo.get('repository')}:{tag}"] = str(dig)
+        return out
+    if isinstance(doc, dict) and isinstance(doc.get("tags"), dict):
+        doc = doc["tags"]
+    if not isinstance(doc, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in doc.items()
+    ):
+        raise ModelpackError(f"{path}: expected a JSON object mapping tag → digest (or an audit JSON)")
+    return dict(doc)
+
+
+def audit_repository(
+    target: ReadableTarget,
+    name: str,
+    *,
+    policy_or_keys: Any = None,
+    since: Mapping[str, str] | None = None,
+    reference: Reference | None = None,
+) -> RepositoryAudit:
+    """Audit one repository (any Target). ``since`` keys are tags, or ``repo:tag``."""
+    audit = RepositoryAudit(name)
+    keys = _keys_for(policy_or_keys, reference)
+    by_digest: dict[str, tuple[Descriptor, list[str]]] = {}
+    try:
+        for tag in sorted(set(target.list_tags())):
+            if tag.startswith("sha256-"):
+                continue  # referrers tag-schema indexes and legacy cosign tags are not versions
+            desc = target.resolve(tag)
+            audit.tags[tag] = str(desc.digest)
+            by_digest.setdefault(str(desc.digest), (desc, []))[1].append(tag)
+    except ModelpackError as exc:
+        audit.error = str(exc)
+    for digest in sorted(by_digest, key=lambda d: sorted(by_digest[d][1])[0]):
+        desc, tags = by_digest[digest]
+        audit.versions.append(audit_version(target, desc, tags, keys))
+    if since is not None:
+        for key, previous in sorted(since.items()):
+            tag = key
+            if ":" in key and not key.startswith("sha256"):
+                repo, _, tag = key.rpartition(":")
+                if repo != name:
+                    continue
+            current = audit.tags.get(tag)
+            if current != previous:
+                audit.moved.append({"tag": tag, "previous": previous, "current": current})
+    return audit
+
+
+def audit_registry(
+    repositories: Iterable[str],
+    open_repo: Callable[[str], tuple[ReadableTarget, Reference]],
+    *,
+    repo_glob: str | None = None,
+    policy_or_keys: Any = None,
+    since: Mapping[str, str] | None = None,
+) -> list[RepositoryAudit]:
+    """Audit every repository from a (paginated, lazily consumed) catalog matching ``repo_glob``
+    (matched against the catalog name); results are named ``host/repo`` like a single-repo audit."""
+    out = []
+    for repo in repositories:
+        if repo_glob and not fnmatch.fnmatchcase(repo, repo_glob):
+            continue
+        try:
+            target, ref = open_repo(repo)
+        except ModelpackError as exc:
+            out.append(RepositoryAudit(repo, error=str(exc)))
+            continue
+        out.append(
+            audit_repository(target, ref.repo_name, policy_or_keys=policy_or_keys, since=since, reference=ref)
+        )
+    return out
+
+
+def repository_reference(host: str, repo: str) -> Reference:
+    return parse_reference(f"{host}/{repo}")

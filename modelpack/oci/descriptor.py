@@ -1,0 +1,268 @@
+"""OCI descriptors, manifests and indexes that keep the exact bytes they came from.
+
+A manifest's digest is what gets signed and pinned, so a manifest we did not build is never
+re-serialised: ``Manifest.raw`` is the authority and the parsed fields are a view of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.errors import ManifestError
+from modelpack.mediatypes import (
+    MEDIA_TYPE_DOCKER_MANIFEST,
+    MEDIA_TYPE_DOCKER_MANIFEST_LIST,
+    MEDIA_TYPE_OCI_INDEX,
+    MEDIA_TYPE_OCI_MANIFEST,
+)
+from modelpack.oci.digest import Digest
+
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+MAX_LAYERS = 100_000
+MAX_ANNOTATION_BYTES = 1024 * 1024
+
+
+def canonical_json(doc: Any) -> bytes:
+    """The byte form we write for documents we build: sorted keys, no spaces, UTF-8."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: Digest
+    size: int
+    annotations: Mapping[str, str] | None = None
+    artifact_type: str | None = None
+    platform: Mapping[str, Any] | None = None
+    data: str | None = None
+    urls: tuple[str, ...] | None = None
+
+    def reference_only(self) -> Descriptor:
+        """Just what names the content (type, digest, size, artifact type): what an index entry
+        or a tag should carry, without another entry's annotations."""
+        return Descriptor(self.media_type, self.digest, self.size, artifact_type=self.artifact_type)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mediaType": self.media_type, "digest": str(self.digest), "size": self.size}
+        if self.artifact_type:
+            d["artifactType"] = self.artifact_type
+        if self.annotations:
+            d["annotations"] = dict(self.annotations)
+        if self.platform:
+            d["platform"] = dict(self.platform)
+        if self.data is not None:
+            d["data"] = self.data
+        if self.urls:
+            d["urls"] = list(self.urls)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str = "descriptor") -> Descriptor:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: must be an object")
+        try:
+            media_type = d["mediaType"]
+            digest = Digest(d["digest"])
+            size = d["size"]
+        except KeyError as exc:
+            raise ManifestError(f"{where}: missing {exc.args[0]!r}") from exc
+        except ValueError as exc:
+            raise ManifestError(f"{where}: {exc}") from exc
+        if not isinstance(media_type, str) or not media_type:
+            raise ManifestError(f"{where}: mediaType must be a non-empty string")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ManifestError(f"{where}: size must be a non-negative integer, got {size!r}")
+        annotations = d.get("annotations")
+        if annotations is not None:
+            if not isinstance(annotations, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()
+            ):
+                raise ManifestError(f"{where}: annotations must map strings to strings")
+        artifact_type = d.get("artifactType")
+        if artifact_type is not None and not isinstance(artifact_type, str):
+            raise ManifestError(f"{where}: artifactType must be a string")
+        urls = d.get("urls")
+        return cls(
+            media_type=media_type,
+            digest=digest,
+            size=size,
+            annotations=annotations,
+            artifact_type=artifact_type,
+            platform=d.get("platform"),
+            data=d.get("data"),
+            urls=tuple(urls) if isinstance(urls, list) else None,
+        )
+
+
+def _parse_json_document(raw: bytes, what: str) -> dict[str, Any]:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{what} is {len(raw)} bytes; the limit is {MAX_MANIFEST_BYTES} (4 MiB)")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{what} must be a JSON object")
+    return doc
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An image manifest (OCI or Docker schema 2). ``raw`` is the exact bytes; ``digest`` hashes them."""
+
+    raw: bytes
+    media_type: str
+    config: Descriptor
+    layers: tuple[Descriptor, ...]
+    artifact_type: str | None = None
+    subject: Descriptor | None = None
+    annotations: Mapping[str, str] | None = None
+
+    @property
+    def digest(self) -> Digest:
+        return Digest.from_bytes(self.raw)
+
+    @property
+    def size(self) -> int:
+        return len(self.raw)
+
+    def descriptor(self, annotations: Mapping[str, str] | None = None) -> Descriptor:
+        return Descriptor(
+            media_type=self.media_type,
+            digest=self.digest,
+            size=len(self.raw),
+            annotations=annotations,
+            artifact_type=self.artifact_type or self.config.media_type,
+        )
+
+    @property
+    def total_size(self) -> int:
+        return self.config.size + sum(layer.size for layer in self.layers)
+
+    @classmethod
+    def parse(cls, raw: bytes, *, media_type: str | None = None) -> Manifest:
+        doc = _parse_json_document(raw, "manifest")
+        declared = doc.get("mediaType")
+        mt = declared or media_type or MEDIA_TYPE_OCI_MANIFEST
+        if mt not in (MEDIA_TYPE_OCI_MANIFEST, MEDIA_TYPE_DOCKER_MANIFEST):
+            raise ManifestError(f"unsupported manifest media type {mt!r}")
+        if doc.get("schemaVersion") != 2:
+            raise ManifestError(f"manifest schemaVersion must be 2, got {doc.get('schemaVersion')!r}")
+        if "config" not in doc:
+            raise ManifestError("manifest has no config descriptor")
+        layers_doc = doc.get("layers", [])
+        if not isinstance(layers_doc, list):
+            raise ManifestError("manifest layers must be an array")
+        if len(layers_doc) > MAX_LAYERS:
+            raise ManifestError(f"manifest has {len(layers_doc)} layers; the limit is {MAX_LAYERS}")
+        config = Descriptor.from_dict(doc["config"], where="manifest config")
+        layers = tuple(Descriptor.from_dict(x, where=f"manifest layer {i}") for i, x in enumerate(layers_doc))
+        subject = (
+            Descriptor.from_dict(doc["subject"], where="manifest subject") if doc.get("subject") else None
+        )
+        return cls(
+            raw=raw,
+            media_type=mt,
+            config=config,
+            layers=layers,
+            artifact_type=doc.get("artifactType"),
+            subject=subject,
+            annotations=doc.get("annotations"),
+        )
+
+    @classmethod
+    def build(
+        cls,
+        config: Descriptor,
+        layers: list[Descriptor],
+        *,
+        artifact_type: str | None = None,
+        subject: Descriptor | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> Manifest:
+        """Build an OCI manifest we own; its bytes are canonical JSON, so the digest is reproducible."""
+        doc: dict[str, Any] = {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_TYPE_OCI_MANIFEST,
+            "config": config.to_dict(),
+            "layers": [layer.to_dict() for layer in layers],
+        }
+        if artifact_type:
+            doc["artifactType"] = artifact_type
+        if subject is not None:
+            doc["subject"] = subject.to_dict()
+        if annotations:
+            doc["annotations"] = dict(annotations)
+        raw = canonical_json(doc)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest would be {len(raw)} bytes; registries accept at most 4 MiB")
+        return cls.parse(raw)
+
+
+@dataclass(frozen=True)
+class Index:
+    raw: bytes
+    media_type: str
+    manifests: tuple[Descriptor, ...]
+    annotations: Mapping[str, str] | None = None
+    artifact_type: str | None = None
+    subject: Descriptor | None = None
+
+    @property
+    def digest(self) -> Digest:
+        return Digest.from_bytes(self.raw)
+
+    @classmethod
+    def parse(cls, raw: bytes, *, media_type: str | None = None) -> Index:
+        doc = _parse_json_document(raw, "index")
+        mt = doc.get("mediaType") or media_type or MEDIA_TYPE_OCI_INDEX
+        if mt not in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST):
+            raise ManifestError(f"unsupported index media type {mt!r}")
+        entries = doc.get("manifests", [])
+        if not isinstance(entries, list):
+            raise ManifestError("index manifests must be an array")
+        if len(entries) > MAX_LAYERS:
+            raise ManifestError(f"index has {len(entries)} entries; the limit is {MAX_LAYERS}")
+        return cls(
+            raw=raw,
+            media_type=mt,
+            manifests=tuple(Descriptor.from_dict(x, where=f"index entry {i}") for i, x in enumerate(entries)),
+            annotations=doc.get("annotations"),
+            artifact_type=doc.get("artifactType"),
+            subject=Descriptor.from_dict(doc["subject"], where="index subject")
+            if doc.get("subject")
+            else None,
+        )
+
+    @classmethod
+    def build(cls, manifests: list[Descriptor], *, annotations: Mapping[str, str] | None = None) -> Index:
+        doc: dict[str, Any] = {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_TYPE_OCI_INDEX,
+            "manifests": [m.to_dict() for m in manifests],
+        }
+        if annotations:
+            doc["annotations"] = dict(annotations)
+        return cls.parse(canonical_json(doc))
+
+
+def parse_manifest_or_index(raw: bytes, media_type: str | None = None) -> Manifest | Index:
+    doc = _parse_json_document(raw, "manifest")
+    mt = doc.get("mediaType") or media_type
+    if mt in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST) or (mt is None and "manifests" in doc):
+        return Index.parse(raw, media_type=mt)
+    return Manifest.parse(raw, media_type=mt)
+
+
+EMPTY_JSON = b"{}"
+
+
+def empty_config_descriptor() -> Descriptor:
+    """The OCI empty descriptor (``{}``) used as config by referrers such as signatures."""
+    from modelpack.mediatypes import MEDIA_TYPE_EMPTY
+
+    return Descriptor(media_type=MEDIA_TYPE_EMPTY, digest=Digest.from_bytes(EMPTY_JSON), size=2, data="e30=")

@@ -1,0 +1,152 @@
+"""Reference parsing for every place an artifact can live.
+
+Forms:
+  ``host[:port]/repo/path[:tag][@sha256:…]``  a registry repository (Docker Hub short names are
+                                               expanded as docker does: ``docker.io/library/x``)
+  ``oci:PATH[:TAG|@sha256:…]``                an OCI image layout directory
+  ``s3://BUCKET[/PREFIX][:TAG|@sha256:…]``    an OCI image layout stored in an S3 bucket
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from modelpack.errors import InvalidDigestError, InvalidReferenceError
+from modelpack.oci.digest import Digest
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_REPO_COMPONENT_RE = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_HOST_RE = re.compile(r"^(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?$")
+_S3_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+DOCKER_HUB = "docker.io"
+DEFAULT_TAG = "latest"
+
+
+def validate_tag(tag: str) -> str:
+    if not _TAG_RE.match(tag):
+        raise InvalidReferenceError(f"invalid tag {tag!r}: 1-128 of [A-Za-z0-9_.-], not starting with . or -")
+    return tag
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A parsed reference. ``scheme`` is ``registry``, ``oci`` or ``s3``.
+
+    ``location`` is the registry host, the layout directory, or ``bucket/prefix``; ``repository``
+    is only set for registries.
+    """
+
+    scheme: str
+    location: str
+    repository: str = ""
+    tag: str | None = None
+    digest: Digest | None = None
+
+    @property
+    def identifier(self) -> str:
+        """What to resolve inside the target: the digest when pinned, else the tag."""
+        if self.digest:
+            return str(self.digest)
+        return self.tag or DEFAULT_TAG
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.digest is not None
+
+    @property
+    def bucket(self) -> str:
+        return self.location.split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        parts = self.location.split("/", 1)
+        return parts[1] if len(parts) > 1 else ""
+
+    def with_tag(self, tag: str | None) -> Reference:
+        return replace(self, tag=validate_tag(tag) if tag else None, digest=None)
+
+    def with_digest(self, digest: str) -> Reference:
+        return replace(self, digest=Digest(digest))
+
+    @property
+    def repo_name(self) -> str:
+        """``registry/repository`` (or the layout/bucket location): the thing a policy glob matches."""
+        if self.scheme == "registry":
+            return f"{self.location}/{self.repository}"
+        return f"{self.scheme}:{self.location}" if self.scheme == "oci" else f"s3://{self.location}"
+
+    def __str__(self) -> str:
+        suffix = ""
+        if self.tag:
+            suffix += f":{self.tag}"
+        if self.digest:
+            suffix += f"@{self.digest}"
+        if self.scheme == "registry":
+            return f"{self.location}/{self.repository}{suffix}"
+        if self.scheme == "oci":
+            return f"oci:{self.location}{suffix}"
+        return f"s3://{self.location}{suffix}"
+
+
+def _split_digest(text: str) -> tuple[str, Digest | None]:
+    if "@" not in text:
+        return text, None
+    head, _, dig = text.rpartition("@")
+    try:
+        return head, Digest(dig)
+    except InvalidDigestError as exc:
+        raise InvalidReferenceError(f"reference {text!r}: {exc}") from exc
+
+
+def _split_tag(text: str) -> tuple[str, str | None]:
+    """Split a trailing ``:tag`` that is not part of a path or a host:port."""
+    head, sep, tail = text.rpartition(":")
+    if not sep or "/" in tail or not tail:
+        return text, None
+    return head, validate_tag(tail)
+
+
+def parse_reference(text: str) -> Reference:
+    if not isinstance(text, str) or not text or len(text) > 4096:
+        raise InvalidReferenceError(f"invalid reference {text!r}")
+    if text.startswith("oci:"):
+        body, digest = _split_digest(text[4:])
+        path, tag = (body, None) if digest else _split_tag(body)
+        if not path:
+            raise InvalidReferenceError(f"reference {text!r}: missing layout directory after 'oci:'")
+        return Reference("oci", path, tag=tag, digest=digest)
+    if text.startswith("s3://"):
+        body, digest = _split_digest(text[5:])
+        loc, tag = (body, None) if digest else _split_tag(body)
+        loc = loc.strip("/")
+        bucket = loc.split("/", 1)[0]
+        if not _S3_BUCKET_RE.match(bucket):
+            raise InvalidReferenceError(f"reference {text!r}: {bucket!r} is not a valid S3 bucket name")
+        if ".." in loc.split("/"):
+            raise InvalidReferenceError(f"reference {text!r}: '..' in the S3 prefix")
+        return Reference("s3", loc, tag=tag, digest=digest)
+    if "://" in text:
+        raise InvalidReferenceError(
+            f"reference {text!r}: unknown scheme; use host/repo:tag, oci:DIR:TAG or s3://…"
+        )
+    body, digest = _split_digest(text)
+    name, tag = _split_tag(body)
+    parts = name.split("/")
+    first = parts[0]
+    if len(parts) > 1 and ("." in first or ":" in first or first == "localhost" or first.startswith("[")):
+        host, repo_parts = first, parts[1:]
+    else:
+        host, repo_parts = DOCKER_HUB, (["library", *parts] if len(parts) == 1 else parts)
+    if not _HOST_RE.match(host):
+        raise InvalidReferenceError(f"reference {text!r}: invalid registry host {host!r}")
+    for comp in repo_parts:
+        if not _REPO_COMPONENT_RE.match(comp):
+            raise InvalidReferenceError(
+                f"reference {text!r}: invalid repository component {comp!r} (lowercase letters, digits, . _ -)"
+            )
+    repository = "/".join(repo_parts)
+    if len(repository) > 255:
+        raise InvalidReferenceError(f"reference {text!r}: repository name longer than 255 characters")
+    return Reference("registry", host, repository=repository, tag=tag, digest=digest)

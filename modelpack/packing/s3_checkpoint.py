@@ -1,0 +1,290 @@
+"""Pack a checkpoint that lives in S3 as plain files, streaming it: nothing lands on local disk.
+
+``modelpack pack s3://BUCKET/CHECKPOINT_PREFIX/ DEST`` lists the objects under the prefix, hashes
+each one by streaming it (objects in parallel threads; hashlib releases the GIL), validates every
+safetensors header with a range read, and builds the same manifest ``modelpack.packing.packer`` builds
+for a local directory holding the same files (same classification, config inference, annotations,
+so the manifest digest is identical). The result is a ``PackedArtifact`` whose files open as S3
+streams; ``copy()`` then streams each object a second time into the destination, whose writer
+checks the digest again.
+
+Both reads are pinned to the ETag seen when listing (``If-Match``): if an object is replaced
+between hashing and uploading, the upload fails instead of publishing bytes nobody hashed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
+
+from modelpack.errors import InvalidReferenceError, PackError, SafetensorsError
+from modelpack.mediatypes.annotations import UnsafePathError, safe_relative_path
+from modelpack.oci.digest import HASH_CHUNK, Digest
+from modelpack.packing.packer import (
+    OTHER_FILE_CHOICES,
+    PackedArtifact,
+    PackedFile,
+    PackOptions,
+    classify,
+    describe_model,
+)
+from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
+from modelpack.progress import Progress
+from modelpack.targets.s3 import S3ReadStream, _client_errors, _is_not_found, _wrap, make_client
+
+if TYPE_CHECKING:
+    from modelpack.targets.opener import TargetOptions
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
+HEADER_PROBE = 64 * 1024
+MAX_CONFIG_JSON = 16 * 1024 * 1024
+
+
+def is_s3_url(text: str) -> bool:
+    return isinstance(text, str) and text.startswith("s3://")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix/`` → (bucket, ``some/prefix``). No tag or digest here."""
+    if not is_s3_url(url):
+        raise InvalidReferenceError(f"{url!r} is not an s3:// URL")
+    body = url[5:].strip("/")
+    bucket, _, prefix = body.partition("/")
+    if not _BUCKET_RE.match(bucket):
+        raise InvalidReferenceError(f"{url!r}: {bucket!r} is not a valid S3 bucket name")
+    if ".." in prefix.split("/"):
+        raise InvalidReferenceError(f"{url!r}: '..' in the S3 prefix")
+    return bucket, prefix
+
+
+def is_s3_checkpoint(url: str, target_options: TargetOptions | None = None, *, client: Any = None) -> bool:
+    """Whether ``url`` names plain checkpoint files rather than an OCI layout in the bucket.
+
+    ``s3://B/P:TAG`` and ``…@sha256:…`` are layout references. Otherwise the prefix is a layout
+    when it holds an ``oci-layout`` object, else it is a checkpoint (one HEAD request).
+    """
+    if not is_s3_url(url):
+        return False
+    body = url[5:].rstrip("/")
+    if "@" in body or ":" in body.rsplit("/", 1)[-1]:
+        return False
+    bucket, prefix = parse_s3_url(url)
+    if client is None:
+        client = make_client(
+            target_options.s3_endpoint if target_options else None,
+            target_options.s3_region if target_options else None,
+        )
+    key = f"{prefix}/oci-layout" if prefix else "oci-layout"
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+    except _client_errors() as exc:
+        if _is_not_found(exc):
+            return True
+        raise _wrap(exc, "HeadObject", f"s3://{bucket}/{key}") from exc
+    return False
+
+
+@dataclass(frozen=True)
+class S3Object:
+    key: str
+    relpath: str
+    size: int
+    etag: str
+
+
+def _matches(relpath: str, patterns: Sequence[str]) -> bool:
+    return any(
+        fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(os.path.basename(relpath), p) for p in patterns
+    )
+
+
+def list_checkpoint(
+    client: Any, bucket: str, prefix: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[S3Object]:
+    """The objects to pack under ``prefix``, sorted by path parts, as ``discover_files`` does.
+
+    Directory markers (keys ending in ``/``) and hidden entries (``.cache/…``) are skipped; a
+    key that would not be a safe relative path (``a//b``, ``..``) is refused.
+    """
+    where = f"s3://{bucket}/{prefix}"
+    base = f"{prefix}/" if prefix else ""
+    out: list[S3Object] = []
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": base}
+    while True:
+        try:
+            resp = client.list_objects_v2(**kwargs)
+        except _client_errors() as exc:
+            raise _wrap(exc, "ListObjectsV2", where) from exc
+        for obj in resp.get("Contents", []):
+            key = str(obj["Key"])
+            rel = key[len(base) :]
+            if not rel or rel.endswith("/"):
+                continue
+            if any(part.startswith(".") for part in rel.split("/")):
+                continue
+            try:
+                if safe_relative_path(rel, what="object key") != rel:
+                    raise UnsafePathError(f"object key {rel!r} is not a normalised path (// or ./)")
+            except UnsafePathError as exc:
+                raise PackError(f"s3://{bucket}/{key}: {exc}") from exc
+            if include and not _matches(rel, include):
+                continue
+            if exclude and _matches(rel, exclude):
+                continue
+            out.append(S3Object(key, rel, int(obj["Size"]), str(obj.get("ETag") or "")))
+        if not resp.get("IsTruncated"):
+            break
+        kwargs["ContinuationToken"] = resp["NextContinuationToken"]
+    out.sort(key=lambda o: o.relpath.split("/"))
+    if not out:
+        raise PackError(f"{where}: no objects to pack (empty prefix, or everything excluded)")
+    return out
+
+
+class _Reader:
+    """Opens pinned (``If-Match``) streams and ranges of one bucket's objects."""
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self.client = client
+        self.bucket = bucket
+
+    def where(self, obj: S3Object) -> str:
+        return f"s3://{self.bucket}/{obj.key}"
+
+    def open(self, obj: S3Object, offset: int = 0) -> BinaryIO:
+        stream = S3ReadStream(
+            self.client, self.bucket, obj.key, offset, obj.size, self.where(obj), etag=obj.etag or None
+        )
+        return cast(BinaryIO, stream)
+
+    def opener(self, obj: S3Object) -> Callable[[int], BinaryIO]:
+        return lambda offset: self.open(obj, offset)
+
+    def read_range(self, obj: S3Object, offset: int, length: int) -> bytes:
+        with self.open(obj, offset) as f:
+            chunks = []
+            got = 0
+            while got < length:
+                data = f.read(min(length - got, HASH_CHUNK))
+                if not data:
+                    break
+                chunks.append(data)
+                got += len(data)
+        return b"".join(chunks)
+
+    def header(self, obj: S3Object) -> SafetensorsHeader:
+        """Strict safetensors header check from at most two range reads."""
+        where = self.where(obj)
+        if obj.size < 8:
+            raise SafetensorsError(where, f"file is {obj.size} bytes; a safetensors file has at least 8")
+        probe = self.read_range(obj, 0, min(obj.size, HEADER_PROBE))
+        n = int.from_bytes(probe[:8], "little")
+        if n > MAX_HEADER_BYTES:
+            raise SafetensorsError(where, f"header length {n} exceeds the 100 MB limit")
+        if 8 + n > obj.size:
+            raise SafetensorsError(
+                where, f"header length {n} runs past the end of the file ({obj.size} bytes)"
+            )
+        header = probe[8 : 8 + n]
+        if len(header) < n:
+            header += self.read_range(obj, len(probe), 8 + n - len(probe))
+        return parse_header_bytes(where, probe[:8], header, obj.size)
+
+    def hash(self, obj: S3Object, progress: Progress) -> Digest:
+        h = hashlib.sha256()
+        with self.open(obj) as f:
+            while True:
+                data = f.read(HASH_CHUNK)
+                if not data:
+                    break
+                h.update(data)
+                progress.update(len(data))
+        return Digest.from_hex(h.hexdigest())
+
+
+def build_s3_artifact(
+    url: str,
+    opts: PackOptions | None = None,
+    target_options: TargetOptions | None = None,
+    *,
+    client: Any = None,
+) -> PackedArtifact:
+    """Validate, hash and describe the checkpoint under ``url`` without downloading it to disk."""
+    opts = opts or PackOptions()
+    if opts.other_files not in OTHER_FILE_CHOICES:
+        raise PackError(f"--other-files must be one of {', '.join(OTHER_FILE_CHOICES)}")
+    bucket, prefix = parse_s3_url(url)
+    if client is None:
+        client = make_client(
+            target_options.s3_endpoint if target_options else None,
+            target_options.s3_region if target_options else None,
+            max_pool=32,
+        )
+    reader = _Reader(client, bucket)
+    objects = list_checkpoint(client, bucket, prefix, opts.include, opts.exclude)
+    kinds: list[tuple[S3Object, str, bool]] = []
+    for obj in objects:
+        kind, untested = classify(obj.relpath, opts.other_files)
+        if kind is None:
+            raise PackError(f"{reader.where(obj)}: not a recognised model file and --other-files=refuse")
+        kinds.append((obj, kind, untested))
+    jobs = max(1, min(opts.jobs or 8, len(objects)))
+    tensors = [o for o in objects if o.relpath.endswith(".safetensors")]
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="modelpack-s3-pack") as pool:
+        headers = dict(zip((o.relpath for o in tensors), pool.map(reader.header, tensors), strict=True))
+        if opts.max_file_size and any(h.file_size > opts.max_file_size for h in headers.values()):
+            raise PackError(
+                f"{url}: --max-file-size re-sharding needs local files; it is not supported for s3:// "
+                "checkpoints (re-shard before uploading, or pack from a local copy)"
+            )
+        total = sum(o.size for o in objects)
+        with Progress(total, "hash", opts.progress) as prog:
+            order = sorted(range(len(objects)), key=lambda i: -objects[i].size)
+            digests = dict(zip(order, pool.map(lambda i: reader.hash(objects[i], prog), order), strict=True))
+    packed = [
+        PackedFile(
+            obj.relpath,
+            reader.where(obj),
+            kind,
+            untested,
+            obj.size,
+            digests[i],
+            opener=reader.opener(obj),
+        )
+        for i, (obj, kind, untested) in enumerate(kinds)
+    ]
+    hf_config = None
+    for obj in objects:
+        if obj.relpath == "config.json":
+            if obj.size > MAX_CONFIG_JSON:
+                raise PackError(
+                    f"{reader.where(obj)}: larger than {MAX_CONFIG_JSON} bytes; refusing to parse"
+                )
+            try:
+                doc = json.loads(reader.read_range(obj, 0, obj.size))
+            except ValueError as exc:
+                raise PackError(f"{reader.where(obj)}: invalid JSON: {exc}") from exc
+            hf_config = doc if isinstance(doc, dict) else None
+    last = prefix.rsplit("/", 1)[-1] if prefix else bucket
+    default_name = _NAME_RE.sub("-", last) or "model"
+    spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
+    name = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    return PackedArtifact(manifest, spec, config_bytes, packed, name=name)
+
+
+__all__ = [
+    "S3Object",
+    "build_s3_artifact",
+    "is_s3_checkpoint",
+    "is_s3_url",
+    "list_checkpoint",
+    "parse_s3_url",
+]

@@ -1,0 +1,103 @@
+"""The one abstraction for every place an artifact lives (after oras-go's ``Target``).
+
+A ``ReadableTarget`` resolves tags, hands out exact manifest bytes and streams blobs; a
+``Target`` can also take blobs and manifests. Backings: OCI layout directory
+(``modelpack.targets.layout``), registry (``modelpack.targets.registry``), S3 (``modelpack.targets.s3``), and the in-memory
+view of a checkpoint being packed (``modelpack.packing.packer``). Targets never verify on behalf of the
+caller except where noted: the copy engine wraps every read in a ``VerifyingReader``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, runtime_checkable
+
+from modelpack.oci.descriptor import Descriptor
+
+
+@dataclass(frozen=True)
+class BlobSource:
+    """Where the bytes of a blob being pushed come from.
+
+    ``open(offset)`` returns a fresh stream positioned at ``offset`` (resumable uploads need it).
+    ``local_path``, when set, is a local file whose whole content is the blob. ``verified`` says
+    this process hashed that very file to ``descriptor`` (the packer does); only then may a writer
+    reflink/hard-link it instead of streaming it through a digest check.
+    """
+
+    descriptor: Descriptor
+    opener: Callable[[int], BinaryIO]
+    local_path: str | None = None
+    verified: bool = False
+
+    def open(self, offset: int = 0) -> BinaryIO:
+        return self.opener(offset)
+
+
+def file_blob_source(
+    descriptor: Descriptor, path: str | os.PathLike[str], *, verified: bool = False
+) -> BlobSource:
+    p = os.fspath(path)
+
+    def opener(offset: int) -> BinaryIO:
+        f = open(p, "rb")
+        if offset:
+            f.seek(offset)
+        return f
+
+    return BlobSource(descriptor=descriptor, opener=opener, local_path=p, verified=verified)
+
+
+def bytes_blob_source(descriptor: Descriptor, data: bytes) -> BlobSource:
+    import io
+
+    return BlobSource(descriptor=descriptor, opener=lambda offset: io.BytesIO(data[offset:]))
+
+
+@runtime_checkable
+class ReadableTarget(Protocol):
+    """Read side of a target. ``name`` identifies it in errors and events (never with credentials)."""
+
+    name: str
+
+    def resolve(self, reference: str) -> Descriptor:
+        """Tag or ``sha256:`` digest → the manifest's descriptor. Raises NotFoundError."""
+        ...
+
+    def fetch_manifest(self, reference: str) -> tuple[bytes, str]:
+        """Exact manifest (or index) bytes and media type, by tag or digest. Digest refs are verified."""
+        ...
+
+    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+        """A stream of the blob from ``offset``; the caller verifies (see ``VerifyingReader``)."""
+        ...
+
+    def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` (unverified: ranges cannot be checked alone)."""
+        ...
+
+    def exists(self, descriptor: Descriptor) -> bool:
+        """Whether the blob (or manifest, by digest) is present with that size."""
+        ...
+
+    def list_tags(self) -> Iterator[str]: ...
+
+    def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
+        """Manifests whose ``subject`` is ``subject`` (OCI 1.1), optionally of one artifact type."""
+        ...
+
+
+@runtime_checkable
+class Target(ReadableTarget, Protocol):
+    def push_blob(self, source: BlobSource) -> None:
+        """Store a blob, checking size and digest of the bytes as they stream (or trusting a
+        ``verified`` local file); a failed check leaves nothing visible and raises."""
+        ...
+
+    def push_manifest(self, raw: bytes, media_type: str, tag: str | None = None) -> Descriptor:
+        """Store exact manifest bytes (by digest) and, if given, point ``tag`` at them."""
+        ...
+
+    def tag(self, descriptor: Descriptor, tag: str) -> None: ...

@@ -1,0 +1,1 @@
+"""Synthetic checkpoints for the demo, the tests and the benchmarks (generated, never downloaded)."""

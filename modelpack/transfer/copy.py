@@ -1,0 +1,172 @@
+"""The copy engine: ``copy(src, dst, ref)`` walks manifest → config → layers (→ referrers).
+
+push, pull and cp are all this function between two targets. It skips blobs the destination
+has, lets a destination mount across repositories when it can, runs transfers concurrently, and
+only then writes the manifest, so a tag never points at a manifest with missing blobs. Every
+blob read from a source goes through a target's verified write (see ``Target.push_blob``); the
+manifest bytes are copied exactly, never re-serialised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
+from modelpack.progress import CountingReader, Progress, TransferBar
+from modelpack.targets.base import BlobSource, ReadableTarget, Target
+
+DEFAULT_JOBS = 4
+
+
+@dataclass
+class CopyResult:
+    descriptor: Descriptor
+    manifest: Manifest | Index
+    blobs_total: int = 0
+    blobs_copied: int = 0
+    blobs_skipped: int = 0
+    blobs_mounted: int = 0
+    bytes_copied: int = 0
+    bytes_skipped: int = 0
+    referrers: list[Descriptor] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": str(self.descriptor.digest),
+            "mediaType": self.descriptor.media_type,
+            "size": self.descriptor.size,
+            "blobs": {
+                "total": self.blobs_total,
+                "copied": self.blobs_copied,
+                "skipped": self.blobs_skipped,
+                "mounted": self.blobs_mounted,
+            },
+            "bytes": {"copied": self.bytes_copied, "skipped": self.bytes_skipped},
+            "referrers": [str(r.digest) for r in self.referrers],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def blob_source_for(src: ReadableTarget, desc: Descriptor, bar: TransferBar | None = None) -> BlobSource:
+    """A BlobSource reading ``desc`` from ``src``; offers a local path when the source has one."""
+    local_source = getattr(src, "blob_source", None)
+    if local_source is not None:
+        source: BlobSource = local_source(desc)
+        if bar is None:
+            return source
+        inner = source.opener
+        return BlobSource(
+            desc,
+            lambda off: CountingReader(inner(off), bar),  # type: ignore[arg-type,return-value]
+            source.local_path,
+            source.verified,
+        )
+    return BlobSource(desc, lambda off: CountingReader(src.fetch_blob(desc, off), bar))  # type: ignore[arg-type,return-value]
+
+
+def _blobs_of(manifest: Manifest, layer_filter: Callable[[Descriptor], bool] | None) -> list[Descriptor]:
+    layers = [lyr for lyr in manifest.layers if layer_filter is None or layer_filter(lyr)]
+    out: list[Descriptor] = []
+    seen: set[str] = set()
+    for d in [manifest.config, *layers]:
+        if d.digest not in seen:
+            seen.add(d.digest)
+            out.append(d)
+    return out
+
+
+def copy(
+    src: ReadableTarget,
+    dst: Target,
+    src_ref: str,
+    dst_tag: str | None = None,
+    *,
+    jobs: int = DEFAULT_JOBS,
+    referrers: bool = False,
+    progress: str = "auto",
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> CopyResult:
+    """Copy the manifest (or index) named by ``src_ref`` and everything it references.
+
+    ``dst_tag`` tags the result in ``dst`` (None: push by digest only). With ``referrers=True``
+    the manifests that refer to it (signatures, chunk tables) are copied too, recursively.
+    """
+    start = time.monotonic()
+    desc = src.resolve(src_ref)
+    raw, media_type = src.fetch_manifest(str(desc.digest))
+    parsed = parse_manifest_or_index(raw, media_type)
+    result = CopyResult(descriptor=desc, manifest=parsed)
+
+    if isinstance(parsed, Index):
+        for child in parsed.manifests:
+            sub = copy(
+                src,
+                dst,
+                str(child.digest),
+                None,
+                jobs=jobs,
+                referrers=referrers,
+                progress=progress,
+                on_event=on_event,
+            )
+            result.blobs_total += sub.blobs_total
+            result.blobs_copied += sub.blobs_copied
+            result.blobs_skipped += sub.blobs_skipped
+            result.blobs_mounted += sub.blobs_mounted
+            result.bytes_copied += sub.bytes_copied
+            result.bytes_skipped += sub.bytes_skipped
+    else:
+        blobs = _blobs_of(parsed, None)
+        result.blobs_total = len(blobs)
+        todo: list[Descriptor] = []
+        for b in blobs:
+            if dst.exists(b):
+                result.blobs_skipped += 1
+                result.bytes_skipped += b.size
+            else:
+                todo.append(b)
+        try_mount = getattr(dst, "try_mount", None)
+        with Progress(sum(b.size for b in todo), f"copy {desc.digest.hex[:12]}", progress) as prog:
+
+            def transfer(b: Descriptor) -> str:
+                if try_mount is not None and try_mount(b, src):
+                    prog.update(b.size)
+                    return "mounted"
+                bar = prog.transfer(b.size, b.digest.hex[:12]) if prog.enabled else None
+                try:
+                    dst.push_blob(blob_source_for(src, b, bar))
+                finally:
+                    if bar is not None:
+                        bar.close()
+                return "copied"
+
+            workers = max(1, min(jobs, len(todo)))
+            if todo:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="modelpack-copy") as pool:
+                    for b, outcome in zip(todo, pool.map(transfer, todo), strict=True):
+                        if outcome == "mounted":
+                            result.blobs_mounted += 1
+                        else:
+                            result.blobs_copied += 1
+                            result.bytes_copied += b.size
+                        if on_event:
+                            on_event({"event": f"blob.{outcome}", "digest": str(b.digest), "bytes": b.size})
+
+    pushed = dst.push_manifest(raw, desc.media_type, dst_tag)
+    result.descriptor = Descriptor(
+        pushed.media_type,
+        pushed.digest,
+        pushed.size,
+        artifact_type=pushed.artifact_type or desc.artifact_type,
+    )
+    if referrers:
+        for r in src.referrers(desc):
+            copy(src, dst, str(r.digest), None, jobs=jobs, referrers=True, progress="off", on_event=on_event)
+            result.referrers.append(r)
+    result.seconds = time.monotonic() - start
+    return result
