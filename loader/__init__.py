@@ -8,18 +8,6 @@ and refuse a load whose manifest digest or compatibility fingerprint does not ma
 
 from __future__ import annotations
 
-from modelpack.loader.errors import (
-    ExpectedDigestError,
-    FingerprintFileError,
-    FingerprintMismatchError,
-    LoaderError,
-    PlanError,
-    SourceError,
-    TruncatedSourceError,
-    UnpinnedReferenceError,
-    UnsupportedDtypeError,
-    UnverifiedSourceError,
-)
 from modelpack.loader.fingerprint import (
     FINGERPRINT_FILE,
     LOADER_FORMAT_VERSION,
@@ -37,6 +25,19 @@ from modelpack.loader.pipeline import (
     prepare,
 )
 from modelpack.loader.plan import DEFAULT_RULES, ReadPlan, ShardRule
+
+from modelpack.errors import (
+    ExpectedDigestError,
+    FingerprintFileError,
+    FingerprintMismatchError,
+    LoaderError,
+    PlanError,
+    SourceError,
+    TruncatedSourceError,
+    UnpinnedReferenceError,
+    UnsupportedDtypeError,
+    UnverifiedSourceError,
+)
 
 __all__ = [
     "DEFAULT_RULES",

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from modelpack.loader.errors import FingerprintFileError, FingerprintMismatchError
-
+from modelpack.errors import FingerprintFileError, FingerprintMismatchError
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import canonical_json
 

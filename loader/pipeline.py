@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from modelpack.loader.errors import LoaderError, PlanError, UnsupportedDtypeError
 from modelpack.loader.fingerprint import (
     Fingerprint,
     FingerprintLike,
@@ -50,7 +49,13 @@ from modelpack.loader.readers import FileReader, RangeReader
 from modelpack.loader.sources import ResolvedSource, WeightFile, resolve_source
 from modelpack.loader.staging import Slot, StagingRing
 
-from modelpack.errors import DigestMismatchError, SizeMismatchError
+from modelpack.errors import (
+    DigestMismatchError,
+    LoaderError,
+    PlanError,
+    SizeMismatchError,
+    UnsupportedDtypeError,
+)
 from modelpack.events import EventLog, NullEventLog
 from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
 from modelpack.progress import Progress

@@ -23,8 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from modelpack.loader.errors import PlanError
-
+from modelpack.errors import PlanError
 from modelpack.packing.safetensors_format import DTYPE_BITS, SafetensorsHeader, TensorInfo
 
 

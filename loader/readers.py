@@ -23,8 +23,8 @@ import threading
 from typing import Protocol
 
 import numpy as np
-from modelpack.loader.errors import SourceError, TruncatedSourceError
 
+from modelpack.errors import SourceError, TruncatedSourceError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import ReadableTarget
 

@@ -27,17 +27,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.loader.errors import (
-    ExpectedDigestError,
-    SourceError,
-    UnpinnedReferenceError,
-    UnverifiedSourceError,
-)
 from modelpack.loader.readers import FileReader, RangeReader, TargetReader
 from modelpack.mediatypes import parse_layer_media_type
-from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath, safe_relative_path
+from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
 
-from modelpack.errors import ManifestError, ModelpackError, NotFoundError
+from modelpack.errors import (
+    ExpectedDigestError,
+    ManifestError,
+    ModelpackError,
+    NotFoundError,
+    SourceError,
+    UnpinnedReferenceError,
+    UnsafePathError,
+    UnverifiedSourceError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import parse_reference

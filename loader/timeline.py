@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.loader.errors import LoaderError
+from modelpack.errors import TimelineError
 
 STAGES = ("t2", "t3", "t4", "t5", "t9")
 STAGE_NAMES = {
@@ -38,10 +38,6 @@ _FIRST = {"t2", "t3"}
 STATES = ("cold", "hit", "streamed")
 MAX_LINE_BYTES = 1024 * 1024
 MAX_FILE_BYTES = 1024 * 1024 * 1024
-
-
-class TimelineError(LoaderError):
-    """An event log that cannot be read (missing, oversized, not JSON lines)."""
 
 
 def read_event_file(path: str) -> list[dict[str, Any]]:

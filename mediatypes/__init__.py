@@ -14,7 +14,7 @@ from modelpack.mediatypes.annotations import (
     FileMetadata,
     layer_filepath,
 )
-from modelpack.mediatypes.config import ConfigError, ModelConfig, ModelDescriptor, ModelFS, ModelSpecConfig
+from modelpack.mediatypes.config import ModelConfig, ModelDescriptor, ModelFS, ModelSpecConfig
 from modelpack.mediatypes.types import (
     ARTIFACT_TYPE_MODEL,
     FORMATS,
@@ -35,6 +35,8 @@ from modelpack.mediatypes.types import (
     layer_media_type,
     parse_layer_media_type,
 )
+
+from modelpack.errors import ConfigError
 
 __all__ = [
     "ANNOTATION_CREATED",

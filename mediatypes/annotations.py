@@ -7,6 +7,8 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from modelpack.errors import UnsafePathError
+
 ANNOTATION_FILEPATH = "org.cncf.model.filepath"
 ANNOTATION_FILE_METADATA = "org.cncf.model.file.metadata+json"
 ANNOTATION_FILE_MEDIATYPE_UNTESTED = "org.cncf.model.file.mediatype.untested"
@@ -15,10 +17,6 @@ ANNOTATION_CREATED = "org.opencontainers.image.created"
 
 _LEGACY_FILEPATH = "org.cnai.model.filepath"
 _LEGACY_FILE_METADATA = "org.cnai.model.file.metadata+json"
-
-
-class UnsafePathError(ValueError):
-    """A layer names a path that would land outside the destination directory."""
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack.errors import ConfigError
+
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
-class ConfigError(ValueError):
-    """A model config that breaks the ModelPack schema; ``path`` is the JSON path at fault."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"model config {path}: {message}")
-        self.path = path
 
 
 _DESCRIPTOR_FIELDS: dict[str, type] = {

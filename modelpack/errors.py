@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ModelpackError(Exception):
     """Base of every error modelpack raises on purpose; the CLI maps it to exit code 1."""
@@ -65,3 +67,288 @@ class SafetensorsError(PackError):
 
 class UnsafePathError(ModelpackError, ValueError):
     """A path from an untrusted manifest or checkpoint would escape its directory."""
+
+
+# --- The contract (mediatypes) -----------------------------------------------------------------
+
+
+class ConfigError(ModelpackError, ValueError):
+    """A model config that breaks the ModelPack schema; ``path`` is the JSON path at fault."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"model config {path}: {message}")
+        self.path = path
+
+
+# --- Targets: OCI layout, registry, S3 ---------------------------------------------------------
+
+
+class LayoutError(ModelpackError):
+    pass
+
+
+class RegistryError(ModelpackError):
+    """A registry answered with an error (or not at all).
+
+    ``status`` is the HTTP status (None for transport failures), ``code`` the first OCI error code
+    (``BLOB_UNKNOWN``, ``MANIFEST_INVALID``, ``DENIED``…) when the body had one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        target: str = "",
+        detail: str = "",
+    ) -> None:
+        parts = [f"{target}: " if target else "", message]
+        if status is not None:
+            parts.append(f" (HTTP {status}" + (f", {code}" if code else "") + ")")
+        if detail:
+            parts.append(f": {detail}")
+        super().__init__("".join(parts))
+        self.status = status
+        self.code = code
+        self.target = target
+
+
+class RegistryNotFoundError(RegistryError, NotFoundError):
+    """A repository, tag, manifest or blob the registry does not have (404 / *_UNKNOWN)."""
+
+
+class AuthenticationError(RegistryError):
+    """401: no credentials, wrong credentials, or a token the registry refused."""
+
+
+class PermissionDeniedError(RegistryError):
+    """403 / DENIED: authenticated, but not allowed (e.g. push to a read-only repository)."""
+
+
+class RegistryConnectionError(RegistryError):
+    """The registry could not be reached (refused, reset, timed out)."""
+
+
+class RegistryTLSError(RegistryConnectionError):
+    """TLS failed: unknown CA (pass --ca-file), wrong host name, or HTTPS spoken to an HTTP port."""
+
+
+class InsecureRegistryError(RegistryError):
+    """Plain HTTP asked for a non-loopback registry without --plain-http."""
+
+    exit_code = 2
+
+
+class UploadError(RegistryError):
+    """A blob upload failed in a way a retry of the same session cannot fix."""
+
+
+class ManifestTooLargeError(RegistryError):
+    """A manifest above the 4 MiB registries accept; refused before sending."""
+
+
+class S3Error(ModelpackError):
+    """An S3 request failed; names the operation, the object (``s3://bucket/key``) and S3's code."""
+
+    def __init__(
+        self, message: str, *, operation: str = "", key: str = "", code: str = "", status: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.key = key
+        self.code = code
+        self.status = status
+
+
+class S3LayoutError(S3Error):
+    """The prefix holds something that is not a usable OCI layout (bad oci-layout, bad index)."""
+
+
+# --- Packing and transfer ----------------------------------------------------------------------
+
+
+class UnsafeTarError(ModelpackError):
+    """A layer tar holds a link, device, absolute/escaping path or duplicate; names the member."""
+
+
+class UnsupportedLayerError(ModelpackError):
+    """A layer whose media type/format this build cannot turn into files."""
+
+
+class PullError(ModelpackError):
+    """The artifact cannot be materialised (no file path, two layers for one path, …)."""
+
+
+# --- Trust (signing) ---------------------------------------------------------------------------
+
+
+class SigningError(ModelpackError):
+    """Signing could not be done (no writable target, unsupported artifact, …)."""
+
+
+class KeyLoadError(ModelpackError):
+    """A key file or environment value that is missing, malformed, encrypted without a passphrase,
+    or not an ECDSA P-256 key."""
+
+
+class BundleError(ModelpackError):
+    """A Sigstore bundle, DSSE envelope or in-toto statement that cannot be parsed."""
+
+
+class SignatureRefused(ModelpackError):
+    """Verification refused the artifact: the reason says which check failed.
+
+    Raised only after the refusal was written as an event (``signing.refused``), so a failed
+    start can be located from the event log alone.
+    """
+
+    def __init__(self, reference: str, digest: str, reason: str) -> None:
+        super().__init__(f"{reference} ({digest}): signature verification refused: {reason}")
+        self.reference = reference
+        self.digest = digest
+        self.reason = reason
+
+
+class DirectorySignatureError(SignatureRefused):
+    """A materialised model directory does not match its signed file list."""
+
+
+class ChunkTableError(ModelpackError):
+    """A chunk-digest table referrer exists but is unsigned by a trusted key, bound to another
+    manifest, or malformed. Never silently ignored: a loader would otherwise fall back to trusting
+    ranges it cannot check."""
+
+
+class ChunkDigestMismatch(DigestMismatchError):
+    """One chunk of a weight layer did not hash to its signed chunk digest."""
+
+    def __init__(
+        self, layer_digest: str, index: int, expected: str, actual: str, *, source: str = ""
+    ) -> None:
+        super().__init__(expected, actual, what=f"layer {layer_digest} chunk {index}", source=source)
+        self.layer_digest = layer_digest
+        self.index = index
+
+
+class PolicyError(ModelpackError):
+    """A policy file that cannot be read or is malformed (names the file and the field)."""
+
+    exit_code = 2
+
+
+# --- Node cache (mount) ------------------------------------------------------------------------
+
+
+class LockTimeoutError(ModelpackError):
+    """A lock could not be taken in time; names the lock file and its last holder."""
+
+
+class StoreError(ModelpackError):
+    """The cache store is damaged or cannot be written."""
+
+
+class SnapshotError(ModelpackError):
+    """A snapshot cannot be built, published or used."""
+
+
+class SnapshotInUseError(SnapshotError):
+    """A reader holds the snapshot's lease; it cannot be removed now."""
+
+
+class CacheError(ModelpackError):
+    """A node-cache operation that cannot proceed; the message names the cache, reference or digest."""
+
+
+class InsufficientSpaceError(CacheError):
+    """Not enough free space on the cache filesystem for the blobs still to download."""
+
+    def __init__(self, root: str, needed: int, available: int, reserve: int) -> None:
+        super().__init__(
+            f"{root}: {needed} bytes to download but only {available} bytes free"
+            + (f" ({reserve} reserved)" if reserve else "")
+            + "; free space or run 'modelpack cache gc'"
+        )
+        self.needed = needed
+        self.available = available
+
+
+class QuotaExceededError(CacheError):
+    def __init__(self, root: str, needed: int, used: int, quota: int) -> None:
+        super().__init__(
+            f"{root}: pulling needs {needed} more bytes; cache holds {used} of a {quota}-byte quota "
+            "(--max-cache-bytes); run 'modelpack cache gc --max-bytes …' or raise the quota"
+        )
+        self.needed = needed
+        self.used = used
+        self.quota = quota
+
+
+class K8sError(ModelpackError):
+    """A Kubernetes object cannot be generated from the given inputs."""
+
+
+# --- Loader ------------------------------------------------------------------------------------
+
+
+class LoaderError(ModelpackError):
+    """Base of every refusal or failure of the streaming loader."""
+
+
+class PlanError(LoaderError, ValueError):
+    """The tensor-parallel read plan cannot be built (bad rule, uneven split, duplicate tensor)."""
+
+
+class SourceError(LoaderError):
+    """The load source cannot be opened or does not describe a model (no weights, bad snapshot)."""
+
+
+class UnverifiedSourceError(LoaderError):
+    """The bytes could not be tied to a verified manifest digest; serving them is refused."""
+
+
+class UnpinnedReferenceError(LoaderError):
+    """A remote load without a pinned manifest digest: a tag could move between two ranks."""
+
+
+class ExpectedDigestError(LoaderError, DigestMismatchError):
+    """The source holds a different manifest than the digest the caller pinned."""
+
+    def __init__(self, expected: str, actual: str, *, source: str = "") -> None:
+        DigestMismatchError.__init__(self, expected, actual, what="manifest", source=source)
+
+
+class TruncatedSourceError(LoaderError):
+    """A file or blob ended before the bytes its header (or manifest) promised."""
+
+    def __init__(self, source: str, offset: int, wanted: int, got: int) -> None:
+        super().__init__(
+            f"{source}: truncated: wanted {wanted} bytes at offset {offset}, got {got}; refusing the load"
+        )
+        self.source = source
+        self.offset = offset
+
+
+class UnsupportedDtypeError(LoaderError):
+    """A safetensors dtype torch cannot represent (sub-byte floats F4/F6 for now)."""
+
+
+class FingerprintMismatchError(LoaderError):
+    """The compatibility fingerprint differs from the expected one; lists every differing field."""
+
+    def __init__(self, fields: Sequence[tuple[str, object, object]], *, where: str = "") -> None:
+        self.fields = [f for f, _, _ in fields]
+        self.details = list(fields)
+        parts = [f"{name}: expected {exp!r}, got {act!r}" for name, exp, act in fields]
+        at = f" ({where})" if where else ""
+        super().__init__(
+            f"compatibility fingerprint mismatch{at}: " + "; ".join(parts) + "; refusing the load"
+        )
+
+
+class FingerprintFileError(LoaderError):
+    """A recorded fingerprint file that is missing, oversized or malformed."""
+
+
+class TimelineError(LoaderError):
+    """An event log that cannot be read (missing, oversized, not JSON lines)."""

@@ -3,15 +3,9 @@
 Entry point: ``NodeCache(root).pull(reference, …) -> PullResult`` and ``NodeCache.open_snapshot``.
 """
 
-from modelpack.mount.cache import (
-    CacheError,
-    GCResult,
-    InsufficientSpaceError,
-    NodeCache,
-    PullResult,
-    QuotaExceededError,
-    default_cache_dir,
-)
+from modelpack.mount.cache import GCResult, NodeCache, PullResult, default_cache_dir
+
+from modelpack.errors import CacheError, InsufficientSpaceError, QuotaExceededError
 
 __all__ = [
     "CacheError",

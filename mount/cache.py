@@ -34,15 +34,19 @@ from typing import Any
 
 from modelpack.mediatypes import MEDIA_TYPE_IMAGE_CONFIG
 from modelpack.mount.locks import DEFAULT_STALE_AFTER_S, acquire, exclusive_lock, shared_lock, try_exclusive
-from modelpack.mount.snapshots import SnapshotInfo, SnapshotInUseError, Snapshots
+from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import IngestResult, Store
 
 from modelpack.errors import (
+    CacheError,
     DigestMismatchError,
+    InsufficientSpaceError,
     ManifestError,
     ModelpackError,
     NotFoundError,
+    QuotaExceededError,
     SizeMismatchError,
+    SnapshotInUseError,
 )
 from modelpack.events import EventLog
 from modelpack.files import atomic_write_bytes
@@ -53,34 +57,6 @@ from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 
 MAX_REF_BYTES = 64 * 1024
-
-
-class CacheError(ModelpackError):
-    """A node-cache operation that cannot proceed; the message names the cache, reference or digest."""
-
-
-class InsufficientSpaceError(CacheError):
-    """Not enough free space on the cache filesystem for the blobs still to download."""
-
-    def __init__(self, root: str, needed: int, available: int, reserve: int) -> None:
-        super().__init__(
-            f"{root}: {needed} bytes to download but only {available} bytes free"
-            + (f" ({reserve} reserved)" if reserve else "")
-            + "; free space or run 'modelpack cache gc'"
-        )
-        self.needed = needed
-        self.available = available
-
-
-class QuotaExceededError(CacheError):
-    def __init__(self, root: str, needed: int, used: int, quota: int) -> None:
-        super().__init__(
-            f"{root}: pulling needs {needed} more bytes; cache holds {used} of a {quota}-byte quota "
-            "(--max-cache-bytes); run 'modelpack cache gc --max-bytes …' or raise the quota"
-        )
-        self.needed = needed
-        self.used = used
-        self.quota = quota
 
 
 def default_cache_dir() -> str:
@@ -558,7 +534,9 @@ class NodeCache:
         Returns the ``VerificationResult``. ``record`` stores which keys verified the digest; a
         miss records only after publishing, so no trust file exists for a snapshot that never
         became ready."""
-        from modelpack.signing import SignatureRefused, verify_artifact
+        from modelpack.signing import verify_artifact
+
+        from modelpack.errors import SignatureRefused
 
         policy = self._load_policy(policy)
         desc = Descriptor(manifest.media_type, manifest.digest, manifest.size)

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from modelpack.errors import InvalidReferenceError, ModelpackError
+from modelpack.errors import InvalidReferenceError, K8sError
 from modelpack.oci.reference import Reference, parse_reference
 
 DEFAULT_MODELPACK_IMAGE = "ghcr.io/modelpack/modelpack:0.1.0"
@@ -54,10 +54,6 @@ IMAGE_VOLUME_NOTES = [
 # The pod UID groups the init container's and the server's events into one start (``modelpack timeline``).
 def _start_id_env() -> dict[str, Any]:
     return {"name": "MODELPACK_START_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
-
-
-class K8sError(ModelpackError):
-    """A Kubernetes object cannot be generated from the given inputs."""
 
 
 def _pinned_image_ref(reference: str | Reference, *, what: str) -> tuple[Reference, str]:

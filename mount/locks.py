@@ -25,17 +25,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from modelpack.errors import ModelpackError
+from modelpack.errors import LockTimeoutError
 
 T = TypeVar("T")
 
 DEFAULT_STALE_AFTER_S = 60.0
 HEARTBEAT_EVERY_S = 1.0
 _POLL_S = 0.02
-
-
-class LockTimeoutError(ModelpackError):
-    """A lock could not be taken in time; names the lock file and its last holder."""
 
 
 class SingleFlight(Generic[T]):

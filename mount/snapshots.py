@@ -33,11 +33,18 @@ from modelpack.mediatypes import (
     MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
     parse_layer_media_type,
 )
-from modelpack.mediatypes.annotations import UnsafePathError, layer_filepath
+from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.mount.locks import pid_alive, try_exclusive
 from modelpack.mount.store import Store
 
-from modelpack.errors import ManifestError, ModelpackError, NotFoundError
+from modelpack.errors import (
+    ManifestError,
+    ModelpackError,
+    NotFoundError,
+    SnapshotError,
+    SnapshotInUseError,
+    UnsafePathError,
+)
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import Digest
@@ -51,14 +58,6 @@ IMAGE_LAYER_TYPES = (
     MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
     MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
 )
-
-
-class SnapshotError(ModelpackError):
-    """A snapshot cannot be built, published or used."""
-
-
-class SnapshotInUseError(SnapshotError):
-    """A reader holds the snapshot's lease; it cannot be removed now."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any
 
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire, exclusive_lock, is_locked
 
-from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError
+from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError, StoreError
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import HASH_CHUNK, Digest
@@ -39,10 +39,6 @@ PARTIAL_SUFFIX = ".partial"
 # Network reads block until this many bytes arrived: small enough that a partial file grows
 # steadily (what a resume can reuse after a crash), large enough to keep per-call overhead low.
 INGEST_CHUNK = 256 * 1024
-
-
-class StoreError(ModelpackError):
-    """The cache store is damaged or cannot be written."""
 
 
 @dataclass

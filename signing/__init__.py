@@ -13,14 +13,6 @@ Entry points other layers use::
 
 from __future__ import annotations
 
-from modelpack.signing.errors import (
-    ChunkDigestMismatch,
-    ChunkTableError,
-    DirectorySignatureError,
-    KeyLoadError,
-    SignatureRefused,
-    SigningError,
-)
 from modelpack.signing.keys import (
     PrivateKey,
     PublicKey,
@@ -28,9 +20,19 @@ from modelpack.signing.keys import (
     load_private_key,
     load_public_key,
 )
-from modelpack.signing.policy import PolicyError, RepositoryPolicy, TrustPolicy
+from modelpack.signing.policy import RepositoryPolicy, TrustPolicy
 from modelpack.signing.sign import SignResult, sign_artifact, write_directory_signature
 from modelpack.signing.verify import VerificationResult, verify_artifact, verify_directory
+
+from modelpack.errors import (
+    ChunkDigestMismatch,
+    ChunkTableError,
+    DirectorySignatureError,
+    KeyLoadError,
+    PolicyError,
+    SignatureRefused,
+    SigningError,
+)
 
 __all__ = [
     "ChunkDigestMismatch",

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.signing.dsse import Envelope, sign_envelope
-from modelpack.signing.errors import BundleError
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.statements import Statement
 
+from modelpack.errors import BundleError
 from modelpack.oci.descriptor import canonical_json
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"

@@ -24,7 +24,6 @@ from typing import Any
 
 from modelpack.mediatypes import parse_layer_media_type
 from modelpack.signing.bundle import sign_statement
-from modelpack.signing.errors import BundleError, ChunkDigestMismatch, ChunkTableError
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_CHUNK_DIGESTS,
@@ -33,7 +32,14 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_CHUNK_DIGESTS, Statement
 
-from modelpack.errors import DigestMismatchError, ModelpackError, SizeMismatchError
+from modelpack.errors import (
+    BundleError,
+    ChunkDigestMismatch,
+    ChunkTableError,
+    DigestMismatchError,
+    ModelpackError,
+    SizeMismatchError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget, Target

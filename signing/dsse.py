@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.signing.errors import BundleError
 from modelpack.signing.keys import PrivateKey, PublicKey
+
+from modelpack.errors import BundleError
 
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
 MAX_SIGNATURES = 16

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from modelpack.signing.bundle import Bundle
-from modelpack.signing.errors import SigningError
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, push_bundle_referrer
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
+from modelpack.errors import SigningError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import Target
 

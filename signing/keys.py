@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from modelpack.signing.errors import KeyLoadError
 
+from modelpack.errors import KeyLoadError
 from modelpack.files import atomic_write_bytes
 
 PASSPHRASE_ENV = "MODELPACK_SIGNING_PASSPHRASE"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpack.signing.bundle import sign_statement
-from modelpack.signing.errors import BundleError
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_SIGNATURE,
@@ -21,6 +20,7 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
+from modelpack.errors import BundleError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import ReadableTarget, Target
 

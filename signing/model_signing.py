@@ -22,9 +22,9 @@ from typing import Any
 
 from modelpack.mediatypes import layer_filepath, parse_layer_media_type
 from modelpack.mediatypes.annotations import safe_relative_path
-from modelpack.signing.errors import BundleError, SigningError
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING, Statement
 
+from modelpack.errors import BundleError, SigningError
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import sha256_file
 

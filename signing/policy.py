@@ -32,16 +32,10 @@ from typing import Any
 import yaml
 from modelpack.signing.keys import PublicKey, load_public_key
 
-from modelpack.errors import ModelpackError
+from modelpack.errors import ModelpackError, PolicyError
 from modelpack.oci.reference import Reference, parse_reference
 
 MAX_POLICY_BYTES = 1024 * 1024
-
-
-class PolicyError(ModelpackError):
-    """A policy file that cannot be read or is malformed (names the file and the field)."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

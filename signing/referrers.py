@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.signing.bundle import ACCEPTED_BUNDLE_MEDIA_TYPES, BUNDLE_MEDIA_TYPE, MAX_BUNDLE_BYTES, Bundle
-from modelpack.signing.errors import BundleError
 
-from modelpack.errors import ManifestError, ModelpackError, NotFoundError
+from modelpack.errors import BundleError, ManifestError, ModelpackError, NotFoundError
 from modelpack.oci.descriptor import EMPTY_JSON, Descriptor, Manifest, empty_config_descriptor
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.targets.base import ReadableTarget, Target, bytes_blob_source

@@ -23,7 +23,6 @@ from modelpack.signing.chunks import (
     compute_chunk_table,
     push_chunk_table,
 )
-from modelpack.signing.errors import SigningError
 from modelpack.signing.keys import PrivateKey, PublicKey, load_private_key
 from modelpack.signing.manifest_signature import sign_manifest
 from modelpack.signing.model_signing import directory_statement, files_from_manifest
@@ -34,7 +33,7 @@ from modelpack.signing.referrers import (
 )
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING
 
-from modelpack.errors import ModelpackError
+from modelpack.errors import ModelpackError, SigningError
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import verify_bytes

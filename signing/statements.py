@@ -11,8 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.signing.errors import BundleError
-
+from modelpack.errors import BundleError
 from modelpack.oci.descriptor import canonical_json
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.signing.bundle import Bundle
-from modelpack.signing.errors import BundleError, DirectorySignatureError, SignatureRefused
 from modelpack.signing.keys import PublicKey
 from modelpack.signing.manifest_signature import SignatureCheck, check_manifest_signatures
 from modelpack.signing.model_signing import (
@@ -29,7 +28,7 @@ from modelpack.signing.referrers import (
     find_bundle_referrers,
 )
 
-from modelpack.errors import ModelpackError
+from modelpack.errors import BundleError, DirectorySignatureError, ModelpackError, SignatureRefused
 from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import verify_bytes
@@ -198,7 +197,8 @@ def _check_chunk_table(
     target: ReadableTarget, manifest_desc: Descriptor, manifest: Manifest, keys: list[PublicKey]
 ) -> str:
     from modelpack.signing.chunks import load_chunk_table
-    from modelpack.signing.errors import ChunkTableError
+
+    from modelpack.errors import ChunkTableError
 
     try:
         table = load_chunk_table(target, manifest_desc, keys, manifest=manifest)

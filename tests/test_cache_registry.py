@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from modelpack.mount import InsufficientSpaceError, NodeCache, QuotaExceededError
+from modelpack.mount import NodeCache
 
-from modelpack.errors import DigestMismatchError, NotFoundError
+from modelpack.errors import DigestMismatchError, InsufficientSpaceError, NotFoundError, QuotaExceededError
 from modelpack.events import read_events
 from modelpack.targets.opener import TargetOptions
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
@@ -255,8 +255,9 @@ def test_gc_during_pull_and_while_in_use_deletes_neither(registry, proxy, tmp_pa
 
 def test_a_hit_under_a_policy_is_verified_before_it_is_returned(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A model cached without a policy must not satisfy a later pull that requires a signature."""
-    from modelpack.signing import SignatureRefused, TrustPolicy, generate_key, sign_artifact
+    from modelpack.signing import TrustPolicy, generate_key, sign_artifact
 
+    from modelpack.errors import SignatureRefused
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.registry.target import RegistryTarget
 

@@ -14,10 +14,9 @@ from typing import Any, BinaryIO
 
 import pytest
 from modelpack.mount import NodeCache
-from modelpack.mount.snapshots import SnapshotInUseError
 
 from modelpack import api
-from modelpack.errors import DigestMismatchError, ModelpackError, NotFoundError
+from modelpack.errors import DigestMismatchError, ModelpackError, NotFoundError, SnapshotInUseError
 from modelpack.events import read_events
 from modelpack.files import TEMP_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest

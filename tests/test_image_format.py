@@ -23,9 +23,9 @@ from modelpack.mount import NodeCache
 from modelpack import api
 from modelpack.api import transfer
 from modelpack.cli import main
-from modelpack.errors import DigestMismatchError
+from modelpack.errors import DigestMismatchError, UnsafeTarError
 from modelpack.oci.descriptor import Manifest
-from modelpack.packing.image_format import UnsafeTarError, build_image_artifact, extract_tar_layer
+from modelpack.packing.image_format import build_image_artifact, extract_tar_layer
 from modelpack.packing.packer import PackOptions
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions

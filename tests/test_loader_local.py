@@ -7,19 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelpack.loader import (
-    LoaderOptions,
-    LoadStats,
-    UnverifiedSourceError,
-    iter_tensors,
-    load_into,
-    load_state_dict,
-)
-from modelpack.loader.errors import TruncatedSourceError
+from modelpack.loader import LoaderOptions, LoadStats, iter_tensors, load_into, load_state_dict
 from modelpack.loader.plan import ShardRule
 from safetensors.torch import save_file
 
-from modelpack.errors import SafetensorsError
+from modelpack.errors import SafetensorsError, TruncatedSourceError, UnverifiedSourceError
 from modelpack.events import read_events
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import expected_shard, reference_tensors

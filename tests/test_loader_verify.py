@@ -9,24 +9,20 @@ from typing import Any
 
 import pytest
 import torch
-from modelpack.loader import (
-    ExpectedDigestError,
-    Fingerprint,
-    FingerprintFileError,
-    FingerprintMismatchError,
-    LoaderOptions,
-    LoadStats,
-    UnpinnedReferenceError,
-    iter_tensors,
-    load_state_dict,
-    prepare,
-)
+from modelpack.loader import Fingerprint, LoaderOptions, LoadStats, iter_tensors, load_state_dict, prepare
 from modelpack.loader.plan import ShardRule
 from modelpack.signing.chunks import compute_chunk_table, push_chunk_table
-from modelpack.signing.errors import ChunkDigestMismatch, ChunkTableError
 from modelpack.signing.keys import generate_key
 
-from modelpack.errors import DigestMismatchError
+from modelpack.errors import (
+    ChunkDigestMismatch,
+    ChunkTableError,
+    DigestMismatchError,
+    ExpectedDigestError,
+    FingerprintFileError,
+    FingerprintMismatchError,
+    UnpinnedReferenceError,
+)
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import Layout, corrupt, expected_shard, pack_layout, reference_tensors
 

@@ -12,7 +12,6 @@ from modelpack.mediatypes import (
     FORMATS,
     KINDS,
     MEDIA_TYPE_CONFIG,
-    ConfigError,
     ModelConfig,
     ModelDescriptor,
     ModelFS,
@@ -23,8 +22,9 @@ from modelpack.mediatypes import (
     layer_media_type,
     parse_layer_media_type,
 )
-from modelpack.mediatypes.annotations import UnsafePathError
 from modelpack.mediatypes.config import validate_config_dict
+
+from modelpack.errors import ConfigError, UnsafePathError
 
 DIGEST = "sha256:" + "ab" * 32
 

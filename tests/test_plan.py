@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from modelpack.loader.errors import PlanError
 from modelpack.loader.pipeline import span_block_copies
 from modelpack.loader.plan import ReadPlan, ShardRule, Span, coalesce, compile_rules, rule_for
 
+from modelpack.errors import PlanError
 from modelpack.packing.safetensors_format import build_header, parse_header_bytes
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from modelpack.signing import PolicyError, TrustPolicy, generate_key
+from modelpack.signing import TrustPolicy, generate_key
 from modelpack.signing.policy import RepositoryPolicy
 
+from modelpack.errors import PolicyError
 from modelpack.oci.reference import parse_reference
 
 

@@ -17,10 +17,9 @@ from click.testing import CliRunner
 
 from modelpack.api import transfer
 from modelpack.cli import main
-from modelpack.errors import NotFoundError
+from modelpack.errors import AuthenticationError, NotFoundError, RegistryTLSError
 from modelpack.targets.opener import TargetOptions, open_target
 from modelpack.targets.registry.auth import parse_challenges
-from modelpack.targets.registry.errors import AuthenticationError, RegistryTLSError
 from modelpack.targets.registry.target import RegistryTarget
 from tests.fixtures.registry import RegistryServer
 

@@ -11,15 +11,20 @@ from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 
 from modelpack import api
 from modelpack.api import transfer
-from modelpack.errors import DigestMismatchError, NotFoundError
+from modelpack.errors import (
+    DigestMismatchError,
+    ManifestTooLargeError,
+    NotFoundError,
+    RegistryNotFoundError,
+    UnsupportedLayerError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest, empty_config_descriptor
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import bytes_blob_source
 from modelpack.targets.opener import TargetOptions, open_target
-from modelpack.targets.registry.errors import ManifestTooLargeError, RegistryNotFoundError
 from modelpack.targets.registry.target import RegistryTarget
-from modelpack.transfer.materialize import UnsupportedLayerError, pull_to_directory
+from modelpack.transfer.materialize import pull_to_directory
 from tests.fixtures.registry import RegistryFactory, RegistryServer
 
 

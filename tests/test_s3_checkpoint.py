@@ -11,12 +11,11 @@ from click.testing import CliRunner
 
 from modelpack import api
 from modelpack.cli import main
-from modelpack.errors import PackError, SafetensorsError
+from modelpack.errors import PackError, S3Error, SafetensorsError
 from modelpack.packing.packer import PackOptions
 from modelpack.packing.s3_checkpoint import build_s3_artifact
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions
-from modelpack.targets.s3 import S3Error
 from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from modelpack.loader import LoadStats, load_state_dict
 from modelpack.signing.chunks import compute_chunk_table, push_chunk_table
-from modelpack.signing.errors import ChunkDigestMismatch
 from modelpack.signing.keys import generate_key
 
 from modelpack import api
+from modelpack.errors import ChunkDigestMismatch
 from modelpack.packing.safetensors_format import parse_header_bytes
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable, open_target

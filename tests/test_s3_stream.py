@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from modelpack.errors import S3Error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest, VerifyingReader
 from modelpack.targets.base import bytes_blob_source
-from modelpack.targets.s3 import S3Error, S3ReadStream, S3Settings, S3Target
+from modelpack.targets.s3 import S3ReadStream, S3Settings, S3Target
 from tests.fixtures.s3 import S3Server
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from modelpack import api
-from modelpack.errors import DigestMismatchError, NotFoundError, SizeMismatchError
+from modelpack.errors import DigestMismatchError, NotFoundError, S3Error, SizeMismatchError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
@@ -25,7 +25,7 @@ from modelpack.packing.packer import build_artifact
 from modelpack.targets.base import BlobSource, bytes_blob_source
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions, open_target
-from modelpack.targets.s3 import S3Error, S3Settings, S3Target
+from modelpack.targets.s3 import S3Settings, S3Target
 from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 

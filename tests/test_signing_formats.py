@@ -13,20 +13,14 @@ from pathlib import Path
 
 import pytest
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
-from modelpack.signing import KeyLoadError, generate_key, load_private_key, load_public_key, sign_artifact
-from modelpack.signing.chunks import (
-    ChunkDigestMismatch,
-    ChunkTable,
-    ChunkTableError,
-    compute_chunk_table,
-    load_chunk_table,
-    push_chunk_table,
-)
+from modelpack.signing import generate_key, load_private_key, load_public_key, sign_artifact
+from modelpack.signing.chunks import ChunkTable, compute_chunk_table, load_chunk_table, push_chunk_table
 from modelpack.signing.dsse import pae
 from modelpack.signing.keys import write_keypair
 from modelpack.signing.referrers import ARTIFACT_TYPE_CHUNK_DIGESTS, ARTIFACT_TYPE_SIGNATURE
 from modelpack.signing.sign import write_directory_signature
 
+from modelpack.errors import ChunkDigestMismatch, ChunkTableError, KeyLoadError
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import Digest
 from tests.signing_helpers import SMALL_CHUNK, materialise, pack_layout

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
-from modelpack.signing import SignatureRefused, generate_key, verify_artifact
+from modelpack.signing import generate_key, verify_artifact
 from modelpack.signing.keys import write_keypair
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE
 
 from modelpack.cli import main
+from modelpack.errors import SignatureRefused
 from modelpack.events import EventLog, read_events
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.reference import parse_reference

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.signing import (
-    DirectorySignatureError,
-    SignatureRefused,
     TrustPolicy,
     generate_key,
     sign_artifact,
@@ -22,6 +20,7 @@ from modelpack.signing import (
 from modelpack.signing.policy import RepositoryPolicy
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE
 
+from modelpack.errors import DirectorySignatureError, SignatureRefused
 from modelpack.events import EventLog, read_events
 from modelpack.oci.descriptor import Manifest
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint

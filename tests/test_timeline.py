@@ -9,9 +9,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from modelpack.loader import emit_check, load_state_dict
-from modelpack.loader.timeline import TimelineError, group_starts, percentile, summarize, timeline
+from modelpack.loader.timeline import group_starts, percentile, summarize, timeline
 
 from modelpack.cli import main
+from modelpack.errors import TimelineError
 from modelpack.events import EventLog
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import pack_layout, reference_tensors

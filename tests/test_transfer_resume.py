@@ -16,12 +16,11 @@ from typing import BinaryIO
 import pytest
 
 from modelpack.api import transfer
-from modelpack.errors import DigestMismatchError
+from modelpack.errors import DigestMismatchError, RegistryConnectionError, RegistryError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import BlobSource, file_blob_source
 from modelpack.targets.opener import TargetOptions, open_target
-from modelpack.targets.registry.errors import RegistryConnectionError, RegistryError
 from modelpack.targets.registry.target import RegistryTarget
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import RegistryFactory, RegistryServer

@@ -99,8 +99,8 @@ def load_cmd(
     SOURCE is a snapshot directory (printed by 'modelpack pull --cache'), or a reference
     streamed by range reads: host/repo@sha256:…, oci:DIR@sha256:…, s3://BUCKET/PREFIX@sha256:….
     """
+    from modelpack.errors import PlanError
     from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
-    from modelpack.loader.errors import PlanError
 
     if tp_rank >= tp_size:
         raise PlanError(f"--tp-rank {tp_rank} must be below --tp-size {tp_size}")

@@ -24,7 +24,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
-from modelpack.errors import DigestMismatchError, ManifestError, ModelpackError, PackError
+from modelpack.errors import (
+    DigestMismatchError,
+    ManifestError,
+    PackError,
+    UnsafePathError,
+    UnsafeTarError,
+)
 from modelpack.mediatypes import (
     ANNOTATION_CREATED,
     ANNOTATION_TITLE,
@@ -33,7 +39,7 @@ from modelpack.mediatypes import (
     MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
     MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
 )
-from modelpack.mediatypes.annotations import UnsafePathError, safe_relative_path
+from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json
 from modelpack.oci.digest import HASH_CHUNK, Digest
 from modelpack.packing.packer import PackedArtifact, PackedFile, PackOptions, build_artifact
@@ -44,10 +50,6 @@ MAX_TAR_MEMBERS = 1_000_000
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 LABEL_PREFIX = "org.cncf.model."
 COMPRESSIONS = (None, "zstd")
-
-
-class UnsafeTarError(ModelpackError):
-    """A layer tar holds a link, device, absolute/escaping path or duplicate; names the member."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from modelpack.errors import NotFoundError, PackError, SafetensorsError
+from modelpack.errors import NotFoundError, PackError, SafetensorsError, UnsafePathError
 from modelpack.mediatypes import (
     ANNOTATION_CREATED,
     ANNOTATION_FILE_MEDIATYPE_UNTESTED,
@@ -37,7 +37,7 @@ from modelpack.mediatypes import (
     ModelSpecConfig,
     layer_media_type,
 )
-from modelpack.mediatypes.annotations import UnsafePathError, safe_relative_path
+from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest, sha256_file
 from modelpack.packing.safetensors_format import SafetensorsHeader, build_header, read_header

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from modelpack.errors import InvalidReferenceError, PackError, SafetensorsError
-from modelpack.mediatypes.annotations import UnsafePathError, safe_relative_path
+from modelpack.errors import InvalidReferenceError, PackError, SafetensorsError, UnsafePathError
+from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.digest import HASH_CHUNK, Digest
 from modelpack.packing.packer import (
     OTHER_FILE_CHOICES,

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from modelpack.errors import ManifestError, ModelpackError, NotFoundError, SizeMismatchError
+from modelpack.errors import LayoutError, ManifestError, NotFoundError, SizeMismatchError
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
@@ -27,10 +27,6 @@ from modelpack.targets.base import BlobSource, file_blob_source
 REF_NAME = "org.opencontainers.image.ref.name"
 LAYOUT_FILE = '{"imageLayoutVersion":"1.0.0"}'
 MAX_INDEX_BYTES = 64 * 1024 * 1024
-
-
-class LayoutError(ModelpackError):
-    pass
 
 
 def entry_tag(entry: dict[str, Any]) -> str | None:

@@ -55,6 +55,8 @@ from modelpack.errors import (
     ManifestError,
     ModelpackError,
     NotFoundError,
+    S3Error,
+    S3LayoutError,
     SizeMismatchError,
 )
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
@@ -87,23 +89,6 @@ INDEX_RETRIES = 12
 READ_RESUMES = 3
 _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}
 _UNSUPPORTED_CODES = {"NotImplemented"}
-
-
-class S3Error(ModelpackError):
-    """An S3 request failed; names the operation, the object (``s3://bucket/key``) and S3's code."""
-
-    def __init__(
-        self, message: str, *, operation: str = "", key: str = "", code: str = "", status: int = 0
-    ) -> None:
-        super().__init__(message)
-        self.operation = operation
-        self.key = key
-        self.code = code
-        self.status = status
-
-
-class S3LayoutError(S3Error):
-    """The prefix holds something that is not a usable OCI layout (bad oci-layout, bad index)."""
 
 
 @dataclass

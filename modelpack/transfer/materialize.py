@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import ModelpackError, UnsafePathError
+from modelpack.errors import PullError, UnsafePathError, UnsupportedLayerError
 from modelpack.files import TEMP_PREFIX, fsync_dir
 from modelpack.mediatypes import parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
@@ -32,14 +32,6 @@ from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
-
-
-class UnsupportedLayerError(ModelpackError):
-    """A layer whose media type/format this build cannot turn into files."""
-
-
-class PullError(ModelpackError):
-    """The artifact cannot be materialised (no file path, two layers for one path, …)."""
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Any
 
 import requests
 
+from modelpack.errors import AuthenticationError, RegistryConnectionError, RegistryError
 from modelpack.files import atomic_write_bytes
-from modelpack.targets.registry.errors import AuthenticationError, RegistryConnectionError, RegistryError
 
 log = logging.getLogger("modelpack.targets.registry.auth")
 

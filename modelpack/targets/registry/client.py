@@ -25,8 +25,7 @@ from urllib.parse import urljoin, urlsplit
 import requests
 from requests.adapters import HTTPAdapter
 
-from modelpack.targets.registry.auth import Authenticator, Credentials
-from modelpack.targets.registry.errors import (
+from modelpack.errors import (
     AuthenticationError,
     InsecureRegistryError,
     PermissionDeniedError,
@@ -35,6 +34,7 @@ from modelpack.targets.registry.errors import (
     RegistryNotFoundError,
     RegistryTLSError,
 )
+from modelpack.targets.registry.auth import Authenticator, Credentials
 
 log = logging.getLogger("modelpack.targets.registry")
 

@@ -36,7 +36,16 @@ from urllib.parse import urlencode, urljoin, urlsplit
 
 import requests
 
-from modelpack.errors import DigestMismatchError, ManifestError, NotFoundError, SizeMismatchError
+from modelpack.errors import (
+    DigestMismatchError,
+    ManifestError,
+    ManifestTooLargeError,
+    NotFoundError,
+    RegistryError,
+    RegistryNotFoundError,
+    SizeMismatchError,
+    UploadError,
+)
 from modelpack.files import atomic_write_bytes
 from modelpack.mediatypes import (
     MEDIA_TYPE_DOCKER_MANIFEST,
@@ -50,12 +59,6 @@ from modelpack.oci.reference import Reference, validate_tag
 from modelpack.targets.base import BlobSource
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.client import RegistryClient
-from modelpack.targets.registry.errors import (
-    ManifestTooLargeError,
-    RegistryError,
-    RegistryNotFoundError,
-    UploadError,
-)
 
 log = logging.getLogger("modelpack.targets.registry")
 
