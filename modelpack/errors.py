@@ -51,6 +51,16 @@ class ManifestError(ModelpackError, ValueError):
     """A manifest or index that is malformed, too large or of an unsupported media type."""
 
 
+class DocumentError(ModelpackError, ValueError):
+    """A JSON document from outside that is too large, too deep, not UTF-8/JSON or has duplicate
+    keys; ``what`` names the document (e.g. ``manifest sha256:…``, ``referrer …``, a file path)."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}; refusing it")
+        self.what = what
+        self.reason = reason
+
+
 class PackError(ModelpackError):
     """The checkpoint directory cannot be packed (bad file, escaping symlink, empty, …)."""
 
