@@ -227,7 +227,8 @@ class Snapshots:
             raise
 
     def _materialise(self, manifest: Manifest, config_raw: bytes | None, dest: str) -> list[SnapshotFile]:
-        from modelpack.packing.image_format import extract_tar_layer, image_diff_ids
+        from modelpack.oci.image_config import image_diff_ids
+        from modelpack.transfer.untar import extract_tar_layer
 
         diff_ids: list[str] = []
         image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG

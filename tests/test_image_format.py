@@ -25,10 +25,11 @@ from modelpack.api import transfer
 from modelpack.cli import main
 from modelpack.errors import DigestMismatchError, UnsafeTarError
 from modelpack.oci.descriptor import Manifest
-from modelpack.packing.image_format import build_image_artifact, extract_tar_layer
+from modelpack.packing.image_format import build_image_artifact
 from modelpack.packing.packer import PackOptions
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions
+from modelpack.transfer.untar import extract_tar_layer
 
 
 def _uncompressed(blob: bytes, media_type: str) -> bytes:

@@ -4,10 +4,11 @@ Each file is downloaded to a temp name in its destination directory, checked for
 as it streams, fsynced, and only then renamed to its final path: nothing unverified is ever at a
 final path, and a failure leaves no partial file (a file already at the path is left untouched).
 
-How a layer becomes files depends on its format. ``.raw`` layers are handled here; other formats
-(tar, tar+zstd for the image-shaped variant) plug in through ``register_materializer``; a layer
-whose format has no materializer is refused with ``UnsupportedLayerError`` (never skipped
-silently).
+How a layer becomes files depends on its format: ``.raw`` layers are handled here, tar layers
+(the image-shaped variant's, under ``models/``, and ModelPack ``tar`` / ``tar+gzip`` /
+``tar+zstd``) by ``modelpack.transfer.untar``. The choice is a fixed table, so what pull
+supports does not depend on which modules happen to be imported; a layer whose format has no
+materializer is refused with ``UnsupportedLayerError`` (never skipped silently).
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from typing import Any
 
 from modelpack.errors import PullError, UnsafePathError, UnsupportedLayerError
 from modelpack.files import TEMP_PREFIX, fsync_dir
-from modelpack.mediatypes import parse_layer_media_type
+from modelpack.mediatypes import (
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    parse_layer_media_type,
+)
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
+from modelpack.transfer.untar import materialize_tar_layer
 
 
 @dataclass(frozen=True)
@@ -49,24 +56,6 @@ class LayerJob:
 
 # (target, job, progress bar or None) -> "downloaded" | "present"
 Materializer = Callable[[ReadableTarget, LayerJob, TransferBar | None], str]
-_MATERIALIZERS: dict[str, Materializer] = {}
-
-
-def register_materializer(fmt: str, fn: Materializer) -> None:
-    """Handle layers of ModelPack format ``fmt`` (``tar``, ``tar+zstd``…) or an exact media type."""
-    _MATERIALIZERS[fmt] = fn
-
-
-def materializer_for(media_type: str) -> Materializer:
-    if media_type in _MATERIALIZERS:
-        return _MATERIALIZERS[media_type]
-    lt = parse_layer_media_type(media_type)
-    if lt is not None and lt.format in _MATERIALIZERS:
-        return _MATERIALIZERS[lt.format]
-    raise UnsupportedLayerError(
-        f"layer media type {media_type!r}: no materializer for this format "
-        f"(supported: {', '.join(sorted(_MATERIALIZERS))})"
-    )
 
 
 def _file_matches(desc: Descriptor, digest: str, size: int, path: str) -> bool:
@@ -121,7 +110,38 @@ def materialize_raw(target: ReadableTarget, job: LayerJob, bar: TransferBar | No
     return "downloaded"
 
 
-register_materializer("raw", materialize_raw)
+def materialize_image_layer(target: ReadableTarget, job: LayerJob, bar: TransferBar | None) -> str:
+    """An image-shaped variant's layer: a tar holding the files under ``models/``."""
+    return materialize_tar_layer(target, job.descriptor, job.dest_dir, bar)
+
+
+def materialize_modelpack_tar(target: ReadableTarget, job: LayerJob, bar: TransferBar | None) -> str:
+    """A ModelPack ``tar`` / ``tar+gzip`` / ``tar+zstd`` layer: a tar holding files at their own paths."""
+    return materialize_tar_layer(target, job.descriptor, job.dest_dir, bar, strip="")
+
+
+# Keyed by ModelPack layer format, or by exact media type for the image-shaped variant's layers.
+_MATERIALIZERS: dict[str, Materializer] = {
+    "raw": materialize_raw,
+    "tar": materialize_modelpack_tar,
+    "tar+gzip": materialize_modelpack_tar,
+    "tar+zstd": materialize_modelpack_tar,
+    MEDIA_TYPE_IMAGE_LAYER_TAR: materialize_image_layer,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: materialize_image_layer,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: materialize_image_layer,
+}
+
+
+def materializer_for(media_type: str) -> Materializer:
+    if media_type in _MATERIALIZERS:
+        return _MATERIALIZERS[media_type]
+    lt = parse_layer_media_type(media_type)
+    if lt is not None and lt.format in _MATERIALIZERS:
+        return _MATERIALIZERS[lt.format]
+    raise UnsupportedLayerError(
+        f"layer media type {media_type!r}: no materializer for this format "
+        f"(supported: {', '.join(sorted(_MATERIALIZERS))})"
+    )
 
 
 def _matches(relpath: str, patterns: Sequence[str]) -> bool:
@@ -218,13 +238,3 @@ def pull_to_directory(
                         result.bytes_downloaded += job.descriptor.size
     result.seconds = time.monotonic() - start
     return result
-
-
-def _register_tar_layers() -> None:
-    # tar layers (image-shaped variant, ModelPack tar formats): modelpack.packing.image_format
-    from modelpack.packing.image_format import register_tar_materializers
-
-    register_tar_materializers()
-
-
-_register_tar_layers()

@@ -1,0 +1,36 @@
+"""The parts of an OCI image config the image-shaped model variant relies on (DESIGN §2).
+
+Packing writes them and pull / the node cache read them back, so they live below both: the
+``rootfs.diff_ids`` that tie each layer blob to its uncompressed tar, and the ``models/``
+directory the layers put the model files under.
+"""
+
+from __future__ import annotations
+
+import json
+
+from modelpack.errors import ManifestError
+from modelpack.oci.digest import Digest
+
+MODELS_PREFIX = "models/"
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+def image_diff_ids(config_raw: bytes, n_layers: int, *, where: str = "image config") -> list[str]:
+    """``rootfs.diff_ids`` of an image config, checked for count and digest syntax."""
+    if len(config_raw) > MAX_CONFIG_BYTES:
+        raise ManifestError(f"{where}: image config larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        doc = json.loads(config_raw)
+        ids = doc["rootfs"]["diff_ids"]
+        if doc["rootfs"].get("type") != "layers" or not isinstance(ids, list):
+            raise ValueError("rootfs.type must be 'layers' with a diff_ids array")
+        out = [str(Digest(x)) for x in ids]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"{where}: invalid image config rootfs: {exc}") from exc
+    if len(out) != n_layers:
+        raise ManifestError(f"{where}: {len(out)} diff_ids for {n_layers} layers")
+    return out
+
+
+__all__ = ["MAX_CONFIG_BYTES", "MODELS_PREFIX", "image_diff_ids"]

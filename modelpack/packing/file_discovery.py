@@ -1,0 +1,118 @@
+"""Which files of a checkpoint directory get packed, and as which kind of layer.
+
+Discovery refuses what must never reach a registry (symlinks out of the checkpoint, devices,
+unsafe names); classification maps file names to ModelPack layer kinds, marking guesses so a
+consumer can tell a known file from one packed under ``--other-files``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import stat
+from collections.abc import Sequence
+
+from modelpack.errors import PackError, UnsafePathError
+from modelpack.mediatypes.annotations import safe_relative_path
+
+WEIGHT_CONFIG_NAMES = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "spiece.model",
+}
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".h5", ".msgpack")
+DOC_PREFIXES = ("readme", "license", "licence", "notice", "copying", "use_policy")
+OTHER_FILE_CHOICES = ("doc", "dataset", "code", "refuse")
+
+
+def classify(relpath: str, other: str = "doc") -> tuple[str | None, bool]:
+    """Layer kind for a file, and whether the choice is a guess (``…mediatype.untested``).
+
+    Returns (None, _) for a file that ``other == "refuse"`` rejects.
+    """
+    name = os.path.basename(relpath)
+    lower = name.lower()
+    if lower.endswith(".safetensors"):
+        return "weight", False
+    if lower in WEIGHT_CONFIG_NAMES or lower.endswith(".index.json"):
+        return "weight.config", False
+    if lower.endswith(OTHER_WEIGHT_SUFFIXES):
+        return "weight", True
+    if lower.endswith(".md") or lower.startswith(DOC_PREFIXES):
+        return "doc", False
+    if lower.endswith(".py"):
+        return "code", False
+    if other == "refuse":
+        return None, True
+    return other, True
+
+
+def _matches(relpath: str, patterns: Sequence[str]) -> bool:
+    return any(
+        fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(os.path.basename(relpath), p) for p in patterns
+    )
+
+
+def discover_files(
+    root: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[tuple[str, str]]:
+    """(relpath, absolute path) of the regular files to pack, sorted by path parts.
+
+    Refuses symlinks that leave ``root``, special files (devices, FIFOs, sockets) and an empty
+    result. Hidden entries (``.git``, ``.cache``) are skipped: they are never model content.
+    """
+    root = os.path.realpath(root)
+    if not os.path.isdir(root):
+        raise PackError(f"{root}: not a directory")
+    out: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for d in list(dirnames):
+            full = os.path.join(dirpath, d)
+            if os.path.islink(full):
+                target = os.path.realpath(full)
+                if os.path.commonpath([root, target]) != root:
+                    raise PackError(f"{full}: symlink leaves the checkpoint directory (→ {target})")
+                raise PackError(f"{full}: symlinked directories are not packed; copy the directory instead")
+        for fname in sorted(filenames):
+            if fname.startswith("."):
+                continue
+            full = os.path.join(dirpath, fname)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            try:
+                safe_relative_path(rel, what="file path")
+            except UnsafePathError as exc:
+                raise PackError(str(exc)) from exc
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.path.realpath(full)
+                if os.path.commonpath([root, target]) != root:
+                    raise PackError(f"{full}: symlink leaves the checkpoint directory (→ {target})")
+                st = os.stat(full)
+                full = target
+            if not stat.S_ISREG(st.st_mode):
+                raise PackError(f"{full}: not a regular file (device, FIFO or socket); refusing to pack it")
+            if include and not _matches(rel, include):
+                continue
+            if exclude and _matches(rel, exclude):
+                continue
+            out.append((rel, full))
+    out.sort(key=lambda x: x[0].split("/"))
+    if not out:
+        raise PackError(f"{root}: no files to pack (empty checkpoint, or everything excluded)")
+    return out
+
+
+__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files"]

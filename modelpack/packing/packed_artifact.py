@@ -1,0 +1,120 @@
+"""What a pack produces: hashed files as a read-only Target, and the options that shaped them.
+
+``PackedArtifact`` is a Target so that ``pack``/``push`` are just ``copy(packed, destination)``:
+a layout on the same filesystem gets reflinks or hard links, a registry gets the files streamed
+straight from the checkpoint (no intermediate copy). Local directories, S3 checkpoints and the
+image-shaped variant all build one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from modelpack.errors import NotFoundError
+from modelpack.mediatypes import ModelSpecConfig
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import Digest
+from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
+
+
+@dataclass
+class PackOptions:
+    """Everything that shapes the artifact; every config field can be overridden."""
+
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    other_files: str = "doc"
+    name: str | None = None
+    version: str | None = None
+    family: str | None = None
+    architecture: str | None = None
+    param_size: str | None = None
+    precision: str | None = None
+    quantization: str | None = None
+    vendor: str | None = None
+    description: str | None = None
+    licenses: Sequence[str] = ()
+    created: str | None = None  # RFC 3339; None keeps the artifact reproducible
+    max_file_size: int | None = None
+    jobs: int = 0  # hashing threads; 0 = one per core
+    progress: str = "auto"
+
+
+@dataclass(frozen=True)
+class PackedFile:
+    relpath: str
+    path: str  # absolute path of the bytes (the checkpoint file, or a re-sharded file)
+    kind: str
+    untested: bool
+    size: int
+    digest: Digest
+    # Remote files (an S3 checkpoint) have no local path: ``opener(offset)`` streams their bytes.
+    opener: Callable[[int], BinaryIO] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass
+class PackedArtifact:
+    """A built artifact whose blobs are local files: a read-only Target for ``copy``."""
+
+    manifest: Manifest
+    config: ModelSpecConfig
+    config_bytes: bytes
+    files: list[PackedFile]
+    tag: str = "latest"
+    staging_dir: str | None = None
+    name: str = "checkpoint"
+    _by_digest: dict[str, PackedFile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._by_digest = {f.digest: f for f in self.files}
+
+    @property
+    def digest(self) -> Digest:
+        return self.manifest.digest
+
+    # -- ReadableTarget --------------------------------------------------------------
+    def resolve(self, reference: str) -> Descriptor:
+        if reference in (self.tag, str(self.manifest.digest)):
+            return self.manifest.descriptor()
+        raise NotFoundError(f"{self.name}: {reference!r} not found (the packed artifact is {self.digest})")
+
+    def fetch_manifest(self, reference: str) -> tuple[bytes, str]:
+        self.resolve(reference)
+        return self.manifest.raw, self.manifest.media_type
+
+    def blob_source(self, descriptor: Descriptor) -> BlobSource:
+        if descriptor.digest == self.manifest.config.digest:
+            return bytes_blob_source(descriptor, self.config_bytes)
+        f = self._by_digest.get(descriptor.digest)
+        if f is None:
+            raise NotFoundError(f"{self.name}: blob {descriptor.digest} not found")
+        if f.opener is not None:
+            return BlobSource(descriptor, f.opener)  # unverified: the writer checks the digest
+        return file_blob_source(descriptor, f.path, verified=True)
+
+    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+        return self.blob_source(descriptor).open(offset)
+
+    def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
+        with self.fetch_blob(descriptor, offset) as f:
+            return f.read(length)
+
+    def exists(self, descriptor: Descriptor) -> bool:
+        return descriptor.digest in self._by_digest or descriptor.digest == self.manifest.config.digest
+
+    def list_tags(self) -> Iterator[str]:
+        yield self.tag
+
+    def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
+        return []
+
+    def cleanup(self) -> None:
+        if self.staging_dir:
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
+            self.staging_dir = None
+
+
+__all__ = ["PackOptions", "PackedArtifact", "PackedFile"]
