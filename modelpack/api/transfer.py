@@ -1,7 +1,9 @@
-"""push, pull, cp, tag, login, logout as Python functions (the CLI in ``cli_transfer`` is a skin).
+"""push, pull, cp, tag, login, logout as Python functions (the CLI commands are skins over them).
 
 All of them are ``modelpack.transfer.copy.copy`` between two targets, except pull (files at their paths,
-``modelpack.transfer.materialize``) and login/logout (Docker-compatible credential storage).
+``modelpack.transfer.materialize``) and login/logout (Docker-compatible credential storage). The
+registry client (requests, urllib3) is imported by the targets that talk to a registry and by
+login, never by importing this module.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from modelpack.errors import InvalidReferenceError
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.packing.packer import PackOptions
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
-from modelpack.targets.registry.auth import Credentials, erase_credentials, store_credentials
-from modelpack.targets.registry.client import RegistryClient
 from modelpack.transfer.copy import CopyResult, copy
 from modelpack.transfer.materialize import PullResult, pull_to_directory
 
@@ -146,6 +146,9 @@ def login(registry: str, username: str, password: str, *, target_options: Target
     Returns where they were stored (config path or credential helper); nothing is stored when
     the registry refuses them.
     """
+    from modelpack.targets.registry.auth import Credentials, store_credentials
+    from modelpack.targets.registry.client import RegistryClient
+
     host = _host(registry)
     opts = target_options or TargetOptions()
     creds = Credentials(username, password, source="login")
@@ -167,4 +170,6 @@ def login(registry: str, username: str, password: str, *, target_options: Target
 
 
 def logout(registry: str) -> bool:
+    from modelpack.targets.registry.auth import erase_credentials
+
     return erase_credentials(_host(registry))

@@ -1,149 +1,100 @@
 """The ``modelpack`` command: a thin click skin over the library.
 
-Commands live in ``cli_*.py`` modules by area (pack, transfer, trust, node, loader), imported at
-the end of this module, and register themselves on ``main``; this module holds the shared
-options, output helpers and error mapping.
+``main`` is a lazily loading group: ``COMMANDS`` names the module of each command (one module
+per area: pack, transfer, pull, trust, cache, k8s, loader), imported only when that command
+runs, so a node's ``modelpack pull … --cache DIR`` hit does not pay for the registry client,
+signing or torch. Shared options and output helpers live in ``modelpack.cli.options``; the
+command modules never import this package's ``main``.
 Exit codes: 0 ok, 1 a modelpack error (bad input, verification refused, not found), 2 usage.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import click
 
-from modelpack.errors import ModelpackError
-from modelpack.targets.opener import TargetOptions
+from modelpack.cli.lazy_group import LazyCommand, LazyGroup
+from modelpack.cli.options import parse_size
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
-def parse_size(text: str) -> int:
-    """``500M``, ``2GiB``, ``1.5G``, ``123`` → bytes (binary units; K/M/G/T and KiB… alike)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if t.endswith(suffix):
-            mult, t = m, t[:-1]
-            break
-    try:
-        value = float(t)
-    except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a size (examples: 512M, 2GiB, 1073741824)") from exc
-    if value <= 0:
-        raise click.BadParameter(f"{text!r} must be positive")
-    return int(value * mult)
-
-
-class SizeType(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        return parse_size(str(value))
-
-
-SIZE = SizeType()
-
-
-def emit_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, sort_keys=True))
-
-
-def handle_errors(fn: F) -> F:
-    """Map library errors to a one-line message and a meaningful exit code (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except ModelpackError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def progress_option(fn: F) -> F:
-    return click.option(
-        "--progress",
-        type=click.Choice(["auto", "on", "off"]),
-        default="auto",
-        show_default=True,
-        help="Progress bars: auto shows them on a terminal and never in CI.",
-    )(fn)
-
-
-def json_option(fn: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")(fn)
+# name → where the command lives and its short help for ``modelpack --help`` (kept equal to
+# the command's own docstring by tests/test_cli_structure.py).
+COMMANDS = {
+    "audit": LazyCommand(
+        "modelpack.cli.trust:audit_cmd",
+        "Audit REGISTRY/REPO (or oci:DIR, s3://…), or every repository of a bare REGISTRY host.",
+    ),
+    "cache": LazyCommand(
+        "modelpack.cli.cache:cache_group", "Inspect and maintain the node cache (snapshots of pulled models)."
+    ),
+    "cp": LazyCommand(
+        "modelpack.cli.transfer:cp_cmd",
+        "Copy an artifact between any two places (registry, oci:DIR, s3://…), digests unchanged.",
+    ),
+    "diff": LazyCommand(
+        "modelpack.cli.trust:diff_cmd",
+        "Compare two artifacts: config, files, and tensors of changed safetensors files.",
+    ),
+    "inspect": LazyCommand(
+        "modelpack.cli.pack:inspect_cmd",
+        "Show an artifact: manifest digest, model config, layers and total size.",
+    ),
+    "k8s": LazyCommand(
+        "modelpack.cli.k8s:k8s_group",
+        "Kubernetes YAML (stdout) for image volumes, init-container pulls and pre-warming.",
+    ),
+    "keygen": LazyCommand(
+        "modelpack.cli.trust:keygen_cmd",
+        "Generate an ECDSA P-256 signing key pair (PKCS#8 PEM private key, SPKI PEM public key).",
+    ),
+    "load": LazyCommand(
+        "modelpack.cli.loader:load_cmd",
+        "Load SOURCE's weights for one tensor-parallel rank and report what it cost.",
+    ),
+    "login": LazyCommand(
+        "modelpack.cli.transfer:login_cmd",
+        "Check credentials against REGISTRY and store them in Docker's config.json.",
+    ),
+    "logout": LazyCommand("modelpack.cli.transfer:logout_cmd", "Remove stored credentials for REGISTRY."),
+    "ls": LazyCommand(
+        "modelpack.cli.pack:ls_cmd", "List the tags of a layout, repository or bucket, with their digests."
+    ),
+    "pack": LazyCommand(
+        "modelpack.cli.pack:pack_cmd", "Pack CHECKPOINT_DIR into a ModelPack artifact at DESTINATION."
+    ),
+    "pull": LazyCommand(
+        "modelpack.cli.pull:pull_cmd",
+        "Materialise the model at REFERENCE as files under DEST_DIR, each verified before it appears.",
+    ),
+    "push": LazyCommand(
+        "modelpack.cli.transfer:push_cmd",
+        "Push SOURCE (a checkpoint directory, or oci:LAYOUT:TAG / s3://…) to DESTINATION.",
+    ),
+    "sign": LazyCommand(
+        "modelpack.cli.trust:sign_cmd",
+        "Sign an artifact that is already stored: manifest signature, directory signature and chunk "
+        "table, each a referrer bound to the manifest digest (tags are not changed).",
+    ),
+    "tag": LazyCommand(
+        "modelpack.cli.transfer:tag_cmd", "Point NEW_TAG (same repository) at the manifest REFERENCE names."
+    ),
+    "timeline": LazyCommand(
+        "modelpack.cli.loader:timeline_cmd",
+        "Per-stage start-up latency (count, p50, p95) from EVENT_LOGS, per cache state.",
+    ),
+    "verify": LazyCommand(
+        "modelpack.cli.trust:verify_cmd",
+        "Verify REFERENCE's signature against trusted keys or a policy; exit 1 when refused.",
+    ),
+}
 
 
-def jobs_option(fn: F) -> F:
-    return click.option(
-        "--jobs",
-        "-j",
-        type=click.IntRange(1, 64),
-        default=4,
-        show_default=True,
-        help="Concurrent blob transfers.",
-    )(fn)
-
-
-def target_options(fn: F) -> F:
-    """Connection flags every command that touches a registry or bucket accepts."""
-    opts = [
-        click.option(
-            "--plain-http", is_flag=True, help="Use HTTP, not HTTPS (always allowed for loopback registries)."
-        ),
-        click.option(
-            "--ca-file", type=click.Path(exists=True, dir_okay=False), help="PEM CA bundle for registry TLS."
-        ),
-        click.option(
-            "--username", "-u", help="Registry user (else MODELPACK_REGISTRY_USERNAME or docker config)."
-        ),
-        click.option("--password-stdin", is_flag=True, help="Read the registry password from stdin."),
-        click.option("--s3-endpoint", envvar="MODELPACK_S3_ENDPOINT", help="S3-compatible endpoint URL."),
-        click.option("--s3-region", envvar="AWS_REGION", help="S3 region."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def build_target_options(kwargs: dict[str, Any]) -> TargetOptions:
-    """Pop the connection flags out of a command's kwargs into a TargetOptions."""
-    password = None
-    if kwargs.pop("password_stdin", False):
-        password = sys.stdin.readline().rstrip("\n")
-    return TargetOptions(
-        plain_http=kwargs.pop("plain_http", False),
-        ca_file=kwargs.pop("ca_file", None),
-        username=kwargs.pop("username", None),
-        password=password,
-        s3_endpoint=kwargs.pop("s3_endpoint", None),
-        s3_region=kwargs.pop("s3_region", None),
-    )
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 @click.version_option(package_name="modelpack")
 @click.option(
     "--debug", is_flag=True, help="Log requests and decisions to stderr (credentials are never logged)."
@@ -166,7 +117,5 @@ def main(debug: bool) -> None:
     )
 
 
-# Each area module registers its commands on ``main`` when imported.
-from modelpack.cli import loader, node, pack, transfer, trust  # noqa: E402
-
-__all__ = ["loader", "main", "node", "pack", "transfer", "trust"]
+# parse_size is re-exported for the benchmarks, which read sizes the way the CLI does.
+__all__ = ["COMMANDS", "main", "parse_size"]

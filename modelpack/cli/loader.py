@@ -1,4 +1,7 @@
-"""``timeline`` (start-up stages from event logs) and ``load`` (a quick loader check)."""
+"""``timeline`` (start-up stages from event logs) and ``load`` (a quick loader check).
+
+The loader (and with it torch) is imported inside each command, never when this module loads.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +9,18 @@ from typing import Any
 
 import click
 
-from modelpack.cli import (
+from modelpack.cli.options import (
     build_target_options,
     emit_json,
     handle_errors,
     human_size,
     json_option,
-    main,
     progress_option,
     target_options,
 )
 
 
-@main.command("timeline")
+@click.command("timeline")
 @click.argument("event_logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @json_option
 @handle_errors
@@ -43,7 +45,7 @@ def timeline_cmd(event_logs: tuple[str, ...], as_json: bool) -> None:
         click.echo(format_table(summary))
 
 
-@main.command("load")
+@click.command("load")
 @click.argument("source")
 @click.option("--tp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--tp-rank", type=click.IntRange(0, 1023), default=0, show_default=True)

@@ -1,18 +1,20 @@
-"""``push``, ``pull``, ``cp``, ``tag``, ``login``, ``logout``: thin skins over ``modelpack.api.transfer``.
+"""``push``, ``cp``, ``tag``, ``login``, ``logout``: thin skins over ``modelpack.api.transfer``.
 
 Each command parses its options, calls one library function and prints the result, so later
-options (signing on push, cache/policy on pull) extend the library call, not the command.
+options (signing on push) extend the library call, not the command. ``pull`` has its own module
+(``modelpack.cli.pull``): nodes run it on every start and it must not import what these need.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 import click
 
 from modelpack.api import transfer
-from modelpack.cli import (
+from modelpack.cli.options import (
     SIZE,
     build_target_options,
     emit_json,
@@ -20,19 +22,13 @@ from modelpack.cli import (
     human_size,
     jobs_option,
     json_option,
-    main,
     progress_option,
+    read_passphrase,
     target_options,
 )
-from modelpack.cli.pack import format_options, pack_options, pack_options_from
-from modelpack.cli.trust import (
-    after_pull,
-    pull_trust_options,
-    push_sign_options,
-    sign_after_push,
-    verify_before_pull,
-)
-from modelpack.targets.opener import TargetOptions
+from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.opener import TargetOptions, open_target
 
 
 def chunk_size_option(fn: Any) -> Any:
@@ -50,7 +46,83 @@ def _with_chunk_size(topts: TargetOptions, chunk_size: int | None) -> TargetOpti
     return topts
 
 
-@main.command("push")
+def push_sign_options(fn: Any) -> Any:
+    opts = [
+        click.option("--sign-key", help="Sign after pushing: private key PEM file or env:VAR."),
+        click.option(
+            "--sign-passphrase-stdin",
+            is_flag=True,
+            help="Read the signing key passphrase from stdin (else MODELPACK_SIGNING_PASSPHRASE).",
+        ),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+class _LocalFiles:
+    """Read-only view of a checkpoint directory by manifest layer, for hashing chunk tables from
+    the files a push just uploaded (no second download). Only ``fetch_blob`` is needed."""
+
+    def __init__(self, directory: str, manifest: Any) -> None:
+        from modelpack.mediatypes import layer_filepath
+        from modelpack.mediatypes.annotations import safe_relative_path
+
+        self.name = f"dir:{directory}"
+        self._paths = {}
+        for layer in manifest.layers:
+            rel = layer_filepath(layer.annotations)
+            if rel:
+                self._paths[str(layer.digest)] = os.path.join(directory, safe_relative_path(rel))
+
+    def covers(self, layers: list[Any]) -> bool:
+        for layer in layers:
+            path = self._paths.get(str(layer.digest))
+            if path is None or not os.path.isfile(path) or os.path.getsize(path) != layer.size:
+                return False
+        return True
+
+    def fetch_blob(self, descriptor: Any, offset: int = 0) -> Any:
+        f = open(self._paths[str(descriptor.digest)], "rb")
+        if offset:
+            f.seek(offset)
+        return f
+
+
+def sign_after_push(
+    source: str,
+    destination: str,
+    digest: str,
+    kwargs: dict[str, Any],
+    target_options: TargetOptions,
+) -> dict[str, Any] | None:
+    """Pop the push signing options from ``kwargs``; when ``--sign-key`` was given, sign the
+    pushed manifest (chunk table hashed from the local files when SOURCE is a directory; each
+    file's whole sha256 is checked against its layer in the same pass)."""
+    key_spec = kwargs.pop("sign_key", None)
+    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
+    if not key_spec:
+        return None
+    from modelpack.signing import load_private_key, sign_artifact
+    from modelpack.signing.chunks import _weight_layers, compute_chunk_table
+    from modelpack.targets.fetch import fetch_manifest
+
+    key = load_private_key(key_spec, read_passphrase(from_stdin))
+    ref = parse_reference(destination)
+    target = open_target(ref, target_options, for_write=True)
+    manifest, _ = fetch_manifest(target, digest)
+    desc = target.resolve(digest)
+    table: Any = True
+    weights = _weight_layers(manifest)
+    if os.path.isdir(source) and weights:
+        local = _LocalFiles(source, manifest)
+        # re-sharded files (--max-file-size) are not on disk as layers: then read the blobs back
+        if local.covers(weights):
+            table = compute_chunk_table(local, manifest)  # type: ignore[arg-type]
+    return sign_artifact(target, desc, key, chunk_table=table, reference=ref).to_json()
+
+
+@click.command("push")
 @click.argument("source")
 @click.argument("destination")
 @pack_options
@@ -112,87 +184,7 @@ def push_cmd(
     click.echo(result.digest)
 
 
-@main.command("pull")
-@click.argument("reference")
-@click.argument("dest_dir", type=click.Path(file_okay=False), required=False)
-@click.option(
-    "--cache",
-    "cache_dir",
-    default=None,
-    metavar="DIR",
-    help="Pull into the node cache DIR instead (verified snapshot; prints its path). DEST_DIR is then omitted.",
-)
-@click.option(
-    "--max-cache-bytes", type=SIZE, default=None, help="With --cache: refuse to grow the cache past SIZE."
-)
-@click.option("--include", multiple=True, metavar="GLOB", help="Only files matching GLOB (repeatable).")
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
-@target_options
-@pull_trust_options
-@jobs_option
-@progress_option
-@json_option
-@handle_errors
-def pull_cmd(
-    reference: str,
-    dest_dir: str | None,
-    include: tuple[str, ...],
-    exclude: tuple[str, ...],
-    jobs: int,
-    progress: str,
-    as_json: bool,
-    **kwargs: Any,
-) -> None:
-    """Materialise the model at REFERENCE as files under DEST_DIR, each verified before it appears.
-
-    Files are written to temp names and renamed only after their size and sha256 match the
-    manifest; a failure leaves no partial file. Files already present and correct are kept.
-
-    \b
-    Examples:
-      modelpack pull registry.example.com/models/llama:v1 ./model
-      modelpack pull reg.example/m@sha256:… ./model --include '*.json'
-      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
-    """
-    cache_dir = kwargs.pop("cache_dir", None)
-    max_cache_bytes = kwargs.pop("max_cache_bytes", None)
-    if cache_dir is not None:  # node cache (modelpack.cli.node / modelpack.mount)
-        from modelpack.cli.node import cache_pull_from_cli
-
-        if dest_dir is not None or include or exclude:
-            raise click.UsageError(
-                "--cache pulls the whole model into the cache: drop DEST_DIR/--include/--exclude"
-            )
-        cache_pull_from_cli(
-            reference, cache_dir, kwargs, jobs=jobs, as_json=as_json, max_cache_bytes=max_cache_bytes
-        )
-        return
-    if dest_dir is None:
-        raise click.UsageError("missing DEST_DIR (or give --cache DIR)")
-    topts = build_target_options(kwargs)
-    reference, trust = verify_before_pull(reference, kwargs, topts)
-    result = transfer.pull(
-        reference,
-        dest_dir,
-        target_options=topts,
-        include=include,
-        exclude=exclude,
-        jobs=jobs,
-        progress=progress,
-    )
-    after_pull(reference, result.digest, trust, topts)
-    if as_json:
-        emit_json(result.to_json())
-        return
-    click.echo(
-        f"pulled {len(result.files)} files to {result.dest_dir}: {result.downloaded} downloaded "
-        f"({human_size(result.bytes_downloaded)}), {result.present} already present",
-        err=True,
-    )
-    click.echo(result.digest)
-
-
-@main.command("cp")
+@click.command("cp")
 @click.argument("source")
 @click.argument("destination")
 @click.option("--referrers", is_flag=True, help="Also copy manifests that refer to it (signatures…).")
@@ -235,7 +227,7 @@ def cp_cmd(
     click.echo(str(result.descriptor.digest))
 
 
-@main.command("tag")
+@click.command("tag")
 @click.argument("reference")
 @click.argument("new_tag")
 @target_options
@@ -250,7 +242,7 @@ def tag_cmd(reference: str, new_tag: str, as_json: bool, **kwargs: Any) -> None:
     click.echo(digest)
 
 
-@main.command("login")
+@click.command("login")
 @click.argument("registry")
 @click.option("--username", "-u", required=True, help="User name.")
 @click.option("--password-stdin", is_flag=True, help="Read the password from stdin (the only way).")
@@ -275,7 +267,7 @@ def login_cmd(
     click.echo(f"login succeeded; credentials stored in {where}")
 
 
-@main.command("logout")
+@click.command("logout")
 @click.argument("registry")
 @handle_errors
 def logout_cmd(registry: str) -> None:

@@ -1,23 +1,26 @@
-"""``keygen``, ``sign``, ``verify``, ``audit``, ``diff``: the trust commands."""
+"""``keygen``, ``sign``, ``verify``, ``audit``, ``diff``: keys, signatures and what a registry holds.
+
+The signing steps of ``push`` and ``pull`` live with those commands (``modelpack.cli.transfer``,
+``modelpack.cli.pull``); all of them share ``trust_policy_from`` for ``--key``/``--policy``.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import re
 import sys
 from typing import Any
 
 import click
 
-from modelpack.cli import (
+from modelpack.cli.options import (
     build_target_options,
     emit_json,
     handle_errors,
     human_size,
     json_option,
-    main,
+    read_passphrase,
     target_options,
+    trust_policy_from,
 )
 from modelpack.errors import InvalidReferenceError, ModelpackError
 from modelpack.events import EventLog
@@ -29,27 +32,7 @@ _HOST_ONLY = re.compile(
 )
 
 
-def _read_passphrase(from_stdin: bool) -> str | None:
-    if from_stdin:
-        line = sys.stdin.readline().rstrip("\n")
-        return line or None
-    return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
-
-
-def _policy_from(keys: tuple[str, ...], policy: str | None) -> Any:
-    from modelpack.signing.keys import load_public_key
-    from modelpack.signing.policy import TrustPolicy
-
-    if policy and keys:
-        raise click.UsageError("give --key or --policy, not both")
-    if policy:
-        return TrustPolicy.load(policy)
-    if keys:
-        return TrustPolicy.from_keys([load_public_key(k) for k in keys])
-    return None
-
-
-@main.command("keygen")
+@click.command("keygen")
 @click.option(
     "--out", "prefix", required=True, metavar="PREFIX", help="Writes PREFIX.key (0600) and PREFIX.pub."
 )
@@ -70,14 +53,14 @@ def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
     from modelpack.signing.keys import generate_key, write_keypair
 
     key = generate_key()
-    priv, pub = write_keypair(prefix, key, _read_passphrase(passphrase_stdin))
+    priv, pub = write_keypair(prefix, key, read_passphrase(passphrase_stdin))
     if as_json:
         emit_json({"privateKey": priv, "publicKey": pub, "keyId": key.key_id})
     else:
         click.echo(f"private key: {priv}\npublic key:  {pub}\nkey id:      {key.key_id}")
 
 
-@main.command("sign")
+@click.command("sign")
 @click.argument("reference")
 @click.option("--key", "key_spec", help="Private key: a PEM file or env:VAR holding the PEM text.")
 @click.option(
@@ -132,7 +115,7 @@ def sign_cmd(
         raise click.UsageError("--key is required (or --keyless)")
     from modelpack.signing import load_private_key, sign_artifact
 
-    key = load_private_key(key_spec, _read_passphrase(passphrase_stdin))
+    key = load_private_key(key_spec, read_passphrase(passphrase_stdin))
     res = sign_artifact(
         target,
         desc,
@@ -155,7 +138,7 @@ def sign_cmd(
         click.echo(f"  skipped {what}: {why}")
 
 
-@main.command("verify")
+@click.command("verify")
 @click.argument("reference")
 @click.option("--key", "keys", multiple=True, help="Trusted public key (PEM file or env:VAR); repeatable.")
 @click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
@@ -185,7 +168,7 @@ def verify_cmd(
     from modelpack.signing.referrers import ARTIFACT_TYPE_MODEL_SIGNATURE, find_bundle_referrers
     from modelpack.signing.verify import resolve_policy, select_directory_bundle, verify_reference
 
-    pol = _policy_from(keys, policy)
+    pol = trust_policy_from(keys, policy)
     if pol is None:
         raise click.UsageError("--key or --policy is required")
     topts = build_target_options(kwargs)
@@ -268,7 +251,7 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
-@main.command("audit")
+@click.command("audit")
 @click.argument("location")
 @click.option("--key", "keys", multiple=True, help="Trusted public key to check signatures with; repeatable.")
 @click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
@@ -304,7 +287,7 @@ def audit_cmd(
     """
     from modelpack.inspection.audit import audit_registry, audit_repository, load_since
 
-    pol = _policy_from(keys, policy)
+    pol = trust_policy_from(keys, policy)
     since = load_since(since_digests) if since_digests else None
     topts = build_target_options(kwargs)
     repos = []
@@ -359,7 +342,7 @@ def audit_cmd(
         sys.exit(1)
 
 
-@main.command("diff")
+@click.command("diff")
 @click.argument("ref_a")
 @click.argument("ref_b")
 @click.option("--no-tensors", is_flag=True, help="Skip per-tensor digests (no blob downloads).")
@@ -390,150 +373,3 @@ def diff_cmd(ref_a: str, ref_b: str, no_tensors: bool, as_json: bool, **kwargs: 
             click.echo(f"    {t.change:<8} {t.name}: {desc}")
         if f.tensors is not None:
             click.echo(f"    ({f.unchanged_tensors} tensors unchanged)")
-
-
-# --------------------------------------------------------------------------- push / pull hooks
-# ``modelpack push --sign-key`` and ``modelpack pull --key/--policy/--signature`` live in
-# cli_transfer.py; the trust part of them is here so that file only gains a few lines.
-
-
-def push_sign_options(fn: Any) -> Any:
-    opts = [
-        click.option("--sign-key", help="Sign after pushing: private key PEM file or env:VAR."),
-        click.option(
-            "--sign-passphrase-stdin",
-            is_flag=True,
-            help="Read the signing key passphrase from stdin (else MODELPACK_SIGNING_PASSPHRASE).",
-        ),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-class _LocalFiles:
-    """Read-only view of a checkpoint directory by manifest layer, for hashing chunk tables from
-    the files a push just uploaded (no second download). Only ``fetch_blob`` is needed."""
-
-    def __init__(self, directory: str, manifest: Any) -> None:
-        from modelpack.mediatypes import layer_filepath
-        from modelpack.mediatypes.annotations import safe_relative_path
-
-        self.name = f"dir:{directory}"
-        self._paths = {}
-        for layer in manifest.layers:
-            rel = layer_filepath(layer.annotations)
-            if rel:
-                self._paths[str(layer.digest)] = os.path.join(directory, safe_relative_path(rel))
-
-    def covers(self, layers: list[Any]) -> bool:
-        for layer in layers:
-            path = self._paths.get(str(layer.digest))
-            if path is None or not os.path.isfile(path) or os.path.getsize(path) != layer.size:
-                return False
-        return True
-
-    def fetch_blob(self, descriptor: Any, offset: int = 0) -> Any:
-        f = open(self._paths[str(descriptor.digest)], "rb")
-        if offset:
-            f.seek(offset)
-        return f
-
-
-def sign_after_push(
-    source: str,
-    destination: str,
-    digest: str,
-    kwargs: dict[str, Any],
-    target_options: TargetOptions,
-) -> dict[str, Any] | None:
-    """Pop the push signing options from ``kwargs``; when ``--sign-key`` was given, sign the
-    pushed manifest (chunk table hashed from the local files when SOURCE is a directory; each
-    file's whole sha256 is checked against its layer in the same pass)."""
-    key_spec = kwargs.pop("sign_key", None)
-    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
-    if not key_spec:
-        return None
-    from modelpack.signing import load_private_key, sign_artifact
-    from modelpack.signing.chunks import _weight_layers, compute_chunk_table
-    from modelpack.targets.fetch import fetch_manifest
-
-    key = load_private_key(key_spec, _read_passphrase(from_stdin))
-    ref = parse_reference(destination)
-    target = open_target(ref, target_options, for_write=True)
-    manifest, _ = fetch_manifest(target, digest)
-    desc = target.resolve(digest)
-    table: Any = True
-    weights = _weight_layers(manifest)
-    if os.path.isdir(source) and weights:
-        local = _LocalFiles(source, manifest)
-        # re-sharded files (--max-file-size) are not on disk as layers: then read the blobs back
-        if local.covers(weights):
-            table = compute_chunk_table(local, manifest)  # type: ignore[arg-type]
-    return sign_artifact(target, desc, key, chunk_table=table, reference=ref).to_json()
-
-
-def pull_trust_options(fn: Any) -> Any:
-    opts = [
-        click.option(
-            "--key", "trust_keys", multiple=True, help="Verify the signature with this public key first."
-        ),
-        click.option(
-            "--policy",
-            "trust_policy",
-            type=click.Path(exists=True, dir_okay=False),
-            help="Verify against this trust policy before any file is written.",
-        ),
-        click.option(
-            "--signature",
-            "signature_path",
-            help="Also write the model_signing signature here (for `model_signing verify key`).",
-        ),
-        click.option(
-            "--events", "trust_events", help="Append JSON events (signing.*) here ('-' for stderr)."
-        ),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def verify_before_pull(
-    reference: str, kwargs: dict[str, Any], target_options: TargetOptions
-) -> tuple[str, dict[str, Any]]:
-    """Pop the pull trust options; with ``--key``/``--policy`` verify the artifact and return a
-    digest-pinned reference (so the tag cannot move between verification and download). Also
-    returns state for ``after_pull``. Refusal raises ``SignatureRefused`` (event written)."""
-    keys = kwargs.pop("trust_keys", ())
-    policy = kwargs.pop("trust_policy", None)
-    state: dict[str, Any] = {
-        "signature": kwargs.pop("signature_path", None),
-        "events": kwargs.pop("trust_events", None),
-        "keys": None,
-    }
-    pol = _policy_from(tuple(keys), policy)
-    if pol is None:
-        return reference, state
-    from modelpack.signing.verify import resolve_policy, verify_reference
-
-    ref = parse_reference(reference)
-    events = EventLog.from_spec(None, state["events"]) if state["events"] else None
-    _, desc, result = verify_reference(ref, pol, target_options, events=events)
-    state["keys"] = list(resolve_policy(pol, ref).keys) or None
-    state["verification"] = result.to_json()
-    # digest only: "oci:DIR:tag@sha256:…" would not parse back to the same layout directory
-    pinned = dataclasses.replace(ref, tag=None, digest=desc.digest)
-    return str(pinned), state
-
-
-def after_pull(reference: str, digest: str, state: dict[str, Any], target_options: TargetOptions) -> None:
-    """Write the model_signing signature file when ``--signature`` was given."""
-    path = state.get("signature")
-    if not path:
-        return
-    from modelpack.signing import write_directory_signature
-
-    ref = parse_reference(reference)
-    target = open_readable(ref, target_options)
-    desc = target.resolve(digest)
-    write_directory_signature(target, desc, path, state.get("keys"))

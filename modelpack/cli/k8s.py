@@ -1,0 +1,168 @@
+"""``k8s pod|init-container|prewarm``: Kubernetes YAML that mounts, pulls or pre-warms a model.
+
+The manifests are built by ``modelpack.mount.k8s``; this module only maps flags onto it and
+prints YAML (or JSON), after validating the object so a typo never reaches ``kubectl apply``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from modelpack.cli.options import build_target_options, emit_json, handle_errors, json_option, target_options
+from modelpack.mount import k8s
+
+
+def _resolve_if_asked(reference: str, resolve: bool, kwargs: dict[str, Any]) -> str:
+    topts = build_target_options(kwargs)
+    if not resolve:
+        return reference
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.opener import open_readable
+
+    ref = parse_reference(reference)
+    if ref.digest:
+        return reference
+    desc = open_readable(ref, topts).resolve(ref.identifier)
+    return str(ref.with_tag(None).with_digest(desc.digest))
+
+
+def _emit(obj: dict[str, Any], notes: list[str], as_json: bool) -> None:
+    k8s.validate(obj)
+    if as_json:
+        emit_json(obj)
+    else:
+        click.echo(k8s.to_yaml(obj, notes), nl=False)
+
+
+@click.group("k8s")
+def k8s_group() -> None:
+    """Kubernetes YAML (stdout) for image volumes, init-container pulls and pre-warming."""
+
+
+@k8s_group.command("pod")
+@click.option("--image-volume", "reference", required=True, help="Model reference, pinned by digest.")
+@click.option("--mount-path", default="/models", show_default=True)
+@click.option(
+    "--pull-policy", type=click.Choice(k8s.PULL_POLICIES), default="IfNotPresent", show_default=True
+)
+@click.option(
+    "--image", default="vllm/vllm-openai:latest", show_default=True, help="Serving container image."
+)
+@click.option("--name", default=None, help="Pod name (default: from the repository).")
+@click.option("--namespace", default=None)
+@click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@target_options
+@json_option
+@handle_errors
+def k8s_pod(
+    reference: str,
+    mount_path: str,
+    pull_policy: str,
+    image: str,
+    name: str | None,
+    namespace: str | None,
+    resolve: bool,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """A Pod that mounts the model as an image volume (kubelet pulls it read-only).
+
+    \b
+    Runtime needs: CRI-O >= 1.33 mounts the raw ModelPack artifact;
+    containerd >= 2.1 needs the image-shaped variant (modelpack push --format image).
+    """
+    ref = _resolve_if_asked(reference, resolve, kwargs)
+    obj = k8s.image_volume_pod(
+        ref, mount_path=mount_path, pull_policy=pull_policy, image=image, name=name, namespace=namespace
+    )
+    _emit(obj, k8s.IMAGE_VOLUME_NOTES, as_json)
+
+
+@k8s_group.command("init-container")
+@click.argument("reference")
+@click.option(
+    "--cache-path", default=k8s.DEFAULT_CACHE_MOUNT, show_default=True, help="Cache mount in the pod."
+)
+@click.option(
+    "--cache-volume", type=click.Choice(["hostPath", "emptyDir"]), default="hostPath", show_default=True
+)
+@click.option("--host-path", default=k8s.DEFAULT_CACHE_HOST_PATH, show_default=True, help="Node directory.")
+@click.option("--size-limit", default=None, help="emptyDir sizeLimit (e.g. 200Gi).")
+@click.option("--policy-secret", default=None, help="Secret holding the trust policy (and keys).")
+@click.option(
+    "--policy-key", default="policy.yaml", show_default=True, help="Policy file name in that Secret."
+)
+@click.option(
+    "--registry-secret", default=None, help="kubernetes.io/dockerconfigjson Secret for the registry."
+)
+@click.option("--modelpack-image", default=k8s.DEFAULT_MODELPACK_IMAGE, show_default=True)
+@click.option(
+    "--image", default="vllm/vllm-openai:latest", show_default=True, help="Serving container image."
+)
+@click.option("--name", default=None)
+@click.option("--namespace", default=None)
+@click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@target_options
+@json_option
+@handle_errors
+def k8s_init_container(reference: str, resolve: bool, as_json: bool, **kwargs: Any) -> None:
+    """A Pod whose init container runs 'modelpack pull --cache' (verified, signature-checked)."""
+    opts = {
+        k: kwargs.pop(k)
+        for k in (
+            "cache_path",
+            "cache_volume",
+            "host_path",
+            "size_limit",
+            "policy_secret",
+            "policy_key",
+            "registry_secret",
+            "modelpack_image",
+            "image",
+            "name",
+            "namespace",
+        )
+    }
+    ref = _resolve_if_asked(reference, resolve, kwargs)
+    obj = k8s.init_container_pod(ref, **opts)
+    notes = [
+        "Init container: pulls, verifies digests (and signatures with --policy-secret), publishes a snapshot.",
+        "The serving container reads $MODELPACK_MODEL_DIR (read-only); hostPath caches are shared per node.",
+    ]
+    _emit(obj, notes, as_json)
+
+
+@k8s_group.command("prewarm")
+@click.argument("references", nargs=-1, required=True)
+@click.option("--node-selector", "selectors", multiple=True, required=True, metavar="KEY=VALUE")
+@click.option("--host-path", default=k8s.DEFAULT_CACHE_HOST_PATH, show_default=True)
+@click.option(
+    "--interval", "interval_s", type=click.IntRange(10), default=300, show_default=True, help="Seconds."
+)
+@click.option("--policy-secret", default=None)
+@click.option("--policy-key", default="policy.yaml", show_default=True)
+@click.option("--registry-secret", default=None)
+@click.option("--modelpack-image", default=k8s.DEFAULT_MODELPACK_IMAGE, show_default=True)
+@click.option("--name", default="modelpack-prewarm", show_default=True)
+@click.option("--namespace", default=None)
+@click.option("--tolerate-all", is_flag=True, help="Also run on tainted (e.g. GPU) nodes.")
+@json_option
+@handle_errors
+def k8s_prewarm(
+    references: tuple[str, ...], selectors: tuple[str, ...], as_json: bool, **kwargs: Any
+) -> None:
+    """A DaemonSet that keeps REFERENCES pulled in the node cache of the selected nodes."""
+    node_selector: dict[str, str] = {}
+    for s in selectors:
+        key, sep, value = s.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{s!r}: expected KEY=VALUE", param_hint="--node-selector")
+        node_selector[key] = value
+    obj = k8s.prewarm_daemonset(list(references), node_selector=node_selector, **kwargs)
+    _emit(
+        obj,
+        ["Pre-warm: re-pulls every interval; a cached digest is a hit (no transfer, no hashing)."],
+        as_json,
+    )

@@ -1,0 +1,177 @@
+"""The options, output helpers and error mapping every command module shares.
+
+Only click and the error hierarchy are imported here: every command loads this module, so
+what it imports is paid by every start. The library behind an option (targets, signing) is
+imported inside the function that turns the flags into library objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from modelpack.errors import ModelpackError
+
+if TYPE_CHECKING:
+    from modelpack.signing.policy import TrustPolicy
+    from modelpack.targets.opener import TargetOptions
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """``500M``, ``2GiB``, ``1.5G``, ``123`` → bytes (binary units; K/M/G/T and KiB… alike)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            mult, t = m, t[:-1]
+            break
+    try:
+        value = float(t)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 512M, 2GiB, 1073741824)") from exc
+    if value <= 0:
+        raise click.BadParameter(f"{text!r} must be positive")
+    return int(value * mult)
+
+
+class SizeType(click.ParamType):
+    """A byte count written the way people write sizes (``--max-file-size 4GiB``)."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        return parse_size(str(value))
+
+
+SIZE = SizeType()
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def handle_errors(fn: F) -> F:
+    """Map library errors to a one-line message and a meaningful exit code (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ModelpackError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def progress_option(fn: F) -> F:
+    return click.option(
+        "--progress",
+        type=click.Choice(["auto", "on", "off"]),
+        default="auto",
+        show_default=True,
+        help="Progress bars: auto shows them on a terminal and never in CI.",
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")(fn)
+
+
+def jobs_option(fn: F) -> F:
+    return click.option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(1, 64),
+        default=4,
+        show_default=True,
+        help="Concurrent blob transfers.",
+    )(fn)
+
+
+def target_options(fn: F) -> F:
+    """Connection flags every command that touches a registry or bucket accepts."""
+    opts = [
+        click.option(
+            "--plain-http", is_flag=True, help="Use HTTP, not HTTPS (always allowed for loopback registries)."
+        ),
+        click.option(
+            "--ca-file", type=click.Path(exists=True, dir_okay=False), help="PEM CA bundle for registry TLS."
+        ),
+        click.option(
+            "--username", "-u", help="Registry user (else MODELPACK_REGISTRY_USERNAME or docker config)."
+        ),
+        click.option("--password-stdin", is_flag=True, help="Read the registry password from stdin."),
+        click.option("--s3-endpoint", envvar="MODELPACK_S3_ENDPOINT", help="S3-compatible endpoint URL."),
+        click.option("--s3-region", envvar="AWS_REGION", help="S3 region."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def build_target_options(kwargs: dict[str, Any]) -> TargetOptions:
+    """Pop the connection flags out of a command's kwargs into a TargetOptions."""
+    from modelpack.targets.opener import TargetOptions
+
+    password = None
+    if kwargs.pop("password_stdin", False):
+        password = sys.stdin.readline().rstrip("\n")
+    return TargetOptions(
+        plain_http=kwargs.pop("plain_http", False),
+        ca_file=kwargs.pop("ca_file", None),
+        username=kwargs.pop("username", None),
+        password=password,
+        s3_endpoint=kwargs.pop("s3_endpoint", None),
+        s3_region=kwargs.pop("s3_region", None),
+    )
+
+
+def trust_policy_from(keys: Sequence[str], policy: str | None) -> TrustPolicy | None:
+    """``--key``/``--policy`` → the TrustPolicy to verify against; None when neither was given.
+
+    The signing library (and with it cryptography) is imported only when a key or policy was
+    given, so a pull without verification never pays for it.
+    """
+    if policy and keys:
+        raise click.UsageError("give --key or --policy, not both")
+    if not policy and not keys:
+        return None
+    from modelpack.signing.keys import load_public_key
+    from modelpack.signing.policy import TrustPolicy
+
+    if policy:
+        return TrustPolicy.load(policy)
+    return TrustPolicy.from_keys([load_public_key(k) for k in keys])
+
+
+def read_passphrase(from_stdin: bool) -> str | None:
+    """A signing key's passphrase: a line of stdin when asked, else MODELPACK_SIGNING_PASSPHRASE.
+
+    Never a flag value: command lines end up in shell history and process lists."""
+    if from_stdin:
+        line = sys.stdin.readline().rstrip("\n")
+        return line or None
+    return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None

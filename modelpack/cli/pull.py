@@ -1,0 +1,211 @@
+"""``pull``: a model's files into a directory, or a verified snapshot into the node cache.
+
+This is the command a node runs on every pod start, usually as a cache hit that takes a few
+milliseconds of work, so the process start is most of its cost: this module imports only
+click and the shared options, and each branch imports the library it drives (the node
+cache, the transfer API, signing) when it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from modelpack.cli.options import (
+    SIZE,
+    build_target_options,
+    emit_json,
+    handle_errors,
+    human_size,
+    jobs_option,
+    json_option,
+    progress_option,
+    target_options,
+    trust_policy_from,
+)
+
+if TYPE_CHECKING:
+    from modelpack.targets.opener import TargetOptions
+
+
+def pull_trust_options(fn: Any) -> Any:
+    opts = [
+        click.option(
+            "--key", "trust_keys", multiple=True, help="Verify the signature with this public key first."
+        ),
+        click.option(
+            "--policy",
+            "trust_policy",
+            type=click.Path(exists=True, dir_okay=False),
+            help="Verify against this trust policy before any file is written.",
+        ),
+        click.option(
+            "--signature",
+            "signature_path",
+            help="Also write the model_signing signature here (for `model_signing verify key`).",
+        ),
+        click.option(
+            "--events", "trust_events", help="Append JSON events (signing.*) here ('-' for stderr)."
+        ),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def verify_before_pull(
+    reference: str, kwargs: dict[str, Any], target_options: TargetOptions
+) -> tuple[str, dict[str, Any]]:
+    """Pop the pull trust options; with ``--key``/``--policy`` verify the artifact and return a
+    digest-pinned reference (so the tag cannot move between verification and download). Also
+    returns state for ``after_pull``. Refusal raises ``SignatureRefused`` (event written)."""
+    keys = kwargs.pop("trust_keys", ())
+    policy = kwargs.pop("trust_policy", None)
+    state: dict[str, Any] = {
+        "signature": kwargs.pop("signature_path", None),
+        "events": kwargs.pop("trust_events", None),
+        "keys": None,
+    }
+    pol = trust_policy_from(tuple(keys), policy)
+    if pol is None:
+        return reference, state
+    from modelpack.events import EventLog
+    from modelpack.oci.reference import parse_reference
+    from modelpack.signing.verify import resolve_policy, verify_reference
+
+    ref = parse_reference(reference)
+    events = EventLog.from_spec(None, state["events"]) if state["events"] else None
+    _, desc, result = verify_reference(ref, pol, target_options, events=events)
+    state["keys"] = list(resolve_policy(pol, ref).keys) or None
+    state["verification"] = result.to_json()
+    # digest only: "oci:DIR:tag@sha256:…" would not parse back to the same layout directory
+    pinned = dataclasses.replace(ref, tag=None, digest=desc.digest)
+    return str(pinned), state
+
+
+def after_pull(reference: str, digest: str, state: dict[str, Any], target_options: TargetOptions) -> None:
+    """Write the model_signing signature file when ``--signature`` was given."""
+    path = state.get("signature")
+    if not path:
+        return
+    from modelpack.oci.reference import parse_reference
+    from modelpack.signing import write_directory_signature
+    from modelpack.targets.opener import open_readable
+
+    ref = parse_reference(reference)
+    target = open_readable(ref, target_options)
+    desc = target.resolve(digest)
+    write_directory_signature(target, desc, path, state.get("keys"))
+
+
+def pull_into_cache(
+    reference: str,
+    cache_dir: str,
+    kwargs: dict[str, Any],
+    *,
+    jobs: int,
+    as_json: bool,
+    max_cache_bytes: int | None = None,
+) -> None:
+    """``pull REF --cache DIR``: the pull command's trust flags (--key/--policy/--events) become
+    the cache's policy and event log; the cache itself verifies, before publishing."""
+    topts = build_target_options(kwargs)
+    keys = tuple(kwargs.pop("trust_keys", ()) or ())
+    policy = trust_policy_from(keys, kwargs.pop("trust_policy", None))
+    events = kwargs.pop("trust_events", None)
+    if kwargs.pop("signature_path", None):
+        raise click.UsageError("--signature writes into a pulled directory; it does not apply to --cache")
+    from modelpack.cli.cache import cache_pull
+
+    cache_pull(
+        reference,
+        cache_dir,
+        target_options=topts,
+        policy=policy,
+        jobs=jobs,
+        events=events,
+        max_cache_bytes=max_cache_bytes,
+        as_json=as_json,
+    )
+
+
+@click.command("pull")
+@click.argument("reference")
+@click.argument("dest_dir", type=click.Path(file_okay=False), required=False)
+@click.option(
+    "--cache",
+    "cache_dir",
+    default=None,
+    metavar="DIR",
+    help="Pull into the node cache DIR instead (verified snapshot; prints its path). DEST_DIR is then omitted.",
+)
+@click.option(
+    "--max-cache-bytes", type=SIZE, default=None, help="With --cache: refuse to grow the cache past SIZE."
+)
+@click.option("--include", multiple=True, metavar="GLOB", help="Only files matching GLOB (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
+@target_options
+@pull_trust_options
+@jobs_option
+@progress_option
+@json_option
+@handle_errors
+def pull_cmd(
+    reference: str,
+    dest_dir: str | None,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    jobs: int,
+    progress: str,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Materialise the model at REFERENCE as files under DEST_DIR, each verified before it appears.
+
+    Files are written to temp names and renamed only after their size and sha256 match the
+    manifest; a failure leaves no partial file. Files already present and correct are kept.
+
+    \b
+    Examples:
+      modelpack pull registry.example.com/models/llama:v1 ./model
+      modelpack pull reg.example/m@sha256:… ./model --include '*.json'
+      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
+    """
+    cache_dir = kwargs.pop("cache_dir", None)
+    max_cache_bytes = kwargs.pop("max_cache_bytes", None)
+    if cache_dir is not None:
+        if dest_dir is not None or include or exclude:
+            raise click.UsageError(
+                "--cache pulls the whole model into the cache: drop DEST_DIR/--include/--exclude"
+            )
+        pull_into_cache(
+            reference, cache_dir, kwargs, jobs=jobs, as_json=as_json, max_cache_bytes=max_cache_bytes
+        )
+        return
+    if dest_dir is None:
+        raise click.UsageError("missing DEST_DIR (or give --cache DIR)")
+    from modelpack.api import transfer
+
+    topts = build_target_options(kwargs)
+    reference, trust = verify_before_pull(reference, kwargs, topts)
+    result = transfer.pull(
+        reference,
+        dest_dir,
+        target_options=topts,
+        include=include,
+        exclude=exclude,
+        jobs=jobs,
+        progress=progress,
+    )
+    after_pull(reference, result.digest, trust, topts)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    click.echo(
+        f"pulled {len(result.files)} files to {result.dest_dir}: {result.downloaded} downloaded "
+        f"({human_size(result.bytes_downloaded)}), {result.present} already present",
+        err=True,
+    )
+    click.echo(result.digest)
