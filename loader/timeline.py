@@ -1,17 +1,19 @@
 """Model start-up timelines from event logs (DESIGN §7): p50/p95 per stage, per cache state.
 
 Stages: t2 version confirmed (manifest digest resolved and verified) → t3 read start → t4 read
-done → t5 device load done → t9 first deterministic check passed. Events of one model start
-share a ``start_id`` (the node cache and the loader write into the same or separate logs; all
-files given are merged). For each start:
+done → t5 device load done → t6 compile done (JIT/autotune) → t9 first deterministic check
+passed. Events of one model start share a ``start_id`` (the node cache and the loader write into
+the same or separate logs; all files given are merged). For each start:
 
 - t0 is its earliest event; a stage's time is measured from t0 (``at``) and from the previous
   stage present (``interval``);
-- start points (t2, t3) take the stage's FIRST event, completion points (t4, t5, t9) its LAST:
+- start points (t2, t3) take the stage's FIRST event, completion points (t4, t5, t6, t9) its LAST:
   on a cold start the cache's download is the first read and the loader's copy the last, so
   t3 → t4 spans both;
 - the state is the first ``cold`` / ``hit`` / ``streamed`` seen (the cache states it at t2,
-  before the loader does), else ``unknown``.
+  before the loader does), else ``unknown``;
+- the runtime-asset state (``asset_state``: none | hit | refused, ``modelpack.assets``) says
+  whether t6 compiled from a shipped cache; t6 is also summarised per asset state.
 
 Percentiles use the nearest-rank method on the starts that reached the stage.
 """
@@ -26,16 +28,18 @@ from typing import Any
 
 from modelpack.errors import TimelineError
 
-STAGES = ("t2", "t3", "t4", "t5", "t9")
+STAGES = ("t2", "t3", "t4", "t5", "t6", "t9")
 STAGE_NAMES = {
     "t2": "version confirmed",
     "t3": "read start",
     "t4": "read done",
     "t5": "device load done",
+    "t6": "compile done",
     "t9": "check passed",
 }
 _FIRST = {"t2", "t3"}
 STATES = ("cold", "hit", "streamed")
+ASSET_STATES = ("none", "hit", "refused")  # of the compile cache, reported with t6
 MAX_LINE_BYTES = 1024 * 1024
 MAX_FILE_BYTES = 1024 * 1024 * 1024
 
@@ -73,6 +77,7 @@ class Start:
     t0: float
     stages: dict[str, float] = field(default_factory=dict)  # stage → absolute ts
     digest: str | None = None
+    asset_state: str | None = None
 
     def at_ms(self, stage: str) -> float | None:
         ts = self.stages.get(stage)
@@ -105,7 +110,8 @@ def group_starts(events: Iterable[Mapping[str, Any]]) -> list[Start]:
         evs = sorted(evs, key=lambda e: float(e["ts"]))
         state = next((e["state"] for e in evs if e.get("state") in STATES), "unknown")
         digest = next((e["digest"] for e in evs if isinstance(e.get("digest"), str)), None)
-        st = Start(sid, state, float(evs[0]["ts"]), digest=digest)
+        asset_state = next((e["asset_state"] for e in evs if e.get("asset_state") in ASSET_STATES), None)
+        st = Start(sid, state, float(evs[0]["ts"]), digest=digest, asset_state=asset_state)
         for e in evs:
             stage = e.get("stage")
             if stage not in STAGES:
@@ -152,6 +158,16 @@ def summarize(starts: Sequence[Start]) -> dict[str, Any]:
             iv = [v for v in (s.interval_ms(stage) for s in members) if v is not None]
             stages[stage] = {"name": STAGE_NAMES[stage], "at": _summary(at), "interval": _summary(iv)}
         out["states"][state] = {"starts": len(members), "stages": stages}
+    out["assets"] = {}
+    for asset_state in ASSET_STATES:
+        members = [s for s in starts if s.asset_state == asset_state]
+        if members:
+            at = [v for v in (s.at_ms("t6") for s in members) if v is not None]
+            iv = [v for v in (s.interval_ms("t6") for s in members) if v is not None]
+            out["assets"][asset_state] = {
+                "starts": len(members),
+                "t6": {"at": _summary(at), "interval": _summary(iv)},
+            }
     return out
 
 
@@ -185,4 +201,11 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 f"  {stage + ' ' + s['name']:<22} {at['count']:>5} {ms(at['p50_ms']):>14} {ms(at['p95_ms']):>14} "
                 f"{ms(iv['p50_ms']):>10} {ms(iv['p95_ms']):>10}"
             )
+    for asset_state, doc in summary.get("assets", {}).items():
+        iv = doc["t6"]["interval"]
+        p50 = "-" if iv["p50_ms"] is None else f"{iv['p50_ms']:.1f} ms"
+        p95 = "-" if iv["p95_ms"] is None else f"{iv['p95_ms']:.1f} ms"
+        lines.append(
+            f"compile (t6) with runtime assets {asset_state}: {doc['starts']} starts, step p50 {p50}, p95 {p95}"
+        )
     return "\n".join(lines)
