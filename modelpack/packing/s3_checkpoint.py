@@ -37,10 +37,11 @@ from modelpack.packing.packer import (
 )
 from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
 from modelpack.progress import Progress
-from modelpack.targets.s3 import S3ReadStream, _client_errors, _is_not_found, _wrap, make_client
+from modelpack.targets.s3.client import client_errors, is_not_found, make_client, wrap_client_error
+from modelpack.targets.s3.stream import S3ReadStream
 
 if TYPE_CHECKING:
-    from modelpack.targets.opener import TargetOptions
+    from modelpack.targets.options import TargetOptions
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -85,10 +86,10 @@ def is_s3_checkpoint(url: str, target_options: TargetOptions | None = None, *, c
     key = f"{prefix}/oci-layout" if prefix else "oci-layout"
     try:
         client.head_object(Bucket=bucket, Key=key)
-    except _client_errors() as exc:
-        if _is_not_found(exc):
+    except client_errors() as exc:
+        if is_not_found(exc):
             return True
-        raise _wrap(exc, "HeadObject", f"s3://{bucket}/{key}") from exc
+        raise wrap_client_error(exc, "HeadObject", f"s3://{bucket}/{key}") from exc
     return False
 
 
@@ -121,8 +122,8 @@ def list_checkpoint(
     while True:
         try:
             resp = client.list_objects_v2(**kwargs)
-        except _client_errors() as exc:
-            raise _wrap(exc, "ListObjectsV2", where) from exc
+        except client_errors() as exc:
+            raise wrap_client_error(exc, "ListObjectsV2", where) from exc
         for obj in resp.get("Contents", []):
             key = str(obj["Key"])
             rel = key[len(base) :]

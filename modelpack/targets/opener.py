@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from modelpack.errors import InvalidReferenceError
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import ReadableTarget, Target
-
-
-@dataclass
-class TargetOptions:
-    """Connection settings shared by every command; backings read what applies to them."""
-
-    plain_http: bool = False
-    ca_file: str | None = None
-    insecure_skip_verify: bool = False
-    username: str | None = None
-    password: str | None = None
-    s3_endpoint: str | None = None
-    s3_region: str | None = None
-    create: bool = True
-    link: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
+from modelpack.targets.options import TargetOptions
 
 
 def open_target(
@@ -41,7 +23,7 @@ def open_target(
 
         return RegistryTarget.from_reference(ref, options, for_write=for_write)
     if ref.scheme == "s3":
-        from modelpack.targets.s3 import S3Target
+        from modelpack.targets.s3.target import S3Target
 
         return S3Target.from_reference(ref, options)
     raise InvalidReferenceError(f"no target for scheme {ref.scheme!r}")
@@ -49,3 +31,6 @@ def open_target(
 
 def open_readable(ref: Reference | str, options: TargetOptions | None = None) -> ReadableTarget:
     return open_target(ref, options, for_write=False)
+
+
+__all__ = ["TargetOptions", "open_readable", "open_target"]

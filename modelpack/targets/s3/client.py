@@ -1,0 +1,140 @@
+"""A boto3 S3 client from the standard credential chain, and botocore failures as typed errors.
+
+boto3 and botocore are imported only inside these functions: importing ``modelpack.targets`` (a
+node-cache hit by digest) must not pay for them. Endpoint, region and credentials come from
+boto3's chain (environment, shared profile, web identity / IRSA, instance metadata) plus
+``TargetOptions.s3_endpoint`` / ``s3_region``. Errors name ``s3://bucket/key``, never credentials.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from modelpack.errors import ModelpackError, NotFoundError, S3Error
+
+_CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}
+_UNSUPPORTED_CODES = {"NotImplemented"}
+
+
+def endpoint_from_env() -> str | None:
+    return (
+        os.environ.get("MODELPACK_S3_ENDPOINT")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or None
+    )
+
+
+def _quiet_wire_loggers() -> None:
+    """Keep botocore's DEBUG wire logs off, even under ``modelpack --debug``.
+
+    They print signed request headers, including the access key id and ``x-amz-security-token``
+    (measured: ``modelpack --debug push … s3://…`` printed the session token). modelpack's own
+    ``modelpack.targets.s3`` logger still reports every decision, by key.
+    """
+    for name in ("botocore", "boto3", "s3transfer"):
+        lg = logging.getLogger(name)
+        if lg.getEffectiveLevel() < logging.INFO:  # only under --debug; other levels stay as set
+            lg.setLevel(logging.INFO)
+
+
+_LOADER: Any = None
+_LOADER_LOCK = threading.Lock()
+
+
+def _botocore_session() -> Any:
+    """A fresh botocore session (credentials re-resolved from the chain each time) sharing one
+    data loader, so the S3 service model JSON is parsed once per process, not per target."""
+    import botocore.loaders
+    import botocore.session
+
+    global _LOADER
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = botocore.loaders.create_loader()
+    bs = botocore.session.Session()
+    bs.register_component("data_loader", _LOADER)
+    return bs
+
+
+def make_client(endpoint: str | None = None, region: str | None = None, *, max_pool: int = 16) -> Any:
+    """A boto3 S3 client from the standard credential chain (boto3 is imported only here).
+
+    A custom endpoint (S3-compatible store, moto) gets path-style addressing, which works with IP
+    addresses and bucket names containing dots.
+    """
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise S3Error("s3:// needs boto3: pip install 'modelpack[s3]'") from exc
+    _quiet_wire_loggers()
+    endpoint = endpoint or endpoint_from_env()
+    session = boto3.session.Session(botocore_session=_botocore_session())
+    region = region or session.region_name or "us-east-1"
+    config = Config(
+        retries={"mode": "standard", "max_attempts": 5},
+        max_pool_connections=max_pool,
+        s3={"addressing_style": "path"} if endpoint else {},
+        user_agent_extra="modelpack",
+    )
+    return session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+
+
+def client_errors() -> tuple[type[BaseException], ...]:
+    """What a boto3 call raises when S3 (or the way to it) fails: the ``except`` clause for one."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (ClientError, BotoCoreError)
+
+
+def error_code(exc: BaseException) -> tuple[str, int]:
+    """S3's error code and HTTP status from a ``ClientError`` (``("", 0)`` for anything else)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", 0
+    code = str((response.get("Error") or {}).get("Code") or "")
+    status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def is_not_found(exc: BaseException) -> bool:
+    code, status = error_code(exc)
+    return code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket")
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A conditional write lost to another writer (or the object it was conditioned on vanished)."""
+    code, status = error_code(exc)
+    return code in _CONFLICT_CODES or status in (409, 412)
+
+
+def is_unsupported(exc: BaseException) -> bool:
+    """The endpoint does not implement what was asked (conditional writes on older stores)."""
+    code, status = error_code(exc)
+    return code in _UNSUPPORTED_CODES or status == 501
+
+
+def wrap_client_error(exc: BaseException, operation: str, where: str) -> ModelpackError:
+    """A typed error naming the object; botocore's message carries no credentials, only codes."""
+    if isinstance(exc, ModelpackError):
+        return exc
+    code, status = error_code(exc)
+    if code == "NoSuchBucket":
+        return NotFoundError(f"{where}: bucket does not exist")
+    if is_not_found(exc):
+        return NotFoundError(f"{where}: not found")
+    name = type(exc).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return S3Error(
+            f"{where}: no AWS credentials (environment, profile, web identity or instance metadata)",
+            operation=operation,
+            key=where,
+        )
+    detail = f"{code} (HTTP {status})" if code else f"{name}: {exc}"
+    return S3Error(
+        f"{where}: S3 {operation} failed: {detail}", operation=operation, key=where, code=code, status=status
+    )
