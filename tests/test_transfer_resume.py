@@ -188,7 +188,7 @@ def test_idempotent_requests_retry_across_a_registry_restart(
     registry.kill()
     started = time.monotonic()
     with pytest.raises(RegistryConnectionError):
-        target._start_upload()
+        target._uploads.start()
     assert time.monotonic() - started < 5
     registry_factory.restart(registry)
 

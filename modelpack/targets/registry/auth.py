@@ -26,6 +26,7 @@ import requests
 
 from modelpack.errors import AuthenticationError, RegistryConnectionError, RegistryError
 from modelpack.files import atomic_write_bytes
+from modelpack.targets.registry.hosts import is_loopback_url
 
 log = logging.getLogger("modelpack.targets.registry.auth")
 
@@ -229,7 +230,7 @@ class Authenticator:
         service = self._bearer_params.get("service")
         if not realm.startswith(("https://", "http://")):
             raise AuthenticationError(f"token realm {realm!r} is not an http(s) URL", target=self.host)
-        if realm.startswith("http://") and self._verify is not False and not _is_loopback_url(realm):
+        if realm.startswith("http://") and self._verify is not False and not is_loopback_url(realm):
             raise AuthenticationError(
                 f"refusing to send credentials to a plain-HTTP token realm {realm}", target=self.host
             )
@@ -299,14 +300,6 @@ class Authenticator:
         if not isinstance(expires_in, int) or expires_in < 60:
             expires_in = 60  # the spec's minimum
         return _Token(value, time.monotonic() + expires_in)
-
-
-def _is_loopback_url(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    from modelpack.targets.registry.client import is_loopback_host
-
-    return is_loopback_host(urlsplit(url).netloc)
 
 
 # ----------------------------------------------------------------------------- login / logout

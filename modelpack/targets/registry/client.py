@@ -12,7 +12,6 @@ environment are still honoured, explicitly, for non-loopback registries.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import random
@@ -35,6 +34,7 @@ from modelpack.errors import (
     RegistryTLSError,
 )
 from modelpack.targets.registry.auth import Authenticator, Credentials
+from modelpack.targets.registry.hosts import is_loopback_host
 
 log = logging.getLogger("modelpack.targets.registry")
 
@@ -47,21 +47,6 @@ DOCKER_HUB_API = "registry-1.docker.io"  # urllib3 sends streamed bodies in bloc
 
 # bytes, a stream with read() and __len__, or a factory returning a fresh one per attempt
 Body = Any
-
-
-def is_loopback_host(host: str) -> bool:
-    """``127.0.0.0/8``, ``::1`` and ``localhost``, with or without a port."""
-    name = host
-    if name.startswith("["):
-        name = name[1 : name.index("]")] if "]" in name else name[1:]
-    elif name.count(":") == 1:
-        name = name.split(":", 1)[0]
-    if name.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def redact_url(url: str) -> str:
@@ -332,3 +317,6 @@ class RegistryClient:
 
     def close(self) -> None:
         self.session.close()
+
+
+__all__ = ["RegistryClient", "is_loopback_host", "oci_error", "redact_url"]
