@@ -16,11 +16,10 @@ generated dicts are checked against the ``kubernetes`` client models (``validate
 
 from __future__ import annotations
 
+import functools
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import yaml
 
 from modelpack.errors import InvalidReferenceError, K8sError
 from modelpack.oci.reference import Reference, parse_reference
@@ -340,22 +339,30 @@ def _diff(a: Any, b: Any, path: str = "") -> str:
     return "" if a == b else f"{path} ({a!r} != {b!r})"
 
 
-class _Dumper(yaml.SafeDumper):
-    pass
-
-
-def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+def _str_representer(dumper: Any, value: str) -> Any:
     style = "|" if "\n" in value else None  # scripts stay readable as literal blocks
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-_Dumper.add_representer(str, _str_representer)
+@functools.cache
+def _dumper() -> Any:
+    """A SafeDumper writing multi-line strings as literal blocks; built on first use so that
+    importing this module (``modelpack pull`` does) does not import yaml."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(str, _str_representer)
+    return Dumper
 
 
 def to_yaml(obj: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
     """YAML with the notes as leading comments (kubectl ignores them)."""
+    import yaml
+
     header = "".join(f"# {n}\n" for n in notes)
-    return header + yaml.dump(dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+    return header + yaml.dump(dict(obj), Dumper=_dumper(), sort_keys=False, default_flow_style=False)
 
 
 def runtime_table_markdown() -> str:

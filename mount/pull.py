@@ -1,0 +1,341 @@
+"""Pull-and-verify one reference into a published snapshot: a hit from the ready marker, or a miss.
+
+A hit costs one tag resolution (none when the reference is pinned by digest), one small file
+read (the ready marker) and one ``utime``; nothing is hashed. A miss takes the manifest lock
+``locks/m-<hex>.lock`` (one pull per manifest per node; a waiter re-checks the marker when it
+gets the lock), fetches and verifies the manifest, checks signatures per policy, registers a
+pull lease for GC, checks free space and quota, ingests missing blobs (resuming partial ones),
+stores the manifest, builds the snapshot in a temp directory and publishes it (rename, then the
+ready marker, in ``mount.snapshots``). Trust is recorded only once the snapshot is ready.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.mediatypes import MEDIA_TYPE_IMAGE_CONFIG, parse_layer_media_type
+from modelpack.mount.ingest import BlobIngest, check_space
+from modelpack.mount.leases import PullLeases
+from modelpack.mount.locks import acquire
+from modelpack.mount.refs import RefRecords
+from modelpack.mount.reports import PullResult, to_ms
+from modelpack.mount.snapshots import SnapshotInfo, Snapshots
+from modelpack.mount.store import Store
+from modelpack.mount.trust import TrustRecords
+
+from modelpack.errors import CacheError, ManifestError
+from modelpack.events import EventLog
+from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
+from modelpack.oci.digest import Digest, verify_bytes
+from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import ReadableTarget
+from modelpack.targets.opener import TargetOptions, open_readable
+
+
+@dataclass
+class Puller:
+    """The pull path over one cache's parts; ``NodeCache`` builds one per pull, so it sees the
+    cache's current quota and reserve."""
+
+    store: Store
+    snapshots: Snapshots
+    refs: RefRecords
+    trust: TrustRecords
+    leases: PullLeases
+    blobs: BlobIngest
+    stale_after: float
+    max_cache_bytes: int | None
+    reserve_bytes: int
+    usage: Callable[[], int]
+
+    def pull(
+        self,
+        reference: str | Reference,
+        target_options: TargetOptions | None,
+        *,
+        policy: Any,
+        jobs: int,
+        log: EventLog,
+        source: ReadableTarget | None,
+        start_id: str | None,
+    ) -> PullResult:
+        """Make ``reference`` available as a verified snapshot; returns where and what it cost."""
+        t0 = time.monotonic()
+        ref = parse_reference(reference) if isinstance(reference, str) else reference
+        ref_text = str(ref)
+        # one start_id groups a model start's events across processes (init container → loader)
+        sid = start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex[:16]
+        timings: dict[str, float] = {}
+
+        def ev(name: str, **fields: Any) -> None:
+            fields.setdefault("reference", ref_text)
+            fields.setdefault("start_id", sid)
+            log.emit(name, **fields)
+
+        ev("cache.pull_start", pinned=ref.is_pinned)
+        target: ReadableTarget | None = source
+        desc: Descriptor | None = None
+        try:
+            if ref.digest:
+                digest = ref.digest
+            else:
+                target = target or open_readable(ref, target_options)
+                desc = target.resolve(ref.identifier)
+                digest = desc.digest
+                timings["resolve"] = to_ms(time.monotonic() - t0)
+                self.refs.record(ref, digest)
+            info = self.snapshots.ready(digest)
+            if info is not None:
+                signature = "not-checked"
+                if policy is not None:
+                    target, signature = self.trust.on_hit(
+                        info, ref, target, target_options, policy, log, ev, timings
+                    )
+                return self._hit(info, ref_text, sid, t0, timings, ev, signature=signature)
+            ev("cache.miss", digest=str(digest))
+            if target is None:
+                target = open_readable(ref, target_options)
+            if ref.digest and not desc:
+                self.refs.record(ref, digest)
+            return self._miss(ref, ref_text, digest, target, policy, jobs, sid, t0, timings, ev, log)
+        except BaseException as exc:
+            ev(
+                "cache.pull_failed",
+                digest=str(desc.digest) if desc else (str(ref.digest) if ref.digest else None),
+                error=type(exc).__name__,
+                reason=str(exc),
+                duration_ms=to_ms(time.monotonic() - t0),
+            )
+            raise
+
+    def _hit(
+        self,
+        info: SnapshotInfo,
+        ref_text: str,
+        sid: str,
+        t0: float,
+        timings: dict[str, float],
+        ev: Callable[..., None],
+        *,
+        waited_s: float = 0.0,
+        signature: str = "not-checked",
+    ) -> PullResult:
+        self.snapshots.touch(info.digest)
+        now = time.monotonic()
+        ev(
+            "cache.version_confirmed",
+            digest=str(info.digest),
+            stage="t2",
+            state="hit",
+            duration_ms=to_ms(now - t0),
+        )
+        total = to_ms(time.monotonic() - t0)
+        timings["total"] = total
+        ev(
+            "cache.hit",
+            digest=str(info.digest),
+            stage="t4",
+            state="hit",
+            bytes=info.size,
+            files=len(info.files),
+            duration_ms=total,
+            waited_ms=to_ms(waited_s) if waited_s else None,
+            path=info.path,
+        )
+        return PullResult(
+            ref_text,
+            info.digest,
+            info.path,
+            "hit",
+            files=len(info.files),
+            bytes_total=int(info.meta.get("bytes_total", info.size)),
+            bytes_reused=int(info.meta.get("bytes_total", info.size)),
+            timings=timings,
+            start_id=sid,
+            signature=signature,
+        )
+
+    def _miss(
+        self,
+        ref: Reference,
+        ref_text: str,
+        digest: Digest,
+        target: ReadableTarget,
+        policy: Any,
+        jobs: int,
+        sid: str,
+        t0: float,
+        timings: dict[str, float],
+        ev: Callable[..., None],
+        log: EventLog,
+    ) -> PullResult:
+        def waiting(holder: str) -> None:
+            ev("cache.lock_wait", digest=str(digest), holder=holder)
+
+        mlock = acquire(
+            os.path.join(self.store.locks_dir, "m-" + digest.hex + ".lock"),
+            stale_after=self.stale_after,
+            on_wait=waiting,
+        )
+        try:
+            info = self.snapshots.ready(digest)
+            if info is not None:  # another process published it while we waited
+                signature = "not-checked"
+                if policy is not None:
+                    _, signature = self.trust.on_hit(info, ref, target, None, policy, log, ev, timings)
+                return self._hit(
+                    info, ref_text, sid, t0, timings, ev, waited_s=mlock.waited_s, signature=signature
+                )
+            t = time.monotonic()
+            raw, media_type = target.fetch_manifest(str(digest))
+            verify_bytes(raw, digest, None, what="manifest", source=target.name)
+            parsed = parse_manifest_or_index(raw, media_type)
+            if isinstance(parsed, Index):
+                raise ManifestError(f"{ref_text}: {digest} is an index; pull one of its manifests by digest")
+            manifest: Manifest = parsed
+            timings["manifest"] = to_ms(time.monotonic() - t)
+            ev(
+                "cache.version_confirmed",
+                digest=str(digest),
+                stage="t2",
+                state="cold",
+                duration_ms=to_ms(time.monotonic() - t0),
+            )
+            verification = None
+            if policy is not None:
+                t = time.monotonic()
+                verification = self.trust.check(target, ref, manifest, policy, log, ev, record=False)
+                timings["signature"] = to_ms(time.monotonic() - t)
+
+            blobs = _unique_blobs(manifest)
+            with self.leases.hold([str(digest), *(str(b.digest) for b in blobs)]):
+                result = self._download(
+                    manifest, target, blobs, jobs, ref_text, sid, timings, ev, mlock.heartbeat
+                )
+                self._publish(ref, ref_text, manifest, blobs, result, t0, timings, ev)
+            if verification is not None:
+                self.trust.record(str(digest), verification)
+                result.signature = str(verification.status)
+            return result
+        finally:
+            mlock.release()
+
+    def _download(
+        self,
+        manifest: Manifest,
+        target: ReadableTarget,
+        blobs: list[Descriptor],
+        jobs: int,
+        ref_text: str,
+        sid: str,
+        timings: dict[str, float],
+        ev: Callable[..., None],
+        heartbeat: Callable[[], None],
+    ) -> PullResult:
+        """Admit the download against quota and disk, ingest what is missing, count the bytes."""
+        digest = manifest.digest
+        missing = [b for b in blobs if not self.store.has(b)]
+        needed = sum(max(0, b.size - self.store.partial_bytes(b.digest)) for b in missing)
+        # tar layers are extracted into the snapshot (not linked): count them once more
+        needed += sum(b.size for b in manifest.layers if not _is_raw_layer(b))
+        check_space(
+            self.store.root,
+            needed,
+            max_cache_bytes=self.max_cache_bytes,
+            reserve_bytes=self.reserve_bytes,
+            usage=self.usage,
+            ev=ev,
+            digest=str(digest),
+        )
+        result = PullResult(ref_text, digest, "", "cold", start_id=sid, timings=timings)
+        result.bytes_total = sum(b.size for b in blobs)
+        t = time.monotonic()
+        ev(
+            "cache.download_start",
+            digest=str(digest),
+            stage="t3",
+            state="cold",
+            blobs=len(missing),
+            bytes=needed,
+        )
+        results = self.blobs.ingest_all(
+            missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, heartbeat=heartbeat
+        )
+        timings["download"] = to_ms(time.monotonic() - t)
+        for b, r in zip(missing, results, strict=True):
+            result.bytes_downloaded += r.downloaded
+            result.bytes_resumed += r.resumed_from
+            if r.downloaded:
+                result.blobs_downloaded += 1
+            else:
+                result.blobs_reused += 1
+                result.bytes_reused += b.size
+        for b in blobs:
+            if b not in missing:
+                result.blobs_reused += 1
+                result.bytes_reused += b.size
+        result.bytes_reused += result.bytes_resumed
+        return result
+
+    def _publish(
+        self,
+        ref: Reference,
+        ref_text: str,
+        manifest: Manifest,
+        blobs: list[Descriptor],
+        result: PullResult,
+        t0: float,
+        timings: dict[str, float],
+        ev: Callable[..., None],
+    ) -> None:
+        """Store the manifest, build the snapshot and publish it behind its ready marker."""
+        digest = manifest.digest
+        # every blob this snapshot will use must be present now (a GC bug would show here)
+        for b in blobs:
+            if not self.store.has(b):
+                raise CacheError(f"{self.store.root}: blob {b.digest} vanished before the snapshot was built")
+        t = time.monotonic()
+        self.store.add_manifest(manifest.raw, manifest.media_type, ref_text)
+        config_raw = None
+        if manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG:
+            config_raw = self.store.read_small(manifest.config.digest)
+        tmp = self.snapshots.build(
+            manifest, config_raw, extra={"reference": ref_text, "repository": ref.repo_name}
+        )
+        info = self.snapshots.publish(tmp, digest)
+        timings["snapshot"] = to_ms(time.monotonic() - t)
+        timings["total"] = to_ms(time.monotonic() - t0)
+        result.path = info.path
+        result.files = len(info.files)
+        ev(
+            "cache.ready",
+            digest=str(digest),
+            stage="t4",
+            state="cold",
+            bytes=result.bytes_downloaded,
+            bytes_total=result.bytes_total,
+            bytes_resumed=result.bytes_resumed or None,
+            files=result.files,
+            duration_ms=timings["total"],
+            path=info.path,
+        )
+
+
+def _unique_blobs(manifest: Manifest) -> list[Descriptor]:
+    out: list[Descriptor] = []
+    seen: set[str] = set()
+    for d in [manifest.config, *manifest.layers]:
+        if d.digest not in seen:
+            seen.add(d.digest)
+            out.append(d)
+    return out
+
+
+def _is_raw_layer(desc: Descriptor) -> bool:
+    lt = parse_layer_media_type(desc.media_type)
+    return lt is not None and lt.is_raw

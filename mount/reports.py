@@ -1,0 +1,108 @@
+"""What the node cache hands back: pull results, ``ls`` entries, verify reports and GC results.
+
+These are plain records so the CLI can print them as JSON and tests can compare them; the
+operations that fill them live in ``pull``, ``listing``, ``integrity`` and ``gc``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.oci.digest import Digest
+
+
+def to_ms(seconds: float) -> float:
+    """Timings are reported in milliseconds, rounded to the microsecond."""
+    return round(seconds * 1000.0, 3)
+
+
+@dataclass
+class PullResult:
+    reference: str
+    digest: Digest
+    path: str
+    state: str  # hit | cold
+    files: int = 0
+    bytes_total: int = 0
+    bytes_downloaded: int = 0
+    bytes_reused: int = 0  # already in the store, or a resumed prefix
+    bytes_resumed: int = 0
+    blobs_downloaded: int = 0
+    blobs_reused: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+    start_id: str = ""
+    signature: str = "not-checked"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "digest": str(self.digest),
+            "path": self.path,
+            "state": self.state,
+            "files": self.files,
+            "bytes": {
+                "total": self.bytes_total,
+                "downloaded": self.bytes_downloaded,
+                "reused": self.bytes_reused,
+                "resumed": self.bytes_resumed,
+            },
+            "blobs": {"downloaded": self.blobs_downloaded, "reused": self.blobs_reused},
+            "timings_ms": dict(self.timings),
+            "start_id": self.start_id,
+            "signature": self.signature,
+        }
+
+
+@dataclass
+class CacheEntry:
+    digest: str
+    path: str
+    size: int
+    files: int
+    references: list[str]
+    repository: str
+    pinned: bool
+    in_use: bool
+    last_used: float
+    created: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class VerifyReport:
+    digest: str
+    ok: bool
+    files: int
+    bytes: int
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "ok": self.ok,
+            "files": self.files,
+            "bytes": self.bytes,
+            "problems": list(self.problems),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class GCResult:
+    evicted: list[str] = field(default_factory=list)
+    kept_in_use: list[str] = field(default_factory=list)
+    kept_pinned: list[str] = field(default_factory=list)
+    kept_pulling: list[str] = field(default_factory=list)
+    refs_removed: int = 0
+    blobs_removed: int = 0
+    bytes_freed: int = 0
+    swept: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)

@@ -1,0 +1,141 @@
+"""Signature policy in the node cache: verify on a miss, reuse an earlier verification on a hit.
+
+``snapshots/<hex>.trust.json`` remembers which trusted keys verified a digest (and whether the
+directory signature and chunk table were verified), so a hit under the same trust needs no
+network. A miss records it only after its snapshot is published, so no trust file exists for a
+snapshot that never became ready. ``modelpack.signing`` is imported only when a policy is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from modelpack.mount.reports import to_ms
+from modelpack.mount.snapshots import SnapshotInfo, Snapshots
+from modelpack.mount.store import Store
+
+from modelpack.errors import SignatureRefused
+from modelpack.events import EventLog
+from modelpack.files import atomic_write_bytes
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import verify_bytes
+from modelpack.oci.reference import Reference
+from modelpack.targets.base import ReadableTarget
+from modelpack.targets.opener import TargetOptions, open_readable
+
+MAX_TRUST_BYTES = 64 * 1024
+
+
+def load_policy(policy: Any) -> Any:
+    """A ``TrustPolicy`` from a path; anything else (policy, keys) is passed through."""
+    if isinstance(policy, (str, os.PathLike)):
+        from modelpack.signing import TrustPolicy
+
+        return TrustPolicy.load(policy)
+    return policy
+
+
+class TrustRecords:
+    """Signature checks for the cache, and the per-digest record of what they verified."""
+
+    def __init__(self, store: Store, snapshots: Snapshots) -> None:
+        self.store = store
+        self.snapshots = snapshots
+
+    def read(self, digest: str) -> dict[str, Any]:
+        try:
+            with open(self.snapshots.trust_path(digest), "rb") as f:
+                raw = f.read(MAX_TRUST_BYTES + 1)
+            doc = json.loads(raw) if len(raw) <= MAX_TRUST_BYTES else {}
+        except (OSError, ValueError):
+            return {}
+        return doc if isinstance(doc, dict) and doc.get("digest") == digest else {}
+
+    def record(self, digest: str, result: Any) -> None:
+        """Remember which keys verified this digest, so a hit under the same trust needs no network."""
+        doc = self.read(digest) or {"digest": digest, "key_ids": []}
+        doc["key_ids"] = sorted(set(doc.get("key_ids", [])) | set(result.key_ids))
+        for field_name, attr in (
+            ("directory_signature", "directory_signature"),
+            ("chunk_table", "chunk_table"),
+        ):
+            if getattr(result, attr, None) == "verified":
+                doc[field_name] = "verified"
+        atomic_write_bytes(self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode())
+
+    def trusted_locally(self, digest: str, ref: Reference, policy: Any) -> bool:
+        """Whether an earlier verification of ``digest`` satisfies ``policy`` for ``ref``."""
+        from modelpack.signing.verify import resolve_policy
+
+        rp = resolve_policy(policy, ref)
+        rec = self.read(digest)
+        signed_by_trusted = bool(set(rp.key_ids) & set(rec.get("key_ids", [])))
+        if rp.require_signature and not signed_by_trusted:
+            return False
+        if rp.require_directory_signature and rec.get("directory_signature") != "verified":
+            return False
+        return not (rp.require_chunk_table and rec.get("chunk_table") != "verified")
+
+    def on_hit(
+        self,
+        info: SnapshotInfo,
+        ref: Reference,
+        target: ReadableTarget | None,
+        target_options: TargetOptions | None,
+        policy: Any,
+        log: EventLog,
+        ev: Callable[..., None],
+        timings: dict[str, float],
+    ) -> tuple[ReadableTarget | None, str]:
+        """A hit under a policy: trusted if an earlier pull verified the same digest with a key
+        this policy trusts (no network); otherwise verify now, before the hit is returned."""
+        policy = load_policy(policy)
+        if self.trusted_locally(info.digest, ref, policy):
+            ev("cache.signature_verified", digest=str(info.digest), status="verified", cached=True)
+            return target, "verified"
+        t = time.monotonic()
+        target = target or open_readable(ref, target_options)
+        raw = self.store.read_small(info.digest)
+        verify_bytes(raw, info.digest, None, what="manifest", source=self.store.root)
+        result = self.check(target, ref, Manifest.parse(raw), policy, log, ev)
+        timings["signature"] = to_ms(time.monotonic() - t)
+        return target, str(result.status)
+
+    def check(
+        self,
+        target: ReadableTarget,
+        ref: Reference,
+        manifest: Manifest,
+        policy: Any,
+        log: EventLog,
+        ev: Callable[..., None],
+        *,
+        record: bool = True,
+    ) -> Any:
+        """Adapter to ``modelpack.signing.verify_artifact``; refusal → event + typed error.
+
+        Returns the ``VerificationResult``. ``record`` stores which keys verified the digest; a
+        miss records only after publishing, so no trust file exists for a snapshot that never
+        became ready."""
+        from modelpack.signing import verify_artifact
+
+        policy = load_policy(policy)
+        desc = Descriptor(manifest.media_type, manifest.digest, manifest.size)
+        try:
+            result = verify_artifact(target, ref, desc, policy, events=log)
+        except SignatureRefused as exc:
+            ev("cache.signature_refused", digest=str(manifest.digest), reason=exc.reason)
+            raise
+        ev(
+            "cache.signature_verified",
+            digest=str(manifest.digest),
+            status=result.status,
+            key_ids=result.key_ids,
+        )
+        if record:
+            self.record(str(manifest.digest), result)
+        return result
