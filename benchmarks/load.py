@@ -38,7 +38,7 @@ CHILD = r"""
 import json, os, resource, sys, threading, time
 import torch
 from modelpack.packing.safetensors_format import read_header
-from modelpack.loader.pipeline import torch_dtype
+from modelpack.loader.dtypes import torch_dtype
 
 name, directory, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))

@@ -14,9 +14,8 @@ from modelpack.loader.fingerprint import (
     Fingerprint,
     check_fingerprint,
 )
+from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.pipeline import (
-    LoaderOptions,
-    LoadStats,
     PreparedLoad,
     emit_check,
     iter_tensors,

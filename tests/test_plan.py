@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from modelpack.loader.pipeline import span_block_copies
+from modelpack.loader.blocks import span_block_copies
 from modelpack.loader.plan import ReadPlan, ShardRule, Span, coalesce, compile_rules, rule_for
 
 from modelpack.errors import PlanError

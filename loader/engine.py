@@ -1,0 +1,314 @@
+"""One load's scheduling state: worker pool, in-flight window, staging slots, landed bytes, hand-over.
+
+The read paths (``trusted``, ``chunked``, ``whole_layer``) decide what to read and when its bytes
+may be used; this engine owns everything they share: destination tensors, the FIFO window of
+worker tasks, the staging ring and its CUDA events, byte accounting per tensor, the load's
+events, and an orderly abort that waits for every in-flight read and copy before returning.
+
+Every path is a generator of tensor ids: it yields each id once that tensor is complete and
+may be handed to the consumer, so tensors leave while later reads are still running.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from modelpack.loader.blocks import span_block_copies
+from modelpack.loader.dtypes import torch_dtype
+from modelpack.loader.options import LoaderOptions, LoadStats
+from modelpack.loader.plan import FilePlan, ReadPlan, TensorRead
+from modelpack.loader.readers import RangeReader
+from modelpack.loader.sources import ResolvedSource
+from modelpack.loader.staging import Slot, StagingRing
+
+from modelpack.errors import LoaderError, PlanError
+from modelpack.events import EventLog
+from modelpack.progress import Progress
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class LoadEngine:
+    """One load's state. Driven by ``iter_tensors``; every buffer and thread is released in close()."""
+
+    def __init__(
+        self,
+        src: ResolvedSource,
+        plan: ReadPlan,
+        device: torch.device,
+        options: LoaderOptions,
+        stats: LoadStats,
+        events: EventLog,
+        out: Mapping[str, torch.Tensor] | None,
+        progress: str,
+    ) -> None:
+        self.src = src
+        self.plan = plan
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.opts = options
+        self.stats = stats
+        self.events = events
+        self.out = out
+        self.files = {f.relpath: f for f in src.files}
+        self.readers: dict[str, RangeReader] = {}
+        self.tensors: list[TensorRead] = []
+        self.dest: list[torch.Tensor | None] = []
+        self.dest_bytes: list[torch.Tensor | None] = []
+        self.remaining: list[int] = []
+        self.held: list[bool] = []  # whole-mode tensors wait for their layer digest
+        self.ready: collections.deque[int] = collections.deque()
+        self.ring: StagingRing | None = None
+        self.free_slots: list[Slot] = []
+        self.side: Any = None
+        self.tensor_events: dict[int, Any] = {}
+        self.pool: ThreadPoolExecutor | None = None
+        self.inflight: collections.deque[tuple[Future[Any], Callable[[Any], None]]] = collections.deque()
+        self.prog = Progress(plan.bytes_to_read, "load", progress)
+        self.remote = src.remote
+
+    # ------------------------------------------------------------------ setup
+    def _needs_ring(self) -> bool:
+        return self.cuda or self.opts.direct_io or any(f.mode != "trusted" for f in self.src.files)
+
+    def setup(self) -> None:
+        if self._needs_ring():
+            slot_bytes = self.opts.slot_bytes
+            for f in self.src.files:
+                if f.mode == "chunks":
+                    slot_bytes = max(slot_bytes, f.chunks.chunk_size)
+            slots = self.opts.slots or (
+                (self.opts.remote_inflight if self.remote else self.opts.local_workers) + 2
+            )
+            self.ring = StagingRing(slots, slot_bytes, self.device)
+            self.free_slots = self.ring.buffers
+            self.stats.ring_bytes = self.ring.nbytes
+        if self.cuda:
+            self.side = torch.cuda.Stream(device=self.device)
+        workers = self.opts.remote_inflight if self.remote else self.opts.local_workers
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="modelpack-load")
+
+    @property
+    def max_inflight(self) -> int:
+        if self.ring is not None:
+            return self.ring.slots
+        return 2 * (self.opts.remote_inflight if self.remote else self.opts.local_workers)
+
+    def alloc(self, fp: FilePlan) -> list[int]:
+        """Destinations for one file's tensors (caller-owned ``out`` entries are checked, not copied)."""
+        ids = []
+        whole = self.files[fp.file].mode == "whole"
+        for t in fp.tensors:
+            where = f"{fp.file}: tensor {t.name!r}"
+            dt = torch_dtype(t.dtype, where=where)
+            if self.out is not None and t.name in self.out:
+                d = self.out[t.name]
+                if (
+                    tuple(d.shape) != t.shape
+                    or d.dtype != dt
+                    or d.device != self.device
+                    or not d.is_contiguous()
+                ):
+                    raise PlanError(
+                        f"{where}: destination is {tuple(d.shape)} {d.dtype} on {d.device}, "
+                        f"the plan needs contiguous {t.shape} {dt} on {self.device}"
+                    )
+            else:
+                d = torch.empty(t.shape, dtype=dt, device=self.device)
+            idx = len(self.tensors)
+            self.tensors.append(t)
+            self.dest.append(d)
+            self.dest_bytes.append(_byte_view(d))
+            self.remaining.append(t.nbytes)
+            self.held.append(whole)
+            ids.append(idx)
+            if t.nbytes == 0 and not whole:
+                self.ready.append(idx)
+        if self.cuda:
+            # memory the consumer freed on its stream may be handed to these new tensors while its
+            # kernels still read it; our copies run on the side stream, so order them after that work
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+        return ids
+
+    # ------------------------------------------------------------------ scheduling
+    def submit(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> Iterator[int]:
+        """Queue a task; while the window is full, finish the oldest (FIFO keeps hashing ordered)."""
+        while len(self.inflight) >= self.max_inflight:
+            yield from self._finish_one()
+        assert self.pool is not None
+        if self.stats.read_start == 0.0:
+            self._read_started()
+        self.inflight.append((self.pool.submit(fn), done))
+
+    def _finish_one(self) -> Iterator[int]:
+        fut, done = self.inflight.popleft()
+        done(fut.result())
+        while self.ready:
+            yield self.ready.popleft()
+
+    def drain(self) -> Iterator[int]:
+        while self.inflight:
+            yield from self._finish_one()
+
+    def next_slot(self) -> Generator[int, None, Slot]:
+        """A free staging slot, finishing the oldest tasks until one comes back."""
+        while not self.free_slots:
+            yield from self._finish_one()
+        return self._acquire()
+
+    def _acquire(self) -> Slot:
+        slot = self.free_slots.pop()
+        if slot.event is not None:
+            slot.event.synchronize()
+            slot.event = None
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Return ``slot``; on CUDA it is reused only after the copies queued from it completed."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+            slot.event = ev
+        self.free_slots.append(slot)
+
+    def landed(self, idx: int, n: int) -> None:
+        self.remaining[idx] -= n
+        self.prog.update(n)
+        if self.remaining[idx] == 0 and not self.held[idx]:
+            self._mark_ready(idx)
+        elif self.remaining[idx] < 0:  # pragma: no cover - a planning bug, never silently ignored
+            raise LoaderError(f"tensor {self.tensors[idx].name!r}: more bytes landed than planned")
+
+    def release_held(self, ids: Sequence[int]) -> None:
+        """The whole layer's digest matched: its complete tensors may now be handed out."""
+        for i in ids:
+            self.held[i] = False
+            if self.remaining[i] == 0:
+                self._mark_ready(i)
+
+    def _mark_ready(self, idx: int) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+            self.tensor_events[idx] = ev
+        self.ready.append(idx)
+
+    def copy_out(self, slot: Slot, b0: int, b1: int, candidates: Sequence[int]) -> None:
+        """Copy the verified block [b0, b1) (in ``slot``) into every tensor that needs part of it."""
+        src = slot.host
+        if self.cuda:
+            assert slot.device is not None
+            with torch.cuda.stream(self.side):
+                slot.device[: b1 - b0].copy_(slot.host[: b1 - b0], non_blocking=True)
+            src = slot.device
+        for idx in candidates:
+            dbytes = self.dest_bytes[idx]
+            assert dbytes is not None
+            landed = 0
+            for s, d, length, stride, rows in span_block_copies(self.tensors[idx].span, b0, b1):
+                view = src.as_strided((rows, length), (stride, 1), s - b0)
+                dst = dbytes[d : d + rows * length].view(rows, length)
+                if self.cuda:
+                    with torch.cuda.stream(self.side):
+                        dst.copy_(view, non_blocking=True)
+                else:
+                    dst.copy_(view)
+                landed += rows * length
+            if landed:
+                self.landed(idx, landed)
+
+    def _read_started(self) -> None:
+        self.stats.read_start = time.time()
+        self.events.emit(
+            "loader.read_start",
+            stage="t3",
+            **self._event_fields(),
+            bytes=self.plan.bytes_to_read,
+        )
+
+    def _event_fields(self) -> dict[str, Any]:
+        return {
+            "start_id": self.stats.start_id,
+            "state": self.stats.state,
+            "reference": self.src.name,
+            "digest": self.src.digest,
+            "tp_size": self.plan.tp_size,
+            "tp_rank": self.plan.tp_rank,
+            "device": str(self.device),
+        }
+
+    # ------------------------------------------------------------------ hand-over & cleanup
+    def hand_over(self, idx: int) -> tuple[str, torch.Tensor]:
+        ev = self.tensor_events.pop(idx, None)
+        if ev is not None:
+            ev.synchronize()
+        t = self.dest[idx]
+        assert t is not None
+        self.dest[idx] = None  # the consumer owns it now; we keep no reference
+        self.dest_bytes[idx] = None
+        self.stats.tensors += 1
+        return self.tensors[idx].name, t
+
+    def finish(self) -> None:
+        self.stats.read_done = time.time()
+        self.stats.bytes_read = sum(r.bytes_read for r in self.readers.values())
+        self.stats.per_file_bytes = {k: r.bytes_read for k, r in self.readers.items()}
+        fields = self._event_fields()
+        self.events.emit(
+            "loader.read_done",
+            stage="t4",
+            **fields,
+            bytes=self.stats.bytes_read,
+            duration_ms=round((self.stats.read_done - self.stats.read_start) * 1000, 3),
+        )
+        if self.cuda:
+            self.side.synchronize()
+        self.stats.device_done = time.time()
+        self.events.emit(
+            "loader.device_done",
+            stage="t5",
+            **fields,
+            bytes=self.stats.bytes_read,
+            tensors=len(self.tensors),
+            duration_ms=round((self.stats.device_done - self.stats.read_start) * 1000, 3),
+        )
+
+    def abort(self, exc: BaseException | None) -> None:
+        for fut, _ in self.inflight:
+            fut.cancel()
+        for fut, _ in self.inflight:
+            try:
+                fut.exception()  # wait: a running read may still write into a buffer
+            except BaseException:
+                pass
+        self.inflight.clear()
+        if self.cuda and self.side is not None:
+            self.side.synchronize()
+        self.dest.clear()
+        self.dest_bytes.clear()
+        self.ready.clear()
+        if exc is None:
+            self.events.emit("loader.abandoned", **self._event_fields(), tensors=self.stats.tensors)
+            return
+        self.events.emit(
+            "loader.failed",
+            **self._event_fields(),
+            reason=f"{type(exc).__name__}: {exc}"[:2000],
+        )
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        for r in self.readers.values():
+            r.close()
+        if self.ring is not None:
+            self.free_slots.clear()
+            self.ring.close()
+        self.prog.close()

@@ -1,0 +1,40 @@
+"""Which read path each weight file takes, chosen by how far its bytes can be trusted and the device.
+
+``sources.WeightFile.mode`` says what vouches for a file's bytes:
+
+- ``trusted`` (node-cache snapshot, verified when it was filled): ``trusted.read_trusted_direct``
+  on CPU, ``trusted.read_trusted_staged`` on CUDA or with ``direct_io``;
+- ``chunks`` (a signed chunk table covers the layer): ``chunked.read_chunked``;
+- ``whole`` (only the manifest's layer digest): ``whole_layer.read_whole_layer``.
+
+Files are loaded in plan order; tensors are yielded as they complete, and the window is drained
+at the end so the load finishes only when every read and copy has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from modelpack.loader.chunked import read_chunked
+from modelpack.loader.engine import LoadEngine
+from modelpack.loader.trusted import read_trusted_direct, read_trusted_staged
+from modelpack.loader.whole_layer import read_whole_layer
+
+
+def run(load: LoadEngine) -> Iterator[int]:
+    """Tensor ids, each once its tensor is complete and may be handed to the consumer."""
+    for rel, fp in load.plan.files.items():
+        f = load.files[rel]
+        ids = load.alloc(fp)
+        reader = load.readers[rel]
+        if f.mode == "trusted" and not load.cuda and not load.opts.direct_io:
+            yield from read_trusted_direct(load, reader, ids)
+        elif f.mode == "trusted":
+            yield from read_trusted_staged(load, reader, ids)
+        elif f.mode == "chunks":
+            yield from read_chunked(load, reader, f, fp, ids)
+        else:
+            yield from read_whole_layer(load, reader, f, fp, ids)
+        while load.ready:
+            yield load.ready.popleft()
+    yield from load.drain()
