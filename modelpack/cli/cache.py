@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-import datetime as dt
+import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -76,7 +76,7 @@ def cache_pull(
 def _when(ts: float) -> str:
     if not ts:
         return "-"
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
 @click.group("cache")
