@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 
+from modelpack.mount.assets import version_kind
 from modelpack.mount.leases import PullLeases
 from modelpack.mount.listing import usage
 from modelpack.mount.refs import Pins, RefRecords
@@ -97,9 +98,15 @@ class GarbageCollector:
             evict: list[SnapshotInfo] = []
             reasons: dict[str, str] = {}
             if keep_versions is not None:
-                by_repo: dict[str, list[SnapshotInfo]] = {}
+                # versions of one kind per repository: a model's runtime assets (compile caches,
+                # mount.assets) never count as versions of the model itself
+                by_repo: dict[tuple[str, str], list[SnapshotInfo]] = {}
                 for info in infos:
-                    by_repo.setdefault(str(info.meta.get("repository", "")), []).append(info)
+                    key = (
+                        str(info.meta.get("repository", "")),
+                        version_kind(self.store, str(info.digest)),
+                    )
+                    by_repo.setdefault(key, []).append(info)
                 for group in by_repo.values():
                     newest_first = sorted(group, key=lambda i: -i.last_used)
                     for info in newest_first[max(0, keep_versions) :]:
