@@ -111,12 +111,11 @@ def pull_into_cache(
 ) -> None:
     """``pull REF --cache DIR``: the pull command's trust flags (--key/--policy/--events) become
     the cache's policy and event log; the cache itself verifies, before publishing."""
-    topts = build_target_options(kwargs)
-    keys = tuple(kwargs.pop("trust_keys", ()) or ())
-    policy = trust_policy_from(keys, kwargs.pop("trust_policy", None))
-    events = kwargs.pop("trust_events", None)
     if kwargs.pop("signature_path", None):
         raise click.UsageError("--signature writes into a pulled directory; it does not apply to --cache")
+    topts = build_target_options(kwargs)
+    policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
+    events = kwargs.pop("trust_events", None)
     from modelpack.cli.cache import cache_pull
 
     cache_pull(
