@@ -1,7 +1,7 @@
 """The ``modelpack`` command: a thin click skin over the library.
 
 ``main`` is a lazily loading group: ``COMMANDS`` names the module of each command (one module
-per area: pack, transfer, pull, trust, cache, k8s, loader), imported only when that command
+per area: pack, transfer, pull, trust, cache, k8s, loader, assets), imported only when that command
 runs, so a node's ``modelpack pull … --cache DIR`` hit does not pay for the registry client,
 signing or torch. Shared options and output helpers live in ``modelpack.cli.options``; the
 command modules never import this package's ``main``.
@@ -21,6 +21,10 @@ from modelpack.cli.options import parse_size
 # name → where the command lives and its short help for ``modelpack --help`` (kept equal to
 # the command's own docstring by tests/test_cli_structure.py).
 COMMANDS = {
+    "assets": LazyCommand(
+        "modelpack.cli.assets:assets_group",
+        "Ship compile caches (Inductor, Triton, vLLM) as fingerprinted, signed referrers of a model.",
+    ),
     "audit": LazyCommand(
         "modelpack.cli.trust:audit_cmd",
         "Audit REGISTRY/REPO (or oci:DIR, s3://…), or every repository of a bare REGISTRY host.",
