@@ -5,7 +5,7 @@ YAML::
     version: 1
     default:                      # used when no rule matches (optional; default: refuse unsigned)
       require_signature: true
-    rules:                        # first match wins; globs match Reference.repo_name
+    rules:                        # first match wins; globs match Reference.canonical_name
       - match: ["registry.example.com/models/*", "oci:/srv/models*"]
         require_signature: true
         keys:
@@ -19,12 +19,19 @@ YAML::
 
 Like sigstore-python's policies, a ``RepositoryPolicy`` is a small object that answers with a
 decision and a reason a person can act on; it never raises for a policy "no".
+
+Rules match canonical names (``Reference.canonical``), and the globs are canonicalised the same
+way when the policy is loaded: ``LOCALHOST:5000/models/x``, ``index.docker.io/acme/x`` or
+``oci:/srv/./models/x`` are the places a rule names, not strangers that fall through to a more
+permissive rule. A layout also matches through the path its symlinks resolve to, so a link to a
+protected directory is not a way around its rule. ``oci:`` globs must be absolute.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +40,7 @@ import yaml
 from modelpack.signing.keys import PublicKey, load_public_key
 
 from modelpack.errors import ModelpackError, PolicyError
-from modelpack.oci.reference import Reference, parse_reference
+from modelpack.oci.reference import Reference, canonical_host, parse_reference
 
 MAX_POLICY_BYTES = 1024 * 1024
 
@@ -123,7 +130,8 @@ class TrustPolicy:
             globs = (match,) if isinstance(match, str) else tuple(match) if isinstance(match, list) else ()
             if not globs or not all(isinstance(g, str) and g for g in globs):
                 raise PolicyError(f"{where}: 'match' must be a glob or a list of globs")
-            rules.append((globs, _repo_policy(r, where, base_dir, name=f"{i} ({globs[0]})")))
+            canonical = tuple(canonical_glob(g, where) for g in globs)
+            rules.append((canonical, _repo_policy(r, where, base_dir, name=f"{i} ({globs[0]})")))
         default_doc = doc.get("default")
         default = (
             _repo_policy(default_doc, f"{path}: default", base_dir, name="default")
@@ -133,13 +141,55 @@ class TrustPolicy:
         return cls(rules, default, path)
 
     def for_reference(self, ref: Reference | str) -> RepositoryPolicy:
-        """The requirements for ``ref`` (first rule whose glob matches ``ref.repo_name``)."""
+        """The requirements for ``ref``: the first rule with a glob matching one of its names
+        (the canonical name, and for a layout also the path with symlinks resolved)."""
         ref = parse_reference(ref) if isinstance(ref, str) else ref
-        name = ref.repo_name
+        names = policy_names(ref)
         for globs, rp in self.rules:
-            if any(fnmatch.fnmatchcase(name, g) for g in globs):
+            if any(fnmatch.fnmatchcase(name, g) for g in globs for name in names):
                 return rp
         return self.default
+
+
+def policy_names(ref: Reference) -> list[str]:
+    """The names of ``ref`` a rule may match: one, or two for a layout reached through a symlink."""
+    canonical = ref.canonical()
+    names = [canonical.repo_name]
+    if canonical.scheme == "oci":
+        resolved = f"oci:{os.path.realpath(canonical.location)}"
+        if resolved != names[0]:
+            names.append(resolved)
+    return names
+
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def canonical_glob(glob: str, where: str) -> str:
+    """A rule's glob in the spelling references are matched in (see ``Reference.canonical``)."""
+    if glob.startswith("oci:"):
+        path = glob[4:]
+        if path[:1] in _GLOB_CHARS:
+            return glob
+        if not path.startswith("/"):
+            raise PolicyError(
+                f"{where}: {glob!r}: oci: globs must be absolute paths (references are matched "
+                "by their absolute path)"
+            )
+        normal = posixpath.normpath(path)
+        return "oci:" + ("/" + normal.lstrip("/") if normal.startswith("//") else normal)
+    if glob.startswith("s3://"):
+        return glob
+    if not _GLOB_CHARS & set(glob):
+        try:
+            return parse_reference(glob).canonical_name
+        except ModelpackError:
+            pass
+    host, sep, rest = glob.partition("/")
+    if not sep:
+        return glob.lower()
+    host = host.lower() if _GLOB_CHARS & set(host) else canonical_host(host)
+    return f"{host}/{rest}"
 
 
 _RULE_KEYS = {"match", "keys", "require_signature", "require_directory_signature", "require_chunk_table"}

@@ -9,6 +9,8 @@ Forms:
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 from dataclasses import dataclass, replace
 
@@ -21,7 +23,11 @@ _HOST_RE = re.compile(r"^(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:]+\])
 _S3_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 DOCKER_HUB = "docker.io"
+#: Other names of Docker Hub's registry: one canonical name, so a policy rule written for one
+#: spelling covers them all (docker's own normalisation does the same).
+DOCKER_HUB_ALIASES = frozenset({"docker.io", "index.docker.io", "registry-1.docker.io"})
 DEFAULT_TAG = "latest"
+_NUMERIC_IPV4 = re.compile(r"^[0-9a-fA-FxX.]+$")
 
 
 def validate_tag(tag: str) -> str:
@@ -72,10 +78,36 @@ class Reference:
 
     @property
     def repo_name(self) -> str:
-        """``registry/repository`` (or the layout/bucket location): the thing a policy glob matches."""
+        """``registry/repository`` (or the layout/bucket location) as written; policies match
+        :attr:`canonical_name` instead."""
         if self.scheme == "registry":
             return f"{self.location}/{self.repository}"
         return f"{self.scheme}:{self.location}" if self.scheme == "oci" else f"s3://{self.location}"
+
+    def canonical(self) -> Reference:
+        """The same place, spelled one way: what trust decisions compare.
+
+        Registry hosts are lower-cased, a port is written without leading zeros and ``:443`` is
+        dropped, numeric IPv4 hosts are written as dotted quads (``127.1`` is ``127.0.0.1``, as
+        the resolver reads it), IPv6 hosts in their compressed form, Docker Hub's aliases become
+        ``docker.io`` and its one-component names get ``library/``. Layout paths become absolute
+        and normalised (symlinks are not resolved here: that needs the filesystem, which the
+        policy does). Tag and digest are kept.
+        """
+        if self.scheme == "registry":
+            host = canonical_host(self.location)
+            repository = self.repository
+            if host == DOCKER_HUB and "/" not in repository:
+                repository = f"library/{repository}"
+            return replace(self, location=host, repository=repository)
+        if self.scheme == "oci":
+            return replace(self, location=canonical_path(self.location))
+        return self
+
+    @property
+    def canonical_name(self) -> str:
+        """:attr:`repo_name` of :meth:`canonical`: the string trust-policy globs match."""
+        return self.canonical().repo_name
 
     def __str__(self) -> str:
         suffix = ""
@@ -88,6 +120,48 @@ class Reference:
         if self.scheme == "oci":
             return f"oci:{self.location}{suffix}"
         return f"s3://{self.location}{suffix}"
+
+
+def canonical_host(host: str) -> str:
+    """``host[:port]`` in the one spelling that names the registry (see ``Reference.canonical``)."""
+    import ipaddress  # not on the cache-hit path: only trust decisions need canonical names
+    import socket
+
+    name, port = _split_port(host.lower())
+    if port is not None:
+        port = port.lstrip("0") or "0"
+        if port == "443":
+            port = None
+    if name.startswith("["):
+        try:
+            name = f"[{ipaddress.IPv6Address(name[1:-1]).compressed}]"
+        except ValueError:
+            pass
+    elif _NUMERIC_IPV4.match(name) and any(c.isdigit() for c in name):
+        try:  # the resolver's reading (inet_aton): 127.1, 0x7f.0.0.1 and 127.000.0.01 are 127.0.0.1
+            name = socket.inet_ntoa(socket.inet_aton(name))
+        except OSError:
+            pass
+    if name in DOCKER_HUB_ALIASES and port is None:
+        name = DOCKER_HUB
+    return name if port is None else f"{name}:{port}"
+
+
+def _split_port(host: str) -> tuple[str, str | None]:
+    if host.startswith("["):
+        end = host.find("]")
+        if end != -1 and host[end + 1 : end + 2] == ":":
+            return host[: end + 1], host[end + 2 :]
+        return host, None
+    name, sep, port = host.rpartition(":")
+    return (name, port) if sep and port.isdigit() else (host, None)
+
+
+def canonical_path(path: str) -> str:
+    """An absolute, normalised layout path (``/srv/./models//x`` → ``/srv/models/x``)."""
+    normal = posixpath.normpath(os.path.abspath(path))
+    # POSIX keeps a leading "//" as implementation-defined; Linux treats it as "/"
+    return "/" + normal.lstrip("/") if normal.startswith("//") else normal
 
 
 def _split_digest(text: str) -> tuple[str, Digest | None]:
