@@ -1,12 +1,16 @@
 """Model start-up timelines from event logs (DESIGN §7): p50/p95 per stage, per cache state.
 
 Stages: t2 version confirmed (manifest digest resolved and verified) → t3 read start → t4 read
-done → t5 device load done → t6 compile done (JIT/autotune) → t9 first deterministic check
-passed. Events of one model start share a ``start_id`` (the node cache and the loader write into
-the same or separate logs; all files given are merged). For each start:
+done → t5 device load done → t6 compile done (JIT/autotune) → t8 serving engine healthy (its
+health endpoint answers) → t9 first deterministic check passed. Events of one model start share a
+``start_id`` (the node cache, the loader and the serving engine write into the same or separate
+logs; all files given are merged). For each start:
 
-- t0 is its earliest event; a stage's time is measured from t0 (``at``) and from the previous
-  stage present (``interval``);
+- t0 is its earliest event; a ``stage: t0`` event (the serving engine's process start, or the
+  pod's creation when given) puts the origin where the start really began. A stage's time is
+  measured from t0 (``at``) and from the previous stage present (``interval``);
+- the seed's spans (``SPANS``: t4−t3 read, t5−t3 read and device copy, t8−t0 to healthy, t9−t0
+  to a correct answer) are reported on their own, over the starts that reached both ends;
 - start points (t2, t3) take the stage's FIRST event, completion points (t4, t5, t6, t9) its LAST:
   on a cold start the cache's download is the first read and the loader's copy the last, so
   t3 → t4 spans both;
@@ -28,15 +32,18 @@ from typing import Any
 
 from modelpack.errors import TimelineError
 
-STAGES = ("t2", "t3", "t4", "t5", "t6", "t9")
+STAGES = ("t2", "t3", "t4", "t5", "t6", "t8", "t9")
 STAGE_NAMES = {
     "t2": "version confirmed",
     "t3": "read start",
     "t4": "read done",
     "t5": "device load done",
     "t6": "compile done",
+    "t8": "engine healthy",
     "t9": "check passed",
 }
+# (end, begin) pairs reported with their own p50/p95 (the seed's §6.2); "t0" is the start's origin
+SPANS = (("t4", "t3"), ("t5", "t3"), ("t8", "t0"), ("t9", "t0"))
 _FIRST = {"t2", "t3"}
 STATES = ("cold", "hit", "streamed")
 ASSET_STATES = ("none", "hit", "refused")  # of the compile cache, reported with t6
@@ -82,6 +89,14 @@ class Start:
     def at_ms(self, stage: str) -> float | None:
         ts = self.stages.get(stage)
         return None if ts is None else (ts - self.t0) * 1000.0
+
+    def span_ms(self, end: str, begin: str) -> float | None:
+        """``end`` − ``begin`` (either may be ``t0``), or None when the start lacks one of them."""
+        te = self.t0 if end == "t0" else self.stages.get(end)
+        tb = self.t0 if begin == "t0" else self.stages.get(begin)
+        if te is None or tb is None:
+            return None
+        return (te - tb) * 1000.0
 
     def interval_ms(self, stage: str) -> float | None:
         """From the previous stage this start reached (or t0) to ``stage``."""
@@ -157,7 +172,11 @@ def summarize(starts: Sequence[Start]) -> dict[str, Any]:
             at = [v for v in (s.at_ms(stage) for s in members) if v is not None]
             iv = [v for v in (s.interval_ms(stage) for s in members) if v is not None]
             stages[stage] = {"name": STAGE_NAMES[stage], "at": _summary(at), "interval": _summary(iv)}
-        out["states"][state] = {"starts": len(members), "stages": stages}
+        spans = {
+            f"{end}-{begin}": _summary([v for v in (s.span_ms(end, begin) for s in members) if v is not None])
+            for end, begin in SPANS
+        }
+        out["states"][state] = {"starts": len(members), "stages": stages, "spans": spans}
     out["assets"] = {}
     for asset_state in ASSET_STATES:
         members = [s for s in starts if s.asset_state == asset_state]
@@ -201,6 +220,13 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 f"  {stage + ' ' + s['name']:<22} {at['count']:>5} {ms(at['p50_ms']):>14} {ms(at['p95_ms']):>14} "
                 f"{ms(iv['p50_ms']):>10} {ms(iv['p95_ms']):>10}"
             )
+        for span, sm in doc.get("spans", {}).items():
+            if sm["count"]:
+                end, begin = span.split("-")
+                lines.append(
+                    f"  {'span ' + end + '−' + begin:<22} {sm['count']:>5} {ms(sm['p50_ms']):>14} "
+                    f"{ms(sm['p95_ms']):>14}"
+                )
     for asset_state, doc in summary.get("assets", {}).items():
         iv = doc["t6"]["interval"]
         p50 = "-" if iv["p50_ms"] is None else f"{iv['p50_ms']:.1f} ms"
