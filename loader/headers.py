@@ -7,14 +7,12 @@ header byte ever reaches the parser.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.sources import WeightFile
 
-from modelpack.errors import SafetensorsError
-from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
+from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 
 
 def read_header(
@@ -29,14 +27,8 @@ def read_header(
         reader.read_into(offset, memoryview(buf))
         return bytes(buf)
 
-    if size < 8:
-        raise SafetensorsError(name, f"file is {size} bytes; a safetensors file has at least 8")
-    prefix = get(0, 8)
-    (n,) = struct.unpack("<Q", prefix)
-    if n > MAX_HEADER_BYTES:
-        raise SafetensorsError(name, f"header length {n} exceeds the 100 MB limit")
-    if 8 + n > size:
-        raise SafetensorsError(name, f"header length {n} runs past the end of the file ({size} bytes)")
+    prefix = get(0, 8) if size >= 8 else b""
+    n = header_length(name, prefix, size)  # the packer's checks, messages included
     return parse_header_bytes(name, prefix, get(8, n), size)
 
 

@@ -7,7 +7,8 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from modelpack.errors import UnsafePathError
+from modelpack.boundedjson import loads
+from modelpack.errors import DocumentError, UnsafePathError
 
 ANNOTATION_FILEPATH = "org.cncf.model.filepath"
 ANNOTATION_FILE_METADATA = "org.cncf.model.file.metadata+json"
@@ -75,7 +76,7 @@ def layer_file_metadata(annotations: Mapping[str, str] | None) -> dict[str, obje
         value = annotations.get(key)
         if value:
             if len(value) > 64 * 1024:
-                raise ValueError(f"annotation {key} is larger than 64 KiB")
-            parsed = json.loads(value)
+                raise DocumentError(f"annotation {key}", "larger than 64 KiB")
+            parsed = loads(value, what=f"annotation {key}", max_bytes=64 * 1024, max_depth=4)
             return parsed if isinstance(parsed, dict) else None
     return None

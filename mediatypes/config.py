@@ -13,9 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import ConfigError
+from modelpack.boundedjson import loads
+from modelpack.errors import ConfigError, DocumentError
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+#: The schema nests 4 levels ($.config.capabilities.inputTypes); deeper is refused before parsing.
+MAX_CONFIG_DEPTH = 8
 
 
 _DESCRIPTOR_FIELDS: dict[str, type] = {
@@ -62,6 +66,11 @@ _CAPABILITY_FIELDS = {
     "languages": list,
 }
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+
+
+def is_rfc3339(text: str) -> bool:
+    """Whether ``text`` is the date-time form ``createdAt`` takes (``2025-01-02T00:00:00Z``)."""
+    return bool(_RFC3339.match(text))
 
 
 def _check_object(obj: Any, path: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -216,10 +225,11 @@ class ModelSpecConfig:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ModelSpecConfig:
-        if len(data) > 4 * 1024 * 1024:
+        """Parse a config blob from a registry or layout: bounded like every document from outside."""
+        if len(data) > MAX_CONFIG_BYTES:
             raise ConfigError("$", f"config is {len(data)} bytes; refusing more than 4 MiB")
         try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError("$", f"not valid JSON: {exc}") from exc
+            doc = loads(data, what="config", max_bytes=MAX_CONFIG_BYTES, max_depth=MAX_CONFIG_DEPTH)
+        except DocumentError as exc:
+            raise ConfigError("$", exc.reason) from None
         return cls.from_dict(doc)

@@ -13,12 +13,12 @@ the same way; the catalog walk (``audit_registry``) needs a registry.
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import ModelpackError
+from modelpack.boundedjson import loads
+from modelpack.errors import DocumentError, ModelpackError
 from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_config
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
@@ -155,14 +155,13 @@ def audit_version(
 def load_since(path: str) -> dict[str, str]:
     """A ``{tag: digest}`` map, a repository audit JSON (``tags``) or a registry audit JSON
     (``repositories``: keys become ``repo:tag``)."""
-    with open(path, "rb") as f:
-        raw = f.read(MAX_SINCE_BYTES + 1)
-    if len(raw) > MAX_SINCE_BYTES:
-        raise ModelpackError(f"{path}: larger than {MAX_SINCE_BYTES} bytes")
     try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise ModelpackError(f"{path}: not JSON: {exc}") from exc
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SINCE_BYTES + 1)
+    except OSError as exc:
+        raise DocumentError(path, f"cannot read --since file: {exc.strerror or exc}") from exc
+    # an audit JSON nests registry → repositories → repository → tags: 4 levels
+    doc = loads(raw, what=path, max_bytes=MAX_SINCE_BYTES, max_depth=8)
     out: dict[str, str] = {}
     if isinstance(doc, dict) and isinstance(doc.get("repositories"), list):
         for repo in doc["repositories"]:

@@ -13,23 +13,27 @@ checked (a range read alone cannot be), and the streamed header must equal the r
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import ModelpackError, SafetensorsError
+from modelpack.boundedjson import loads
+from modelpack.errors import SafetensorsError
 from modelpack.mediatypes import is_model_config, layer_filepath, parse_layer_media_type
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import VerifyingReader
 from modelpack.oci.reference import Reference, parse_reference
-from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
+from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_config, fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
 
 READ_CHUNK = 4 * 1024 * 1024
 _SKIP_CONFIG = ("modelfs.diffIds",)
+
+
+#: Configs are compared field by field (recursively): a bound keeps a hostile one from recursing deep.
+MAX_CONFIG_DEPTH = 16
 
 
 @dataclass
@@ -99,10 +103,7 @@ def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
 
 def _config_dict(target: ReadableTarget, manifest: Manifest) -> dict[str, Any]:
     data = fetch_config(target, manifest)
-    try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise ModelpackError(f"{target.name}: config {manifest.config.digest} is not JSON: {exc}") from exc
+    doc = loads(data, what=f"{target.name}: config {manifest.config.digest}", max_depth=MAX_CONFIG_DEPTH)
     return doc if isinstance(doc, dict) else {"": doc}
 
 
@@ -133,12 +134,9 @@ def _is_safetensors(path: str, layer: Descriptor) -> bool:
 
 
 def read_header_range(target: ReadableTarget, layer: Descriptor, path: str) -> SafetensorsHeader:
-    if layer.size < 8:
-        raise SafetensorsError(path, f"blob {layer.digest} is {layer.size} bytes; not safetensors")
-    prefix = target.fetch_range(layer, 0, 8)
-    (n,) = struct.unpack("<Q", prefix)
-    if n > MAX_HEADER_BYTES or 8 + n > layer.size:
-        raise SafetensorsError(path, f"blob {layer.digest}: header length {n} is out of bounds")
+    where = f"{path} (blob {layer.digest})"
+    prefix = target.fetch_range(layer, 0, 8) if layer.size >= 8 else b""
+    n = header_length(where, prefix, layer.size)
     header = target.fetch_range(layer, 8, n)
     return parse_header_bytes(path, prefix, header, layer.size)
 

@@ -1,7 +1,10 @@
 """OCI descriptors, manifests and indexes that keep the exact bytes they came from.
 
 A manifest's digest is what gets signed and pinned, so a manifest we did not build is never
-re-serialised: ``Manifest.raw`` is the authority and the parsed fields are a view of it.
+re-serialised: ``Manifest.raw`` is the authority and the parsed fields are a view of it. Parsing
+is bounded (size, depth, no duplicate keys: ``modelpack.boundedjson``) and every field a caller
+reads later is type-checked here, so a hostile registry's document is a ``ManifestError`` naming
+its digest, never a ``RecursionError`` or an ``AttributeError`` three modules further on.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.errors import ManifestError
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, ManifestError
 from modelpack.mediatypes import (
     MEDIA_TYPE_DOCKER_MANIFEST,
     MEDIA_TYPE_DOCKER_MANIFEST_LIST,
@@ -21,8 +25,13 @@ from modelpack.mediatypes import (
 from modelpack.oci.digest import Digest
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+#: Manifests nest 4 levels (manifest → layers → descriptor → annotations/platform); slack for
+#: platform features and extensions, far below what could exhaust the parser.
+MAX_MANIFEST_DEPTH = 16
 MAX_LAYERS = 100_000
 MAX_ANNOTATION_BYTES = 1024 * 1024
+#: OCI descriptors' size is an int64.
+MAX_SIZE = 2**63 - 1
 
 
 def canonical_json(doc: Any) -> bytes:
@@ -74,40 +83,64 @@ class Descriptor:
             raise ManifestError(f"{where}: {exc}") from exc
         if not isinstance(media_type, str) or not media_type:
             raise ManifestError(f"{where}: mediaType must be a non-empty string")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ManifestError(f"{where}: size must be a non-negative integer, got {size!r}")
-        annotations = d.get("annotations")
-        if annotations is not None:
-            if not isinstance(annotations, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in annotations.items()
-            ):
-                raise ManifestError(f"{where}: annotations must map strings to strings")
-        artifact_type = d.get("artifactType")
-        if artifact_type is not None and not isinstance(artifact_type, str):
-            raise ManifestError(f"{where}: artifactType must be a string")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_SIZE:
+            raise ManifestError(f"{where}: size must be an integer in [0, 2^63), got {_clip(size)}")
+        annotations = _annotations(d.get("annotations"), where)
+        artifact_type = _optional_str(d, "artifactType", where)
+        data = _optional_str(d, "data", where)
+        platform = d.get("platform")
+        if platform is not None and not isinstance(platform, dict):
+            raise ManifestError(f"{where}: platform must be an object")
         urls = d.get("urls")
+        if urls is not None and (not isinstance(urls, list) or not all(isinstance(u, str) for u in urls)):
+            raise ManifestError(f"{where}: urls must be an array of strings")
         return cls(
             media_type=media_type,
             digest=digest,
             size=size,
             annotations=annotations,
             artifact_type=artifact_type,
-            platform=d.get("platform"),
-            data=d.get("data"),
-            urls=tuple(urls) if isinstance(urls, list) else None,
+            platform=platform,
+            data=data,
+            urls=tuple(urls) if urls is not None else None,
         )
 
 
+def _clip(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _optional_str(doc: dict[str, Any], key: str, where: str) -> str | None:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ManifestError(f"{where}: {key} must be a string, got {_clip(value)}")
+    return value
+
+
+def _annotations(value: Any, where: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ManifestError(f"{where}: annotations must map strings to strings")
+    return value
+
+
+def _subject(doc: dict[str, Any], where: str) -> Descriptor | None:
+    value = doc.get("subject")
+    return Descriptor.from_dict(value, where=f"{where} subject") if value is not None else None
+
+
 def _parse_json_document(raw: bytes, what: str) -> dict[str, Any]:
+    """The document as a JSON object, or a ManifestError naming it by digest (what was pinned)."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise ManifestError(f"{what}: expected bytes, got {type(raw).__name__}")
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{what} is {len(raw)} bytes; the limit is {MAX_MANIFEST_BYTES} (4 MiB)")
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ManifestError(f"{what} must be a JSON object")
-    return doc
+        return loads_object(raw, what=f"{what} {Digest.from_bytes(bytes(raw))}", max_depth=MAX_MANIFEST_DEPTH)
+    except DocumentError as exc:
+        raise ManifestError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -146,12 +179,12 @@ class Manifest:
     @classmethod
     def parse(cls, raw: bytes, *, media_type: str | None = None) -> Manifest:
         doc = _parse_json_document(raw, "manifest")
-        declared = doc.get("mediaType")
+        declared = _optional_str(doc, "mediaType", "manifest")
         mt = declared or media_type or MEDIA_TYPE_OCI_MANIFEST
         if mt not in (MEDIA_TYPE_OCI_MANIFEST, MEDIA_TYPE_DOCKER_MANIFEST):
-            raise ManifestError(f"unsupported manifest media type {mt!r}")
+            raise ManifestError(f"unsupported manifest media type {_clip(mt)}")
         if doc.get("schemaVersion") != 2:
-            raise ManifestError(f"manifest schemaVersion must be 2, got {doc.get('schemaVersion')!r}")
+            raise ManifestError(f"manifest schemaVersion must be 2, got {_clip(doc.get('schemaVersion'))}")
         if "config" not in doc:
             raise ManifestError("manifest has no config descriptor")
         layers_doc = doc.get("layers", [])
@@ -161,17 +194,14 @@ class Manifest:
             raise ManifestError(f"manifest has {len(layers_doc)} layers; the limit is {MAX_LAYERS}")
         config = Descriptor.from_dict(doc["config"], where="manifest config")
         layers = tuple(Descriptor.from_dict(x, where=f"manifest layer {i}") for i, x in enumerate(layers_doc))
-        subject = (
-            Descriptor.from_dict(doc["subject"], where="manifest subject") if doc.get("subject") else None
-        )
         return cls(
             raw=raw,
             media_type=mt,
             config=config,
             layers=layers,
-            artifact_type=doc.get("artifactType"),
-            subject=subject,
-            annotations=doc.get("annotations"),
+            artifact_type=_optional_str(doc, "artifactType", "manifest"),
+            subject=_subject(doc, "manifest"),
+            annotations=_annotations(doc.get("annotations"), "manifest"),
         )
 
     @classmethod
@@ -219,9 +249,9 @@ class Index:
     @classmethod
     def parse(cls, raw: bytes, *, media_type: str | None = None) -> Index:
         doc = _parse_json_document(raw, "index")
-        mt = doc.get("mediaType") or media_type or MEDIA_TYPE_OCI_INDEX
+        mt = _optional_str(doc, "mediaType", "index") or media_type or MEDIA_TYPE_OCI_INDEX
         if mt not in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST):
-            raise ManifestError(f"unsupported index media type {mt!r}")
+            raise ManifestError(f"unsupported index media type {_clip(mt)}")
         entries = doc.get("manifests", [])
         if not isinstance(entries, list):
             raise ManifestError("index manifests must be an array")
@@ -231,11 +261,9 @@ class Index:
             raw=raw,
             media_type=mt,
             manifests=tuple(Descriptor.from_dict(x, where=f"index entry {i}") for i, x in enumerate(entries)),
-            annotations=doc.get("annotations"),
-            artifact_type=doc.get("artifactType"),
-            subject=Descriptor.from_dict(doc["subject"], where="index subject")
-            if doc.get("subject")
-            else None,
+            annotations=_annotations(doc.get("annotations"), "index"),
+            artifact_type=_optional_str(doc, "artifactType", "index"),
+            subject=_subject(doc, "index"),
         )
 
     @classmethod
@@ -252,7 +280,7 @@ class Index:
 
 def parse_manifest_or_index(raw: bytes, media_type: str | None = None) -> Manifest | Index:
     doc = _parse_json_document(raw, "manifest")
-    mt = doc.get("mediaType") or media_type
+    mt = _optional_str(doc, "mediaType", "manifest") or media_type
     if mt in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST) or (mt is None and "manifests" in doc):
         return Index.parse(raw, media_type=mt)
     return Manifest.parse(raw, media_type=mt)

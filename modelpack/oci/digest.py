@@ -22,7 +22,10 @@ class Digest(str):
         if isinstance(value, Digest):
             return value
         if not isinstance(value, str) or not _DIGEST_RE.match(value):
-            raise InvalidDigestError(f"invalid digest {value!r}: expected sha256:<64 lowercase hex>")
+            shown = repr(value[:80] + "…" if isinstance(value, str) and len(value) > 80 else value)
+            if len(shown) > 100:  # a hostile document's list or object: its type is enough
+                shown = type(value).__name__
+            raise InvalidDigestError(f"invalid digest {shown}: expected sha256:<64 lowercase hex>")
         return super().__new__(cls, value)
 
     @property

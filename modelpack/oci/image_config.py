@@ -7,9 +7,8 @@ directory the layers put the model files under.
 
 from __future__ import annotations
 
-import json
-
-from modelpack.errors import ManifestError
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, ManifestError
 from modelpack.oci.digest import Digest
 
 MODELS_PREFIX = "models/"
@@ -21,12 +20,18 @@ def image_diff_ids(config_raw: bytes, n_layers: int, *, where: str = "image conf
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise ManifestError(f"{where}: image config larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        doc = json.loads(config_raw)
-        ids = doc["rootfs"]["diff_ids"]
-        if doc["rootfs"].get("type") != "layers" or not isinstance(ids, list):
-            raise ValueError("rootfs.type must be 'layers' with a diff_ids array")
+        doc = loads_object(config_raw, what=where, max_bytes=MAX_CONFIG_BYTES, max_depth=16)
+    except DocumentError as exc:
+        raise ManifestError(str(exc)) from None
+    rootfs = doc.get("rootfs")
+    ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    if not isinstance(rootfs, dict) or rootfs.get("type") != "layers" or not isinstance(ids, list):
+        raise ManifestError(
+            f"{where}: invalid image config rootfs: type must be 'layers' with a diff_ids array"
+        )
+    try:
         out = [str(Digest(x)) for x in ids]
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
         raise ManifestError(f"{where}: invalid image config rootfs: {exc}") from exc
     if len(out) != n_layers:
         raise ManifestError(f"{where}: {len(out)} diff_ids for {n_layers} layers")

@@ -7,10 +7,10 @@ Every inferred field can be overridden through ``PackOptions``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from modelpack.errors import PackError
+from modelpack.boundedjson import loads
+from modelpack.errors import ConfigError, DocumentError, PackError
 from modelpack.mediatypes import (
     ANNOTATION_CREATED,
     ANNOTATION_FILE_MEDIATYPE_UNTESTED,
@@ -30,6 +30,26 @@ from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.packing.packed_artifact import PackedFile, PackOptions
 from modelpack.packing.safetensors_format import SafetensorsHeader
+
+#: A Hugging Face config.json: a few KiB in practice, nested a few levels (quantization_config,
+#: rope_scaling, text_config of multimodal models).
+MAX_CONFIG_JSON = 16 * 1024 * 1024
+MAX_CONFIG_JSON_DEPTH = 32
+
+# config fields a pack flag sets: a schema refusal names the flag the person typed
+_FLAGS = {
+    "$.descriptor.name": "--name",
+    "$.descriptor.version": "--version",
+    "$.descriptor.family": "--family",
+    "$.descriptor.vendor": "--vendor",
+    "$.descriptor.description": "--description",
+    "$.descriptor.licenses": "--license",
+    "$.descriptor.createdAt": "--created",
+    "$.config.architecture": "--architecture",
+    "$.config.paramSize": "--param-size",
+    "$.config.precision": "--precision",
+    "$.config.quantization": "--quantization",
+}
 
 # safetensors dtype -> precision name used in the config (torch's spelling)
 PRECISION_NAMES = {
@@ -55,16 +75,24 @@ def format_param_size(n: int) -> str:
     return str(n)
 
 
-def read_json(path: str, limit: int = 16 * 1024 * 1024) -> Any:
+def read_json(path: str, limit: int = MAX_CONFIG_JSON) -> Any:
     """A checkpoint's JSON file (config.json), bounded: it is input from whoever made the checkpoint."""
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise PackError(f"{path}: larger than {limit} bytes; refusing to parse")
     try:
-        return json.loads(data)
-    except ValueError as exc:
-        raise PackError(f"{path}: invalid JSON: {exc}") from exc
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise PackError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return parse_checkpoint_json(data, path, limit)
+
+
+def parse_checkpoint_json(data: bytes, where: str, limit: int = MAX_CONFIG_JSON) -> Any:
+    """config.json's bytes, wherever they were read (a directory, a bucket), bounded and typed."""
+    if len(data) > limit:
+        raise PackError(f"{where}: larger than {limit} bytes; refusing to parse")
+    try:
+        return loads(data, what=where, max_bytes=limit, max_depth=MAX_CONFIG_JSON_DEPTH)
+    except DocumentError as exc:
+        raise PackError(str(exc)) from None
 
 
 def infer_config(
@@ -153,7 +181,11 @@ def describe_model(
 ) -> tuple[ModelSpecConfig, bytes, Manifest]:
     """Config and manifest for hashed files, wherever they live (local directory or S3)."""
     spec = infer_config(packed, headers, hf_config, opts, default_name)
-    config_bytes = spec.to_bytes()
+    try:
+        config_bytes = spec.to_bytes()
+    except ConfigError as exc:
+        flag = _FLAGS.get(exc.path)
+        raise PackError(f"{flag}: {exc}" if flag else str(exc)) from None
     config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
     layers = []
     for f in packed:
@@ -172,4 +204,12 @@ def describe_model(
     return spec, config_bytes, manifest
 
 
-__all__ = ["PRECISION_NAMES", "describe_model", "format_param_size", "infer_config", "read_json"]
+__all__ = [
+    "MAX_CONFIG_JSON",
+    "PRECISION_NAMES",
+    "describe_model",
+    "format_param_size",
+    "infer_config",
+    "parse_checkpoint_json",
+    "read_json",
+]

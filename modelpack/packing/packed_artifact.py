@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from modelpack.errors import NotFoundError
+from modelpack.errors import NotFoundError, PackError
 from modelpack.mediatypes import ModelSpecConfig
+from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
@@ -41,6 +42,18 @@ class PackOptions:
     max_file_size: int | None = None
     jobs: int = 0  # hashing threads; 0 = one per core
     progress: str = "auto"
+
+    def check(self, other_file_choices: Sequence[str]) -> None:
+        """Refuse options that would fail only after every file was hashed, naming the CLI flag."""
+        if self.other_files not in other_file_choices:
+            raise PackError(f"--other-files must be one of {', '.join(other_file_choices)}")
+        if self.created is not None and not is_rfc3339(self.created):
+            raise PackError(
+                f"--created {self.created!r} is not an RFC 3339 date-time; "
+                "write it with a time and zone, e.g. 2025-01-02T00:00:00Z"
+            )
+        if self.name is not None and not self.name:
+            raise PackError("--name must not be empty")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,7 @@ def build_artifact(
 ) -> PackedArtifact:
     """Validate, (re-shard,) hash and describe a checkpoint. Nothing is written except shards."""
     opts = opts or PackOptions()
-    if opts.other_files not in OTHER_FILE_CHOICES:
-        raise PackError(f"--other-files must be one of {', '.join(OTHER_FILE_CHOICES)}")
+    opts.check(OTHER_FILE_CHOICES)
     root = os.path.realpath(checkpoint_dir)
     files = discover_files(root, opts.include, opts.exclude)
     headers: dict[str, SafetensorsHeader] = {}

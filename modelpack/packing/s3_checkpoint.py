@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -24,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from modelpack.errors import InvalidReferenceError, PackError, SafetensorsError, UnsafePathError
+from modelpack.errors import InvalidReferenceError, PackError, UnsafePathError
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.digest import HASH_CHUNK, Digest
+from modelpack.packing.model_config import MAX_CONFIG_JSON, parse_checkpoint_json
 from modelpack.packing.packer import (
     OTHER_FILE_CHOICES,
     PackedArtifact,
@@ -35,7 +35,7 @@ from modelpack.packing.packer import (
     classify,
     describe_model,
 )
-from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
+from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 from modelpack.progress import Progress
 from modelpack.targets.s3.client import client_errors, is_not_found, make_client, wrap_client_error
 from modelpack.targets.s3.stream import S3ReadStream
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 HEADER_PROBE = 64 * 1024
-MAX_CONFIG_JSON = 16 * 1024 * 1024
 
 
 def is_s3_url(text: str) -> bool:
@@ -184,16 +183,8 @@ class _Reader:
     def header(self, obj: S3Object) -> SafetensorsHeader:
         """Strict safetensors header check from at most two range reads."""
         where = self.where(obj)
-        if obj.size < 8:
-            raise SafetensorsError(where, f"file is {obj.size} bytes; a safetensors file has at least 8")
-        probe = self.read_range(obj, 0, min(obj.size, HEADER_PROBE))
-        n = int.from_bytes(probe[:8], "little")
-        if n > MAX_HEADER_BYTES:
-            raise SafetensorsError(where, f"header length {n} exceeds the 100 MB limit")
-        if 8 + n > obj.size:
-            raise SafetensorsError(
-                where, f"header length {n} runs past the end of the file ({obj.size} bytes)"
-            )
+        probe = self.read_range(obj, 0, min(obj.size, HEADER_PROBE)) if obj.size >= 8 else b""
+        n = header_length(where, probe[:8], obj.size)
         header = probe[8 : 8 + n]
         if len(header) < n:
             header += self.read_range(obj, len(probe), 8 + n - len(probe))
@@ -220,8 +211,7 @@ def build_s3_artifact(
 ) -> PackedArtifact:
     """Validate, hash and describe the checkpoint under ``url`` without downloading it to disk."""
     opts = opts or PackOptions()
-    if opts.other_files not in OTHER_FILE_CHOICES:
-        raise PackError(f"--other-files must be one of {', '.join(OTHER_FILE_CHOICES)}")
+    opts.check(OTHER_FILE_CHOICES)
     bucket, prefix = parse_s3_url(url)
     if client is None:
         client = make_client(
@@ -269,10 +259,7 @@ def build_s3_artifact(
                 raise PackError(
                     f"{reader.where(obj)}: larger than {MAX_CONFIG_JSON} bytes; refusing to parse"
                 )
-            try:
-                doc = json.loads(reader.read_range(obj, 0, obj.size))
-            except ValueError as exc:
-                raise PackError(f"{reader.where(obj)}: invalid JSON: {exc}") from exc
+            doc = parse_checkpoint_json(reader.read_range(obj, 0, obj.size), reader.where(obj))
             hf_config = doc if isinstance(doc, dict) else None
     last = prefix.rsplit("/", 1)[-1] if prefix else bucket
     default_name = _NAME_RE.sub("-", last) or "model"
