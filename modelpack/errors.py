@@ -190,6 +190,69 @@ class PullError(ModelpackError):
     """The artifact cannot be materialised (no file path, two layers for one path, …)."""
 
 
+class ExpansionLimitError(UnsafeTarError):
+    """A tar layer would write more than this pull may (``--max-bytes``, free space, the cache
+    quota): counted from the members' declared sizes before a byte of them is written."""
+
+    def __init__(self, where: str, member: str, declared: int, left: int, limit: str) -> None:
+        super().__init__(
+            f"{where}: member {member!r} declares {declared} bytes but only {left} bytes are left "
+            f"of {limit}; refusing the layer (a decompression bomb, or raise the limit)"
+        )
+        self.member = member
+        self.declared = declared
+        self.left = left
+
+
+class LayerFormatError(UnsafeTarError):
+    """A layer blob that is not a readable tar: corrupt compression, malformed headers, a truncated
+    stream or data after the end of the archive."""
+
+
+class DestinationConflictError(PullError):
+    """Files at the destination differ from the artifact's; pull never overwrites them without
+    ``--force``. ``conflicts`` are paths relative to the destination."""
+
+    def __init__(self, dest: str, conflicts: list[str], *, extra: str = "") -> None:
+        more = f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else ""
+        shown = ", ".join(conflicts[:10]) + more
+        super().__init__(
+            f"{dest}: {len(conflicts)} file(s) differ from the artifact's: {shown}; nothing was "
+            f"overwritten. Pull into an empty directory, or pass --force to replace them{extra}"
+        )
+        self.dest = dest
+        self.conflicts = conflicts
+
+
+class FileWriteError(ModelpackError):
+    """The operating system refused a write: a directory where a file goes (or a file where a
+    directory goes), permissions, a read-only filesystem. Names the path."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class DiskFullError(FileWriteError):
+    """No space left (ENOSPC, EDQUOT) for a file being written; says what was kept for a resume."""
+
+
+class TransferInterrupted(ModelpackError):
+    """A transfer stopped on a signal (SIGTERM, SIGINT); its temp files were removed first."""
+
+    def __init__(self, message: str, *, exit_code: int = 130) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class OutputClosedError(TransferInterrupted):
+    """stdout/stderr was closed under us (``| head``): stop at once, like a process on SIGPIPE."""
+
+    def __init__(self, message: str = "output closed") -> None:
+        super().__init__(message, exit_code=141)
+
+
 # --- Trust (signing) ---------------------------------------------------------------------------
 
 
@@ -364,6 +427,32 @@ class TimelineError(LoaderError):
     """An event log that cannot be read (missing, oversized, not JSON lines)."""
 
 
+class HeaderMismatchError(LoaderError):
+    """The safetensors header the load was planned from is not the header inside the bytes that
+    matched the layer digest: the source served different bytes for the same range (a forged
+    header). Names the file and the layer; nothing placed by that header is kept."""
+
+    def __init__(self, file: str, layer_digest: str, *, source: str = "") -> None:
+        where = f" from {source}" if source else ""
+        super().__init__(
+            f"{file} (layer {layer_digest}){where}: the header read to plan the load differs from the "
+            "header inside the bytes that matched the layer digest; the source served different bytes "
+            "for the same range. Refusing the load"
+        )
+        self.file = file
+        self.layer_digest = layer_digest
+
+
+class UnsignedSourceError(LoaderError):
+    """Trusted keys were given, but part of the model is not covered by anything they signed (no
+    chunk-table referrer, or one that skips a weight layer): the load is refused instead of
+    falling back to unsigned checks. ``files`` names what is not covered."""
+
+    def __init__(self, message: str, files: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.files = list(files)
+
+
 # --- Runtime assets (compile caches as referrers of a model) -----------------------------------
 
 
@@ -398,3 +487,24 @@ class AssetRefused(AssetError):
         self.reason = reason
         self.asset_digest = asset_digest
         self.fields = list(fields)
+
+
+# --- Serving engines (the vLLM load format `modelpack`) ----------------------------------------
+
+
+class ServingError(ModelpackError):
+    """A serving engine cannot take its weights through modelpack; the message names the model
+    directory or reference and the setting a person has to change."""
+
+
+class ServingConfigError(ServingError, ValueError):
+    """``--model-loader-extra-config`` (or the model directory it points at) is unusable: an unknown
+    key, a wrong type, an unpinned source, or config/tokenizer files that are not the pinned
+    artifact's."""
+
+    exit_code = 2
+
+
+class ReadinessError(ServingError):
+    """The served model did not become ready (health endpoint) or its deterministic check did not
+    return the expected tokens; names the URL and what was seen."""
