@@ -4,19 +4,24 @@ This is the shape ``cosign verify --key … --insecure-ignore-tlog`` (new bundle
 OpenSSF ``model_signing verify key`` read: ``verificationMaterial.publicKey.hint`` is the key id
 (hex sha256 of the SPKI PEM); there is no certificate and no transparency-log entry, so
 verification is fully offline.
+
+Every bundle here carries an in-toto statement: a DSSE envelope of any other ``payloadType`` is
+refused when parsed (and again before its statement is read), because a valid signature over
+another kind of payload is not a signature of the model. The JSON is read through
+``modelpack.boundedjson`` (size and depth bounded before parsing).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.signing.dsse import Envelope, sign_envelope
+from modelpack.signing.dsse import IN_TOTO_PAYLOAD_TYPE, Envelope, sign_envelope
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.statements import Statement
 
-from modelpack.errors import BundleError
+from modelpack import boundedjson
+from modelpack.errors import BundleError, DocumentError
 from modelpack.oci.descriptor import canonical_json
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
@@ -25,6 +30,16 @@ ACCEPTED_BUNDLE_MEDIA_TYPES = (
     "application/vnd.dev.sigstore.bundle+json;version=0.3",
 )
 MAX_BUNDLE_BYTES = 96 * 1024 * 1024
+#: A bundle nests 5 levels; its statement is a base64 string inside it, parsed on its own.
+MAX_BUNDLE_DEPTH = 16
+
+
+def require_in_toto(envelope: Envelope, source: str) -> None:
+    if envelope.payload_type != IN_TOTO_PAYLOAD_TYPE:
+        raise BundleError(
+            f"{source}: DSSE payloadType {envelope.payload_type!r}, expected {IN_TOTO_PAYLOAD_TYPE!r}; "
+            "a signature over another kind of payload is not a signature of the model"
+        )
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class Bundle:
     @property
     def statement(self) -> Statement:
         """The payload parsed as an in-toto statement (NOT verified: call ``verify`` first)."""
+        require_in_toto(self.envelope, "bundle")
         return Statement.from_bytes(self.envelope.payload)
 
     def verify(self, keys: list[PublicKey]) -> PublicKey | None:
@@ -58,14 +74,12 @@ class Bundle:
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, source: str = "bundle") -> Bundle:
-        if len(raw) > MAX_BUNDLE_BYTES:
-            raise BundleError(f"{source}: {len(raw)} bytes; a bundle is at most {MAX_BUNDLE_BYTES}")
         try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BundleError(f"{source}: not JSON: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise BundleError(f"{source}: a bundle must be a JSON object")
+            doc = boundedjson.loads_object(
+                raw, what=source, max_bytes=MAX_BUNDLE_BYTES, max_depth=MAX_BUNDLE_DEPTH
+            )
+        except DocumentError as exc:
+            raise BundleError(str(exc)) from exc
         mt = doc.get("mediaType")
         if mt not in ACCEPTED_BUNDLE_MEDIA_TYPES:
             raise BundleError(f"{source}: unsupported bundle mediaType {mt!r} (want {BUNDLE_MEDIA_TYPE})")
@@ -76,6 +90,7 @@ class Bundle:
             envelope = Envelope.from_dict(env_doc)
         except BundleError as exc:
             raise BundleError(f"{source}: {exc}") from exc
+        require_in_toto(envelope, source)
         vm = doc.get("verificationMaterial")
         hint = ""
         if isinstance(vm, dict) and isinstance(vm.get("publicKey"), dict):

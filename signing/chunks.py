@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.mediatypes import parse_layer_media_type
+from modelpack.mediatypes import layer_filepath, parse_layer_media_type
+from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.bundle import sign_statement
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_CHUNK_DIGESTS,
     find_bundle_referrers,
     push_bundle_referrer,
+    skipped,
 )
 from modelpack.signing.statements import PREDICATE_CHUNK_DIGESTS, Statement
 
@@ -40,6 +43,7 @@ from modelpack.errors import (
     ModelpackError,
     SizeMismatchError,
 )
+from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget, Target
@@ -54,9 +58,11 @@ __all__ = [
     "ChunkTable",
     "ChunkTableError",
     "LayerChunks",
+    "chunk_table_from_directory",
     "compute_chunk_table",
     "load_chunk_table",
     "push_chunk_table",
+    "weight_layers",
 ]
 
 
@@ -171,7 +177,8 @@ class ChunkTable:
         return cls(str(manifest_digest), chunk_size, layers)
 
 
-def _weight_layers(manifest: Manifest) -> list[Descriptor]:
+def weight_layers(manifest: Manifest) -> list[Descriptor]:
+    """The layers a chunk table covers (what the loader range-reads)."""
     out = []
     for layer in manifest.layers:
         lt = parse_layer_media_type(layer.media_type)
@@ -242,12 +249,51 @@ def compute_chunk_table(
     """Hash every weight layer blob in chunks, checking each whole-blob digest in the same pass."""
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise ChunkTableError(f"chunk size {chunk_size} out of range [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
-    todo = list(layers) if layers is not None else _weight_layers(manifest)
+    todo = list(layers) if layers is not None else weight_layers(manifest)
     unique = {str(layer.digest): layer for layer in todo}
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(unique) or 1))) as pool:
         futures = {d: pool.submit(_hash_layer, target, layer, chunk_size) for d, layer in unique.items()}
         result = {d: f.result() for d, f in futures.items()}
     return ChunkTable(str(manifest.digest), chunk_size, result)
+
+
+class _DirectoryLayers:
+    """A checkpoint directory read by manifest layer (only ``fetch_blob``), so a push hashes its
+    chunk table from the files it just uploaded instead of downloading them again."""
+
+    def __init__(self, directory: str, manifest: Manifest) -> None:
+        self.name = f"dir:{directory}"
+        self._paths: dict[str, str] = {}
+        for layer in manifest.layers:
+            rel = layer_filepath(layer.annotations)
+            if rel:
+                self._paths[str(layer.digest)] = os.path.join(directory, safe_relative_path(rel))
+
+    def covers(self, layers: Sequence[Descriptor]) -> bool:
+        for layer in layers:
+            path = self._paths.get(str(layer.digest))
+            if path is None or not os.path.isfile(path) or os.path.getsize(path) != layer.size:
+                return False
+        return True
+
+    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> Any:
+        f = open(self._paths[str(descriptor.digest)], "rb")
+        if offset:
+            f.seek(offset)
+        return f
+
+
+def chunk_table_from_directory(
+    directory: str, manifest: Manifest, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> ChunkTable | None:
+    """The chunk table hashed from the checkpoint files themselves (each file's whole sha256 is
+    checked against its layer in the same pass); None when the weight layers are not files there
+    (re-sharded with ``--max-file-size``): then the blobs must be read back from the target."""
+    layers = _DirectoryLayers(directory, manifest)
+    weights = weight_layers(manifest)
+    if not weights or not layers.covers(weights):
+        return None
+    return compute_chunk_table(layers, manifest, chunk_size)  # type: ignore[arg-type]
 
 
 def push_chunk_table(
@@ -277,13 +323,17 @@ def load_chunk_table(
     trusted_public_keys: Sequence[PublicKey],
     *,
     manifest: Manifest | None = None,
+    events: EventLog | None = None,
 ) -> ChunkTable | None:
     """The signed chunk table of ``manifest_desc``; None when there is none.
 
-    Raises ``ChunkTableError`` when tables exist but none is signed by a trusted key and bound to
-    exactly this manifest digest (a replayed or forged table is an attack, not an absence).
+    A malformed or foreign table next to a valid one is skipped (a ``signing.referrer_skipped``
+    event). Raises ``ChunkTableError`` when tables exist but none is signed by a trusted key and
+    bound to exactly this manifest digest (a replayed or forged table is an attack, not an
+    absence); the message says why each was rejected.
     """
-    stored = find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_CHUNK_DIGESTS)
+    events = events or NullEventLog()
+    stored = find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_CHUNK_DIGESTS, events=events)
     if not stored:
         return None
     problems: list[str] = []
@@ -310,6 +360,7 @@ def load_chunk_table(
                 raise ChunkTableError(f"predicate manifestDigest {table.manifest_digest} mismatch")
         except (ChunkTableError, BundleError, ModelpackError) as exc:
             problems.append(f"referrer {item.descriptor.digest}: {exc}")
+            skipped(events, manifest_desc, item, str(exc))
             continue
         return table
     raise ChunkTableError(

@@ -17,10 +17,12 @@ from modelpack.signing.referrers import (
     StoredBundle,
     find_bundle_referrers,
     push_bundle_referrer,
+    skipped,
 )
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
 from modelpack.errors import BundleError
+from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import ReadableTarget, Target
 
@@ -94,9 +96,19 @@ def check_stored_signature(
 
 
 def check_manifest_signatures(
-    target: ReadableTarget, manifest_desc: Descriptor, keys: list[PublicKey]
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    keys: list[PublicKey],
+    *,
+    events: EventLog | None = None,
 ) -> list[SignatureCheck]:
-    return [
-        check_stored_signature(item, manifest_desc, keys)
-        for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_SIGNATURE)
-    ]
+    """One check per signature referrer; each invalid one is also a ``signing.referrer_skipped``
+    event (the unreadable ones are reported while they are read)."""
+    events = events or NullEventLog()
+    checks = []
+    for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_SIGNATURE, events=events):
+        check = check_stored_signature(item, manifest_desc, keys)
+        if check.status == "invalid" and item.bundle is not None:
+            skipped(events, manifest_desc, item, check.reason)
+        checks.append(check)
+    return checks

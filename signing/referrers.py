@@ -5,18 +5,39 @@ bundle is, the OCI empty config, exactly one layer (the bundle JSON, titled
 ``sha256-<hex>.sigstore.json``), ``subject`` = the model manifest, and the manifest annotations
 ``dev.sigstore.bundle.content`` / ``dev.sigstore.bundle.predicateType`` /
 ``org.opencontainers.image.created``. Every read is bounded and digest-checked.
+
+Anyone who can push to a repository can add referrers to a model, so a referrer that cannot be
+read (too large, too deep, not a bundle, wrong subject) is skipped with a
+``signing.referrer_skipped`` event and never stops the examination of the others: a junk
+referrer next to a valid signature must not block verification.
+
+Writes are confirmed by reading back (``confirm_referrers``): on a registry without the
+referrers API the ``sha256-<hex>`` fallback index is a read-modify-write that a concurrent signer
+can overwrite, so a signer waits, reads the index again, re-adds what went missing, and fails
+when its referrers stay undiscoverable.
 """
 
 from __future__ import annotations
 
 import datetime
+import random
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.signing.bundle import ACCEPTED_BUNDLE_MEDIA_TYPES, BUNDLE_MEDIA_TYPE, MAX_BUNDLE_BYTES, Bundle
 
-from modelpack.errors import BundleError, ManifestError, ModelpackError, NotFoundError
-from modelpack.oci.descriptor import EMPTY_JSON, Descriptor, Manifest, empty_config_descriptor
+from modelpack import boundedjson
+from modelpack.errors import BundleError, ManifestError, ModelpackError, NotFoundError, SigningError
+from modelpack.events import EventLog, NullEventLog
+from modelpack.oci.descriptor import (
+    EMPTY_JSON,
+    MAX_MANIFEST_BYTES,
+    Descriptor,
+    Manifest,
+    empty_config_descriptor,
+)
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.targets.base import ReadableTarget, Target, bytes_blob_source
 
@@ -30,6 +51,9 @@ ARTIFACT_TYPE_SIGNATURE = BUNDLE_MEDIA_TYPE  # what cosign looks for
 ARTIFACT_TYPE_MODEL_SIGNATURE = "application/vnd.modelpack.model-signing.v1+json"
 ARTIFACT_TYPE_CHUNK_DIGESTS = "application/vnd.modelpack.chunk-digests.v1+json"
 MAX_REFERRERS = 1000  # of one type per manifest; each costs two fetches
+#: Read-back rounds after writing referrers, and the longest wait between two of them.
+CONFIRM_ATTEMPTS = 5
+CONFIRM_MAX_WAIT = 2.0
 
 
 def subject_descriptor(manifest_desc: Descriptor) -> Descriptor:
@@ -85,27 +109,51 @@ class StoredBundle:
 
 
 def find_bundle_referrers(
-    target: ReadableTarget, manifest_desc: Descriptor, artifact_type: str
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    artifact_type: str,
+    *,
+    events: EventLog | None = None,
 ) -> list[StoredBundle]:
-    """Every referrer of ``artifact_type``; unreadable ones come back with ``error`` set, never dropped
-    (a broken signature must be reported, not mistaken for "unsigned")."""
+    """Every referrer of ``artifact_type`` (the first ``MAX_REFERRERS``); unreadable ones come back
+    with ``error`` set, never dropped (a broken signature must be reported, not mistaken for
+    "unsigned"), and each is reported as a ``signing.referrer_skipped`` event."""
+    events = events or NullEventLog()
     try:
         descs = target.referrers(subject_descriptor(manifest_desc), artifact_type)
     except NotFoundError:
         return []
     out: list[StoredBundle] = []
     seen: set[str] = set()
-    if len(descs) > MAX_REFERRERS:
-        raise BundleError(
-            f"{target.name}: {manifest_desc.digest} has {len(descs)} referrers of type {artifact_type}; "
-            f"refusing to examine more than {MAX_REFERRERS}"
-        )
     for desc in descs:
         if desc.artifact_type not in (None, artifact_type) or desc.digest in seen:
             continue
+        if len(seen) >= MAX_REFERRERS:
+            events.emit(
+                "signing.referrer_skipped",
+                subject=str(manifest_desc.digest),
+                referrer=None,
+                artifact_type=artifact_type,
+                reason=f"{target.name}: more than {MAX_REFERRERS} referrers of this type; examined the first {MAX_REFERRERS}",
+            )
+            break
         seen.add(desc.digest)
-        out.append(read_bundle_referrer(target, desc, manifest_desc))
+        item = read_bundle_referrer(target, desc, manifest_desc)
+        if item.error:
+            skipped(events, manifest_desc, item, item.error)
+        out.append(item)
     return out
+
+
+def skipped(events: EventLog, manifest_desc: Descriptor, item: StoredBundle, reason: str) -> None:
+    """Report a referrer that is not used (unreadable, malformed, or of the wrong kind)."""
+    events.emit(
+        "signing.referrer_skipped",
+        subject=str(manifest_desc.digest),
+        referrer=str(item.descriptor.digest),
+        artifact_type=item.descriptor.artifact_type or item.manifest.artifact_type,
+        reason=reason,
+    )
 
 
 def read_bundle_referrer(target: ReadableTarget, desc: Descriptor, manifest_desc: Descriptor) -> StoredBundle:
@@ -114,6 +162,8 @@ def read_bundle_referrer(target: ReadableTarget, desc: Descriptor, manifest_desc
     try:
         raw, media_type = target.fetch_manifest(str(desc.digest))
         verify_bytes(raw, desc.digest, None, what="referrer manifest", source=target.name)
+        # bounded before the manifest parser sees it: a referrer is anyone's document
+        boundedjson.loads_object(raw, what=f"referrer manifest {desc.digest}", max_bytes=MAX_MANIFEST_BYTES)
         manifest = Manifest.parse(raw, media_type=media_type)
     except (ModelpackError, ValueError) as exc:
         return StoredBundle(desc, placeholder, None, f"{where}: unreadable: {exc}")
@@ -135,3 +185,48 @@ def read_bundle_referrer(target: ReadableTarget, desc: Descriptor, manifest_desc
     except (ModelpackError, BundleError, ManifestError, OSError) as exc:
         return StoredBundle(desc, manifest, None, f"{where}: {exc}")
     return StoredBundle(desc, manifest, bundle)
+
+
+def confirm_referrers(
+    target: Target,
+    manifest_desc: Descriptor,
+    pushed: Sequence[Descriptor],
+    *,
+    write_seconds: float = 0.0,
+    events: EventLog | None = None,
+) -> None:
+    """Make sure every pushed referrer is listed for ``manifest_desc``; re-push the missing ones
+    (which merges them into the current fallback index) and read back again, waiting a little
+    longer each round.
+
+    The first read waits about as long as the writes took (at least 50 ms), so a concurrent
+    signer whose read-modify-write of the fallback index started before ours has finished by
+    then. Raises ``SigningError`` naming the target and digest when a referrer is still not
+    discoverable.
+    """
+    events = events or NullEventLog()
+    missing = list(pushed)
+    wait = min(max(write_seconds, 0.05), CONFIRM_MAX_WAIT)
+    for attempt in range(CONFIRM_ATTEMPTS):
+        time.sleep(wait * (1 + random.random()))
+        listed = {str(d.digest) for d in target.referrers(subject_descriptor(manifest_desc))}
+        missing = [d for d in missing if str(d.digest) not in listed]
+        if not missing:
+            return
+        events.emit(
+            "signing.referrer_lost",
+            subject=str(manifest_desc.digest),
+            referrers=[str(d.digest) for d in missing],
+            attempt=attempt + 1,
+        )
+        if attempt + 1 < CONFIRM_ATTEMPTS:
+            for desc in missing:
+                raw, media_type = target.fetch_manifest(str(desc.digest))
+                verify_bytes(raw, desc.digest, None, what="referrer manifest", source=target.name)
+                target.push_manifest(raw, media_type, None)
+        wait = min(wait * 2, CONFIRM_MAX_WAIT)
+    raise SigningError(
+        f"{target.name}: signature referrers {', '.join(str(d.digest) for d in missing)} of "
+        f"{manifest_desc.digest} are not discoverable after {CONFIRM_ATTEMPTS} read-backs (another "
+        "writer keeps replacing the referrers index); the signature is not published — sign again"
+    )

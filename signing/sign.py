@@ -4,12 +4,19 @@
 2. the OpenSSF model_signing directory signature (``model_signing``; raw-layer artifacts only),
 3. the chunk-digest table of the weight layers (``chunks``).
 
-All three are bound to the manifest digest; none changes the manifest or its tags.
+All three are bound to the manifest digest; none changes the manifest or its tags. Signing
+returns only once every referrer it wrote is discoverable by reading it back (see
+``referrers.confirm_referrers``): a concurrent signer on a registry without the referrers API
+can otherwise make a signature vanish while this one reports success.
+
+A publisher that tags (``modelpack push --sign-key``) pushes the manifest by digest, signs, and
+tags last, so a failed signing leaves no tag pointing at an unsigned model.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,21 +26,23 @@ from modelpack.signing.bundle import Bundle, sign_statement
 from modelpack.signing.chunks import (
     DEFAULT_CHUNK_SIZE,
     ChunkTable,
-    _weight_layers,
     compute_chunk_table,
     push_chunk_table,
+    weight_layers,
 )
 from modelpack.signing.keys import PrivateKey, PublicKey, load_private_key
 from modelpack.signing.manifest_signature import sign_manifest
 from modelpack.signing.model_signing import directory_statement, files_from_manifest
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_MODEL_SIGNATURE,
+    confirm_referrers,
     find_bundle_referrers,
     push_bundle_referrer,
 )
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING
 
 from modelpack.errors import ModelpackError, SigningError
+from modelpack.events import EventLog
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import verify_bytes
@@ -94,9 +103,12 @@ def sign_artifact(
     directory_signature: bool = True,
     reference: Reference | str | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    events: EventLog | None = None,
 ) -> SignResult:
     """Sign an artifact already stored in ``target``. ``chunk_table`` may be a precomputed table
-    (the pusher hashed the files anyway); else the weight blobs are read back and hashed."""
+    (the pusher hashed the files anyway); else the weight blobs are read back and hashed.
+
+    Returns once every referrer written is discoverable; raises ``SigningError`` if one is not."""
     key = private_key if isinstance(private_key, PrivateKey) else load_private_key(private_key)
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     manifest = _fetch_manifest(target, manifest_desc)
@@ -104,6 +116,15 @@ def sign_artifact(
         raise SigningError(
             f"{target.name}: fetched manifest is {manifest.digest}, not {manifest_desc.digest}"
         )
+    table: ChunkTable | None = None
+    if chunk_table is not False:
+        # hashed before anything is written: the writes then take one short burst, which is
+        # also what the read-back below waits for
+        if isinstance(chunk_table, ChunkTable):
+            table = chunk_table
+        elif weight_layers(manifest):
+            table = compute_chunk_table(target, manifest, chunk_size)
+    started = time.monotonic()
     result = SignResult(str(manifest_desc.digest), key.key_id, sign_manifest(target, manifest_desc, key))
     if directory_signature:
         try:
@@ -119,16 +140,12 @@ def sign_artifact(
                 artifact_type=ARTIFACT_TYPE_MODEL_SIGNATURE,
                 predicate_type=PREDICATE_MODEL_SIGNING,
             )
-    if chunk_table is not False:
-        if isinstance(chunk_table, ChunkTable):
-            table = chunk_table
-        elif _weight_layers(manifest):
-            table = compute_chunk_table(target, manifest, chunk_size)
-        else:
-            table = None
-            result.skipped["chunkTable"] = "no weight layers"
-        if table is not None:
-            result.chunk_table = push_chunk_table(target, manifest_desc, table, key)
+    if table is not None:
+        result.chunk_table = push_chunk_table(target, manifest_desc, table, key)
+    elif chunk_table is not False:
+        result.skipped["chunkTable"] = "no weight layers"
+    written = [d for d in (result.signature, result.directory_signature, result.chunk_table) if d]
+    confirm_referrers(target, manifest_desc, written, write_seconds=time.monotonic() - started, events=events)
     return result
 
 

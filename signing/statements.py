@@ -7,11 +7,11 @@ a valid signature over another digest is a replay, not a signature.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.errors import BundleError
+from modelpack import boundedjson
+from modelpack.errors import BundleError, DocumentError
 from modelpack.oci.descriptor import canonical_json
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -20,6 +20,8 @@ PREDICATE_MODEL_SIGNING = "https://model_signing/signature/v1.0"
 PREDICATE_CHUNK_DIGESTS = "https://modelpack.dev/chunk-digests/v1"
 MAX_STATEMENT_BYTES = 64 * 1024 * 1024
 MAX_SUBJECTS = 64
+#: The deepest predicate we write (chunk table: predicate → layers → digest → chunks) nests 5.
+MAX_STATEMENT_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,13 @@ class Statement:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Statement:
-        if len(raw) > MAX_STATEMENT_BYTES:
-            raise BundleError(f"in-toto statement is {len(raw)} bytes; the limit is {MAX_STATEMENT_BYTES}")
         try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BundleError(f"in-toto statement is not JSON: {exc}") from exc
-        if not isinstance(doc, dict) or doc.get("_type") != STATEMENT_TYPE:
+            doc = boundedjson.loads_object(
+                raw, what="in-toto statement", max_bytes=MAX_STATEMENT_BYTES, max_depth=MAX_STATEMENT_DEPTH
+            )
+        except DocumentError as exc:
+            raise BundleError(str(exc)) from exc
+        if doc.get("_type") != STATEMENT_TYPE:
             raise BundleError(f"payload is not an in-toto v1 statement (_type {STATEMENT_TYPE})")
         subjects = doc.get("subject")
         if not isinstance(subjects, list) or not subjects or len(subjects) > MAX_SUBJECTS:

@@ -4,6 +4,10 @@ Every refusal raises ``SignatureRefused`` (or ``DirectorySignatureError``) and f
 ``signing.refused`` event with the reference, digest and reason; a success writes
 ``signing.verified``. The node cache and pull call ``verify_artifact`` before anything is marked
 ready.
+
+A referrer that cannot be used (unreadable, too deep, not an in-toto DSSE envelope, a statement
+of the wrong type or subject) is reported as a ``signing.referrer_skipped`` event and never hides
+a valid signature next to it; when no valid one remains, the refusal lists why each was skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from modelpack.signing.policy import RepositoryPolicy, TrustPolicy
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_MODEL_SIGNATURE,
     find_bundle_referrers,
+    skipped,
 )
 
 from modelpack.errors import BundleError, DirectorySignatureError, ModelpackError, SignatureRefused
@@ -120,7 +125,7 @@ def verify_artifact(
         ) from exc
     keys = list(policy.keys)
     try:
-        checks = check_manifest_signatures(target, manifest_desc, keys)
+        checks = check_manifest_signatures(target, manifest_desc, keys, events=events)
     except ModelpackError as exc:
         raise _refuse(
             events, ref_text, digest, f"signatures cannot be read: {exc}", rule=policy.rule
@@ -136,8 +141,8 @@ def verify_artifact(
         raise _refuse(events, ref_text, digest, decision.reason, rule=policy.rule, key_ids=policy.key_ids)
     # optional extras: directory signature and chunk table, required only when the policy says so
     if keys:
-        result.directory_signature = _check_directory_signature(target, manifest_desc, manifest, keys)
-        result.chunk_table = _check_chunk_table(target, manifest_desc, manifest, keys)
+        result.directory_signature = _check_directory_signature(target, manifest_desc, manifest, keys, events)
+        result.chunk_table = _check_chunk_table(target, manifest_desc, manifest, keys, events)
     if policy.require_directory_signature and result.directory_signature != "verified":
         reason = f"directory signature {result.directory_signature}; rule {policy.rule} requires one"
         raise _refuse(events, ref_text, digest, reason, rule=policy.rule)
@@ -179,29 +184,42 @@ def verify_reference(
 
 
 def _check_directory_signature(
-    target: ReadableTarget, manifest_desc: Descriptor, manifest: Manifest, keys: list[PublicKey]
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    manifest: Manifest,
+    keys: list[PublicKey],
+    events: EventLog,
 ) -> str:
     try:
-        stored = find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_MODEL_SIGNATURE)
+        stored = find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_MODEL_SIGNATURE, events=events)
     except ModelpackError:
         return "invalid"
     if not stored:
         return "absent"
+    found = False
     for item in stored:
-        if item.bundle is not None and select_directory_bundle([item.bundle], manifest, keys) is not None:
-            return "verified"
-    return "invalid"
+        if item.bundle is None:
+            continue  # reported by find_bundle_referrers
+        if select_directory_bundle([item.bundle], manifest, keys) is not None:
+            found = True
+        elif item.bundle.verify(keys) is not None:
+            skipped(events, manifest_desc, item, "directory signature does not match the manifest's files")
+    return "verified" if found else "invalid"
 
 
 def _check_chunk_table(
-    target: ReadableTarget, manifest_desc: Descriptor, manifest: Manifest, keys: list[PublicKey]
+    target: ReadableTarget,
+    manifest_desc: Descriptor,
+    manifest: Manifest,
+    keys: list[PublicKey],
+    events: EventLog,
 ) -> str:
     from modelpack.signing.chunks import load_chunk_table
 
     from modelpack.errors import ChunkTableError
 
     try:
-        table = load_chunk_table(target, manifest_desc, keys, manifest=manifest)
+        table = load_chunk_table(target, manifest_desc, keys, manifest=manifest, events=events)
     except (ChunkTableError, ModelpackError):
         return "invalid"
     return "absent" if table is None else "verified"

@@ -45,8 +45,11 @@ def pack(
     jobs: int = 4,
     format: str = "artifact",
     compression: str | None = None,
+    tag: bool = True,
 ) -> PackResult:
     """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3).
+
+    ``tag=False`` stores the manifest by digest only (a signed push tags after signing).
 
     ``format="image"`` builds the image-shaped variant (``modelpack.packing.image_format``, for containerd
     image volumes); ``compression="zstd"`` compresses its tar layers.
@@ -82,7 +85,12 @@ def pack(
     try:
         artifact.tag = ref.tag or "latest"
         result = copy(
-            artifact, target, artifact.tag, ref.tag or "latest", jobs=jobs, progress=options.progress
+            artifact,
+            target,
+            artifact.tag,
+            (ref.tag or "latest") if tag else None,
+            jobs=jobs,
+            progress=options.progress,
         )
     finally:
         artifact.cleanup()

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.api import pack
 from modelpack.errors import InvalidReferenceError
+from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.packing.packer import PackOptions
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.transfer.copy import CopyResult, copy
 from modelpack.transfer.materialize import PullResult, pull_to_directory
+
+if TYPE_CHECKING:
+    from modelpack.signing.keys import PrivateKey
 
 
 @dataclass
@@ -27,6 +31,7 @@ class PushResult:
     digest: str
     copy: CopyResult
     files: int | None = None
+    signed: dict[str, Any] | None = None  # SignResult.to_json() when pushed with a signing key
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -36,6 +41,8 @@ class PushResult:
         }
         if self.files is not None:
             doc["files"] = self.files
+        if self.signed is not None:
+            doc["signed"] = self.signed
         return doc
 
 
@@ -49,27 +56,85 @@ def push(
     progress: str = "auto",
     format: str = "artifact",
     compression: str | None = None,
+    sign_key: PrivateKey | str | None = None,
+    sign_passphrase: str | bytes | None = None,
 ) -> PushResult:
     """Push a checkpoint directory (packed on the fly, uploaded straight from its files) or an
     artifact at another reference (``oci:DIR:TAG``, ``s3://…``) to ``destination``.
 
     ``format="image"`` (directories only) pushes the image-shaped variant (``modelpack.packing.image_format``).
+
+    With ``sign_key`` (a loaded key, a PEM path or ``env:VAR``) the key is loaded before anything
+    is uploaded, and the tag is written last: manifest by digest → signatures (read back until
+    discoverable) → tag. Whatever fails on the way, no tag points at an unsigned model; an
+    earlier version under the same tag stays where it was.
     """
     dst = parse_reference(destination) if isinstance(destination, str) else destination
     if dst.digest:
         raise InvalidReferenceError(f"{dst}: push to a tag, not a digest (the digest is computed)")
+    key = _signing_key(sign_key, sign_passphrase)
+    tag = dst.tag or "latest"
+    files: int | None = None
     if os.path.isdir(source) or _is_s3_checkpoint(source, target_options):
         opts = pack_options or PackOptions(progress=progress)
-        result = pack(source, dst, opts, target_options, jobs=jobs, format=format, compression=compression)
-        return PushResult(
-            result.reference, str(result.artifact.digest), result.copy, len(result.artifact.files)
+        packed = pack(
+            source,
+            dst.with_tag(tag),
+            opts,
+            target_options,
+            jobs=jobs,
+            format=format,
+            compression=compression,
+            tag=key is None,
         )
-    if format != "artifact" or compression:
-        raise InvalidReferenceError(f"{source}: --format/--compression apply when pushing a directory")
-    src_ref = parse_reference(source)
-    tag = dst.tag or "latest"
-    res = cp(src_ref, dst.with_tag(tag), target_options=target_options, jobs=jobs, progress=progress)
-    return PushResult(str(dst.with_tag(tag)), str(res.descriptor.digest), res)
+        digest, copied, files = packed.artifact.digest, packed.copy, len(packed.artifact.files)
+    else:
+        if format != "artifact" or compression:
+            raise InvalidReferenceError(f"{source}: --format/--compression apply when pushing a directory")
+        src_ref = parse_reference(source)
+        src = open_readable(src_ref, target_options)
+        dst_target = open_target(dst, target_options, for_write=True)
+        copied = copy(
+            src, dst_target, src_ref.identifier, tag if key is None else None, jobs=jobs, progress=progress
+        )
+        digest = copied.descriptor.digest
+    result = PushResult(str(dst.with_tag(tag)), str(digest), copied, files)
+    if key is not None:
+        result.signed = _sign_then_tag(source, dst, tag, digest, key, target_options)
+    return result
+
+
+def _signing_key(sign_key: PrivateKey | str | None, passphrase: str | bytes | None) -> PrivateKey | None:
+    """The signing key, loaded (and so checked) before the first byte goes out: a public key,
+    an unset ``env:`` variable or a wrong passphrase must fail a push that has uploaded nothing."""
+    if sign_key is None:
+        return None
+    from modelpack.signing.keys import PrivateKey, load_private_key
+
+    return sign_key if isinstance(sign_key, PrivateKey) else load_private_key(sign_key, passphrase)
+
+
+def _sign_then_tag(
+    source: str,
+    dst: Reference,
+    tag: str,
+    digest: Digest,
+    key: PrivateKey,
+    target_options: TargetOptions | None,
+) -> dict[str, Any]:
+    """Sign the manifest pushed by digest, then point ``tag`` at it: the tag is the last write."""
+    from modelpack.signing import sign_artifact
+    from modelpack.signing.chunks import chunk_table_from_directory
+    from modelpack.targets.fetch import fetch_manifest
+
+    target = open_target(dst, target_options, for_write=True)
+    manifest, _ = fetch_manifest(target, str(digest))
+    desc = target.resolve(str(digest))
+    # hashed from the files just uploaded when they are the layers (no second download)
+    table = chunk_table_from_directory(source, manifest) if os.path.isdir(source) else None
+    signed = sign_artifact(target, desc, key, chunk_table=table or True, reference=dst.with_tag(tag))
+    target.tag(desc, tag)
+    return signed.to_json()
 
 
 def _is_s3_checkpoint(source: str, target_options: TargetOptions | None) -> bool:

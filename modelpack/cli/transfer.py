@@ -7,7 +7,6 @@ options (signing on push) extend the library call, not the command. ``pull`` has
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -27,8 +26,7 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
-from modelpack.oci.reference import parse_reference
-from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.opener import TargetOptions
 
 
 def chunk_size_option(fn: Any) -> Any:
@@ -48,7 +46,10 @@ def _with_chunk_size(topts: TargetOptions, chunk_size: int | None) -> TargetOpti
 
 def push_sign_options(fn: Any) -> Any:
     opts = [
-        click.option("--sign-key", help="Sign after pushing: private key PEM file or env:VAR."),
+        click.option(
+            "--sign-key",
+            help="Sign the pushed manifest before tagging it: private key PEM file or env:VAR.",
+        ),
         click.option(
             "--sign-passphrase-stdin",
             is_flag=True,
@@ -60,66 +61,17 @@ def push_sign_options(fn: Any) -> Any:
     return fn
 
 
-class _LocalFiles:
-    """Read-only view of a checkpoint directory by manifest layer, for hashing chunk tables from
-    the files a push just uploaded (no second download). Only ``fetch_blob`` is needed."""
-
-    def __init__(self, directory: str, manifest: Any) -> None:
-        from modelpack.mediatypes import layer_filepath
-        from modelpack.mediatypes.annotations import safe_relative_path
-
-        self.name = f"dir:{directory}"
-        self._paths = {}
-        for layer in manifest.layers:
-            rel = layer_filepath(layer.annotations)
-            if rel:
-                self._paths[str(layer.digest)] = os.path.join(directory, safe_relative_path(rel))
-
-    def covers(self, layers: list[Any]) -> bool:
-        for layer in layers:
-            path = self._paths.get(str(layer.digest))
-            if path is None or not os.path.isfile(path) or os.path.getsize(path) != layer.size:
-                return False
-        return True
-
-    def fetch_blob(self, descriptor: Any, offset: int = 0) -> Any:
-        f = open(self._paths[str(descriptor.digest)], "rb")
-        if offset:
-            f.seek(offset)
-        return f
-
-
-def sign_after_push(
-    source: str,
-    destination: str,
-    digest: str,
-    kwargs: dict[str, Any],
-    target_options: TargetOptions,
-) -> dict[str, Any] | None:
-    """Pop the push signing options from ``kwargs``; when ``--sign-key`` was given, sign the
-    pushed manifest (chunk table hashed from the local files when SOURCE is a directory; each
-    file's whole sha256 is checked against its layer in the same pass)."""
+def push_signing_key(kwargs: dict[str, Any]) -> Any:
+    """Pop the push signing options from ``kwargs`` and load the key now, before any upload (a
+    public key, an unset ``env:`` variable or a wrong passphrase fails a push that sent nothing).
+    The passphrase line is read after ``--password-stdin``'s."""
     key_spec = kwargs.pop("sign_key", None)
     from_stdin = kwargs.pop("sign_passphrase_stdin", False)
     if not key_spec:
         return None
-    from modelpack.signing import load_private_key, sign_artifact
-    from modelpack.signing.chunks import _weight_layers, compute_chunk_table
-    from modelpack.targets.fetch import fetch_manifest
+    from modelpack.signing import load_private_key
 
-    key = load_private_key(key_spec, read_passphrase(from_stdin))
-    ref = parse_reference(destination)
-    target = open_target(ref, target_options, for_write=True)
-    manifest, _ = fetch_manifest(target, digest)
-    desc = target.resolve(digest)
-    table: Any = True
-    weights = _weight_layers(manifest)
-    if os.path.isdir(source) and weights:
-        local = _LocalFiles(source, manifest)
-        # re-sharded files (--max-file-size) are not on disk as layers: then read the blobs back
-        if local.covers(weights):
-            table = compute_chunk_table(local, manifest)  # type: ignore[arg-type]
-    return sign_artifact(target, desc, key, chunk_table=table, reference=ref).to_json()
+    return load_private_key(key_spec, read_passphrase(from_stdin))
 
 
 @click.command("push")
@@ -149,16 +101,21 @@ def push_cmd(
     Blobs the registry already has are skipped, so pushing the same checkpoint twice uploads
     nothing. Prints the manifest digest on stdout (pin it in deployments).
 
+    With --sign-key the key is checked before anything is uploaded, and the tag is written only
+    after the signatures are stored: a failed signing leaves no tag on an unsigned model.
+
     \b
     Examples:
       modelpack push ./llama-8b registry.example.com/models/llama:v1
       modelpack push oci:./layout:v1 127.0.0.1:5000/models/llama:v1
+      modelpack push ./llama-8b registry.example.com/models/llama:v1 --sign-key env:MODELPACK_SIGNING_KEY
       echo "$TOKEN" | modelpack push ./ckpt reg.example/m:v1 -u ci --password-stdin
     """
     artifact_format = kwargs.pop("artifact_format", "artifact")
     compression = kwargs.pop("compression", None)
     popts = pack_options_from(kwargs, progress)
     topts = _with_chunk_size(build_target_options(kwargs), chunk_size)
+    key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
     result = transfer.push(
         source,
         destination,
@@ -168,10 +125,11 @@ def push_cmd(
         progress=progress,
         format=artifact_format,
         compression=compression,
+        sign_key=key,
     )
-    signed = sign_after_push(source, destination, result.digest, kwargs, topts)
+    signed = result.signed
     if as_json:
-        emit_json({**result.to_json(), **({"signed": signed} if signed else {})})
+        emit_json(result.to_json())
         return
     if signed:
         click.echo(f"signed {result.digest} with key {signed['keyId'][:16]}", err=True)
