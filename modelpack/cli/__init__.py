@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import click
 
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
-from modelpack.cli.options import parse_size
+from modelpack.cli.options import PASS_THROUGH, parse_size, report_failure
 
 # name → where the command lives and its short help for ``modelpack --help`` (kept equal to
 # the command's own docstring by tests/test_cli_structure.py).
@@ -94,25 +95,46 @@ COMMANDS = {
 }
 
 
+class MainGroup(LazyGroup):
+    """The root group, and the net under every command: whatever escapes a command (or loading
+    it, or writing its last output to a closed pipe) becomes one line, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            return result
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            report_failure(exc)
+
+
 @click.group(
-    cls=LazyGroup,
+    cls=MainGroup,
     lazy_commands=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
 @click.version_option(package_name="modelpack")
 @click.option(
-    "--debug", is_flag=True, help="Log requests and decisions to stderr (credentials are never logged)."
+    "--debug",
+    is_flag=True,
+    help="Log requests and decisions to stderr, and a failure's traceback (credentials are never logged).",
 )
 def main(debug: bool) -> None:
     """modelpack: safetensors checkpoints as verified, signed CNCF ModelPack OCI artifacts.
 
     \b
-    Typical flow:
+    Examples (the typical flow):
       modelpack pack ./ckpt oci:./layout:v1           # build an artifact (no server needed)
       modelpack push ./ckpt registry.example/m:v1     # CI: pack + upload straight from the files
       modelpack pull registry.example/m:v1 ./model    # node: verified files at their paths
+      modelpack --debug pull registry.example/m:v1 ./model   # a failure's traceback and requests
 
     References: host[:port]/repo[:tag][@sha256:…], oci:DIR[:TAG|@DIGEST], s3://BUCKET/PREFIX[:TAG].
+
+    Every failure is one line on stderr and a non-zero exit (1: refused or failed, 2: usage);
+    --debug adds the traceback of an unexpected one.
     """
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.WARNING,

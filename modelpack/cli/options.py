@@ -7,12 +7,13 @@ imported inside the function that turns the flags into library objects.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -69,19 +70,100 @@ def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True))
 
 
+def debug_requested() -> bool:
+    """``modelpack --debug …`` (the root group's flag) or ``MODELPACK_DEBUG=1``."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().params.get("debug"):
+        return True
+    return os.environ.get("MODELPACK_DEBUG", "") not in ("", "0")
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a closed stderr is not a second failure to report."""
+    try:
+        click.echo(line, err=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _closed_pipe(exc: BaseException) -> bool:
+    return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE)
+
+
+def exit_on_closed_pipe() -> NoReturn:
+    """``modelpack … | head``: the reader left, so nothing more is worth saying.
+
+    stdout is pointed at /dev/null first (the recipe of Python's ``signal`` docs), else the
+    interpreter's final flush fails again and prints "Exception ignored … BrokenPipeError".
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, sys.stderr.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(1)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``PATH: reason`` — what a person needs to act on an operating-system refusal."""
+    reason = exc.strerror or _first_line(str(exc)) or type(exc).__name__
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    if exc.errno == errno.ENOSPC:
+        reason += "; free space on that filesystem and run the command again"
+    return f"{' → '.join(paths)}: {reason}" if paths else f"{type(exc).__name__}: {reason}"
+
+
+def report_failure(exc: BaseException) -> NoReturn:
+    """Print one line for ``exc`` (the traceback too under ``--debug``) and exit.
+
+    ModelpackError: its message and exit code. OSError: the path and the reason. Anything else
+    is a defect of ours, printed as one line that says how to see the details.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        _say("interrupted")
+        sys.exit(130)
+    if _closed_pipe(exc):
+        exit_on_closed_pipe()
+    debug = debug_requested()
+    if debug:
+        import traceback
+
+        try:
+            traceback.print_exception(exc, file=sys.stderr)
+        except (OSError, ValueError):
+            pass
+    if isinstance(exc, ModelpackError):
+        _say(f"error: {exc}")
+        sys.exit(exc.exit_code)
+    if isinstance(exc, OSError) and (exc.filename is not None or exc.strerror):
+        _say(f"error: {describe_os_error(exc)}")
+        sys.exit(1)
+    hint = "" if debug else "; run with --debug for details"
+    _say(f"error: unexpected {type(exc).__name__}: {_first_line(str(exc))}{hint}")
+    sys.exit(1)
+
+
+#: What click raises on purpose (usage errors, --help, aborts): click prints those itself.
+PASS_THROUGH = (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit)
+
+
 def handle_errors(fn: F) -> F:
-    """Map library errors to a one-line message and a meaningful exit code (no traceback)."""
+    """Map every failure to a one-line message and a meaningful exit code (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except ModelpackError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            sys.exit(130)
+        except PASS_THROUGH:
+            raise
+        except BaseException as exc:
+            report_failure(exc)
 
     return wrapper  # type: ignore[return-value]
 

@@ -6,6 +6,7 @@ The flags that describe a pack are shared with ``push`` and live in ``modelpack.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 import click
@@ -22,6 +23,36 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+
+
+def check_checkpoint_dir(path: str) -> None:
+    """Say why CHECKPOINT_DIR cannot be packed: missing, not a directory, or not readable."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise click.BadParameter(f"{path!r} does not exist", param_hint="CHECKPOINT_DIR") from None
+    except OSError as exc:
+        raise click.BadParameter(f"{path!r}: {exc.strerror}", param_hint="CHECKPOINT_DIR") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise click.BadParameter(f"{path!r} is not a directory", param_hint="CHECKPOINT_DIR")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise click.BadParameter(f"{path!r}: Permission denied", param_hint="CHECKPOINT_DIR")
+
+
+def check_reference(text: str, param_hint: str, *, tag: bool = True) -> None:
+    """A local path where a reference belongs: say how to write a layout instead of parsing it as
+    a registry (``./layout`` is "invalid registry host '.'"; ``layout`` would be Docker Hub)."""
+    if text.startswith(("oci:", "s3://")):
+        return
+    looks_local = text.startswith(("/", "./", "../", "~")) or text in (".", "..")
+    name = text.split("@", 1)[0]
+    if looks_local or (os.sep not in name and ":" not in name and os.path.isdir(name)):
+        layout = f"oci:{text}:TAG (e.g. oci:{text}:v1)" if tag else f"oci:{text}"
+        raise click.BadParameter(
+            f"{text!r} is a local path; for an OCI layout directory write {layout}, "
+            "for a registry host/repo" + (":tag" if tag else ""),
+            param_hint=param_hint,
+        )
 
 
 @click.command("pack")
@@ -63,11 +94,14 @@ def pack_cmd(
     files, no timestamp unless --created).
 
     \b
-    Example:
+    Examples:
       modelpack pack ./llama-8b oci:./layout:v1 --version 1.0 --max-file-size 4GiB
+      modelpack pack ./llama-8b oci:./layout:v1-image --format image --compression zstd
+      modelpack pack s3://bucket/checkpoints/llama-8b/ registry.example/models/llama:v1
     """
-    if not checkpoint_dir.startswith("s3://") and not os.path.isdir(checkpoint_dir):
-        raise click.BadParameter(f"{checkpoint_dir!r} is not a directory", param_hint="CHECKPOINT_DIR")
+    if not checkpoint_dir.startswith("s3://"):
+        check_checkpoint_dir(checkpoint_dir)
+    check_reference(destination, "DESTINATION")
     popts = pack_options_from(kwargs, progress)
     link = kwargs.pop("link", "auto")
     topts = build_target_options(kwargs)
@@ -94,7 +128,13 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
     """Show an artifact: manifest digest, model config, layers and total size.
 
     REFERENCE is host/repo:tag, oci:DIR:TAG or s3://BUCKET/PREFIX:TAG (or @sha256:… for any).
+
+    \b
+    Examples:
+      modelpack inspect oci:./layout:v1
+      modelpack inspect registry.example/models/llama:v1 --json
     """
+    check_reference(reference, "REFERENCE")
     summary = api.inspect(reference, build_target_options(kwargs))
     if as_json:
         emit_json(summary.to_json())
@@ -126,7 +166,15 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
 @json_option
 @handle_errors
 def ls_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
-    """List the tags of a layout, repository or bucket, with their digests."""
+    """List the tags of a layout, repository or bucket, with their digests.
+
+    \b
+    Examples:
+      modelpack ls oci:./layout
+      modelpack ls registry.example/models/llama --json
+      modelpack ls s3://bucket/models/llama --s3-endpoint http://127.0.0.1:9000
+    """
+    check_reference(reference, "REFERENCE", tag=False)
     tags = api.list_tags(reference, build_target_options(kwargs))
     if as_json:
         emit_json(tags)
