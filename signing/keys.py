@@ -144,11 +144,14 @@ def load_private_key(
     except TypeError as exc:
         if passphrase is None:
             raise KeyLoadError(
-                f"{source}: the private key is encrypted; set {PASSPHRASE_ENV} or pass the passphrase on stdin"
+                f"{source}: the private key is encrypted; set {PASSPHRASE_ENV} or pass the passphrase "
+                "on stdin (--passphrase-stdin; --sign-passphrase-stdin for push)"
             ) from exc
         raise KeyLoadError(f"{source}: the private key is not encrypted but a passphrase was given") from exc
     except (ValueError, UnsupportedAlgorithm) as exc:
-        raise KeyLoadError(f"{source}: not a usable PEM private key (or wrong passphrase)") from exc
+        raise KeyLoadError(
+            f"{source}: not a usable PEM private key, or a wrong passphrase (a public key cannot sign)"
+        ) from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise KeyLoadError(f"{source}: {type(key).__name__}; modelpack signs with ECDSA P-256 keys")
     _check_curve(key.public_key(), source)

@@ -28,16 +28,9 @@ from dataclasses import dataclass
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.signing.bundle import ACCEPTED_BUNDLE_MEDIA_TYPES, BUNDLE_MEDIA_TYPE, MAX_BUNDLE_BYTES, Bundle
 
-from modelpack import boundedjson
 from modelpack.errors import BundleError, ManifestError, ModelpackError, NotFoundError, SigningError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.oci.descriptor import (
-    EMPTY_JSON,
-    MAX_MANIFEST_BYTES,
-    Descriptor,
-    Manifest,
-    empty_config_descriptor,
-)
+from modelpack.oci.descriptor import EMPTY_JSON, Descriptor, Manifest, empty_config_descriptor
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.targets.base import ReadableTarget, Target, bytes_blob_source
 
@@ -162,9 +155,7 @@ def read_bundle_referrer(target: ReadableTarget, desc: Descriptor, manifest_desc
     try:
         raw, media_type = target.fetch_manifest(str(desc.digest))
         verify_bytes(raw, desc.digest, None, what="referrer manifest", source=target.name)
-        # bounded before the manifest parser sees it: a referrer is anyone's document
-        boundedjson.loads_object(raw, what=f"referrer manifest {desc.digest}", max_bytes=MAX_MANIFEST_BYTES)
-        manifest = Manifest.parse(raw, media_type=media_type)
+        manifest = Manifest.parse(raw, media_type=media_type)  # bounded: size, depth, duplicate keys
     except (ModelpackError, ValueError) as exc:
         return StoredBundle(desc, placeholder, None, f"{where}: unreadable: {exc}")
     if manifest.subject is None or manifest.subject.digest != manifest_desc.digest:

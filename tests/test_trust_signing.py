@@ -89,6 +89,17 @@ def test_unusable_sign_key_uploads_nothing(
     assert _tags(registry, f"trust7/{case}") == []
 
 
+def test_sign_with_unusable_key_contacts_nothing(registry: Any, tmp_path: Path) -> None:
+    _, pub, _ = _keypair(tmp_path)
+    proxy = FaultProxy(registry.host)
+    try:
+        res = _run("sign", f"{proxy.host}/trust7/sign-pub:v1", "--key", pub)
+        assert res.exit_code != 0 and "public key cannot sign" in res.output, res.output
+        assert proxy.requests == [], f"{len(proxy.requests)} requests before the key was checked"
+    finally:
+        proxy.close()
+
+
 def test_signing_failure_after_upload_leaves_no_tag(registry: Any, checkpoint: Path, tmp_path: Path) -> None:
     priv, pub, _ = _keypair(tmp_path)
     repo = "trust7/fail-after-upload"

@@ -49,6 +49,11 @@ def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
     \b
     CI recipe: run once, store PREFIX.key as a CI secret (and its passphrase, if any, as
     MODELPACK_SIGNING_PASSPHRASE), publish PREFIX.pub to the nodes' trust policy.
+
+    \b
+    Examples:
+      modelpack keygen --out ./keys/modelpack-ci
+      echo "$PASSPHRASE" | modelpack keygen --out ./keys/modelpack-ci --passphrase-stdin
     """
     from modelpack.signing.keys import generate_key, write_keypair
 
@@ -95,14 +100,30 @@ def sign_cmd(
     **kwargs: Any,
 ) -> None:
     """Sign an artifact that is already stored: manifest signature, directory signature and
-    chunk table, each a referrer bound to the manifest digest (tags are not changed)."""
-    topts = build_target_options(kwargs)
+    chunk table, each a referrer bound to the manifest digest (tags are not changed).
+
+    The key is loaded before the registry is contacted, and the command exits 1 unless every
+    signature it wrote can be read back from the registry's referrers list.
+
+    \b
+    Examples:
+      modelpack sign registry.example.com/models/llama:v1 --key env:MODELPACK_SIGNING_KEY
+      modelpack sign oci:./layout:v1 --key ./keys/modelpack-ci.key --no-directory-signature
+    """
+    if keyless and key_spec:
+        raise click.UsageError("give --key or --keyless, not both")
+    if not keyless and not key_spec:
+        raise click.UsageError("--key is required (or --keyless)")
+    topts = build_target_options(kwargs)  # reads --password-stdin's line before the passphrase
+    key = None
+    if key_spec:
+        from modelpack.signing import load_private_key
+
+        key = load_private_key(key_spec, read_passphrase(passphrase_stdin))
     ref = parse_reference(reference)
     target = open_target(ref, topts, for_write=True)
     desc = target.resolve(ref.identifier)
-    if keyless:
-        if key_spec:
-            raise click.UsageError("give --key or --keyless, not both")
+    if key is None:
         from modelpack.signing.keyless import sign_keyless
 
         result = sign_keyless(target, desc)
@@ -111,11 +132,8 @@ def sign_cmd(
         else:
             click.echo(f"signed {ref} ({desc.digest}) keyless as {result.get('identity')}")
         return
-    if not key_spec:
-        raise click.UsageError("--key is required (or --keyless)")
-    from modelpack.signing import load_private_key, sign_artifact
+    from modelpack.signing import sign_artifact
 
-    key = load_private_key(key_spec, read_passphrase(passphrase_stdin))
     res = sign_artifact(
         target,
         desc,
@@ -162,7 +180,17 @@ def verify_cmd(
     as_json: bool,
     **kwargs: Any,
 ) -> None:
-    """Verify REFERENCE's signature against trusted keys or a policy; exit 1 when refused."""
+    """Verify REFERENCE's signature against trusted keys or a policy; exit 1 when refused.
+
+    Referrers that cannot be used (malformed, foreign, not an in-toto DSSE envelope) are skipped
+    with a signing.referrer_skipped event; the refusal lists them when no valid signature remains.
+
+    \b
+    Examples:
+      modelpack verify registry.example.com/models/llama:v1 --key ./keys/modelpack-ci.pub
+      modelpack verify registry.example.com/models/llama:v1 --policy /etc/modelpack/policy.yaml --json
+      modelpack verify REF --key ./keys/modelpack-ci.pub --directory /models/llama
+    """
     from modelpack.signing import verify_directory
     from modelpack.signing.bundle import Bundle
     from modelpack.signing.referrers import ARTIFACT_TYPE_MODEL_SIGNATURE, find_bundle_referrers
@@ -191,7 +219,8 @@ def verify_cmd(
             bundle = select_directory_bundle(bundles, Manifest.parse(manifest_raw, media_type=mt), rp.keys)
             if bundle is None:
                 raise ModelpackError(
-                    f"{ref}: no directory signature by a trusted key to check {directory} against"
+                    f"{ref}: no directory signature by a trusted key to check {directory} against; "
+                    "give the model_signing file with --signature"
                 )
         files = verify_directory(
             directory,
@@ -284,6 +313,11 @@ def audit_cmd(
     count, created, model name/version/precision, signature status (verified / invalid /
     unsigned; 'signed' when no --key/--policy was given) with key ids, referrers by type.
     Exit status 1 when a tag moved since --since-digests.
+
+    \b
+    Examples:
+      modelpack audit registry.example.com/models/llama --key ./keys/modelpack-ci.pub
+      modelpack audit registry.example.com --repo 'models/*' --policy policy.yaml --json
     """
     from modelpack.inspection.audit import audit_registry, audit_repository, load_since
 
@@ -350,7 +384,13 @@ def audit_cmd(
 @json_option
 @handle_errors
 def diff_cmd(ref_a: str, ref_b: str, no_tensors: bool, as_json: bool, **kwargs: Any) -> None:
-    """Compare two artifacts: config, files, and tensors of changed safetensors files."""
+    """Compare two artifacts: config, files, and tensors of changed safetensors files.
+
+    \b
+    Examples:
+      modelpack diff registry.example.com/models/llama:v1 registry.example.com/models/llama:v2
+      modelpack diff oci:./layout:v1 oci:./layout:v2 --no-tensors --json
+    """
     from modelpack.inspection.diff import diff
 
     topts: TargetOptions = build_target_options(kwargs)
