@@ -14,10 +14,11 @@ modelpack's offline verifier checks key-based bundles only.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from modelpack.signing.bundle import Bundle
-from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, push_bundle_referrer
+from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, confirm_referrers, push_bundle_referrer
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
 from modelpack.errors import SigningError
@@ -43,6 +44,7 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
     with ctx.signer(token) as signer:
         bundle_json = signer.sign_dsse(statement).to_json().encode()
     bundle = Bundle.from_bytes(bundle_json, source="sigstore bundle")
+    started = time.monotonic()
     desc = push_bundle_referrer(
         target,
         manifest_desc,
@@ -50,4 +52,5 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
         artifact_type=ARTIFACT_TYPE_SIGNATURE,
         predicate_type=PREDICATE_COSIGN_SIGN,
     )
+    confirm_referrers(target, manifest_desc, [desc], write_seconds=time.monotonic() - started)
     return {"digest": str(manifest_desc.digest), "signature": str(desc.digest), "identity": token.identity}

@@ -8,6 +8,7 @@ digest. We check exactly the same, plus that the predicate type is cosign's sign
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from modelpack.signing.bundle import sign_statement
@@ -15,6 +16,7 @@ from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_SIGNATURE,
     StoredBundle,
+    confirm_referrers,
     find_bundle_referrers,
     push_bundle_referrer,
     skipped,
@@ -27,15 +29,24 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import ReadableTarget, Target
 
 
-def sign_manifest(target: Target, manifest_desc: Descriptor, private_key: PrivateKey) -> Descriptor:
+def sign_manifest(
+    target: Target, manifest_desc: Descriptor, private_key: PrivateKey, *, confirm: bool = True
+) -> Descriptor:
+    """Push the signature referrer; with ``confirm`` (the default) return only once it is listed
+    among the manifest's referrers (``SigningError`` otherwise). ``sign_artifact`` confirms all
+    its referrers together instead."""
     bundle = sign_statement(manifest_statement(manifest_desc.digest.hex), private_key)
-    return push_bundle_referrer(
+    started = time.monotonic()
+    desc = push_bundle_referrer(
         target,
         manifest_desc,
         bundle,
         artifact_type=ARTIFACT_TYPE_SIGNATURE,
         predicate_type=PREDICATE_COSIGN_SIGN,
     )
+    if confirm:
+        confirm_referrers(target, manifest_desc, [desc], write_seconds=time.monotonic() - started)
+    return desc
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,8 @@ class TrustPolicy:
             doc = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
             raise PolicyError(f"{p}: not YAML: {exc}") from exc
+        except RecursionError:  # the YAML composer recurses per nesting level
+            raise PolicyError(f"{p}: nested too deeply to be a policy") from None
         return cls.from_dict(doc, base_dir=os.path.dirname(os.path.abspath(p)), path=p)
 
     @classmethod

@@ -125,7 +125,8 @@ def sign_artifact(
         elif weight_layers(manifest):
             table = compute_chunk_table(target, manifest, chunk_size)
     started = time.monotonic()
-    result = SignResult(str(manifest_desc.digest), key.key_id, sign_manifest(target, manifest_desc, key))
+    signature = sign_manifest(target, manifest_desc, key, confirm=False)  # confirmed with the rest
+    result = SignResult(str(manifest_desc.digest), key.key_id, signature)
     if directory_signature:
         try:
             files = files_from_manifest(manifest)

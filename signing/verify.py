@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.signing.bundle import Bundle
+from modelpack.signing.bundle import MAX_BUNDLE_BYTES, Bundle
 from modelpack.signing.keys import PublicKey
 from modelpack.signing.manifest_signature import SignatureCheck, check_manifest_signatures
 from modelpack.signing.model_signing import (
@@ -263,7 +263,7 @@ def verify_directory(
             raise ValueError("verify_directory needs signature_path or bundle")
         try:
             with open(signature_path, "rb") as f:
-                bundle = Bundle.from_bytes(f.read(), source=signature_path)
+                bundle = Bundle.from_bytes(f.read(MAX_BUNDLE_BYTES + 1), source=signature_path)
         except (OSError, BundleError) as exc:
             raise _refuse(
                 events, ref, digest, f"signature {signature_path}: {exc}", cls=DirectorySignatureError

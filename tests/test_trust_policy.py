@@ -145,3 +145,10 @@ def test_pull_with_uppercase_host_is_refused(registry: Any, checkpoint: Path, tm
         res = CliRunner().invoke(main, ["pull", spelling, str(out), "--policy", str(policy), "--plain-http"])
         assert res.exit_code == 1, f"{spelling}: {res.output}"
         assert "unsigned" in res.output and not (out.exists() and any(out.iterdir()))
+
+
+def test_deeply_nested_policy_file_is_a_policy_error(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(PolicyError, match="nested"):
+        TrustPolicy.load(path)
