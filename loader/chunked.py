@@ -3,7 +3,9 @@
 Reads are widened to chunk boundaries; consecutive needed chunks share one range read (up to a
 staging slot), and every chunk of a read is hashed against the table in the worker before the
 block is copied out (CPU memcpy, or H2D into a device scratch buffer and a device-side gather
-into the destination). A rank therefore reads and verifies only the chunks its shard touches.
+into the destination). A rank therefore reads and verifies only the chunks its shard touches,
+each once: chunks already verified while the header was read (``headers.VerifiedChunks``) are
+copied from memory instead of fetched again.
 """
 
 from __future__ import annotations
@@ -28,12 +30,18 @@ def read_chunked(
     needed: set[int] = set()
     for s, e in fp.extents(covering=True):
         needed.update(range(s // cs, (e - 1) // cs + 1))
+    kept = load.verified.indexes(f.relpath) & needed if load.verified is not None else set()
+    if load.verified is not None:
+        for idx in load.verified.indexes(f.relpath) - needed:
+            load.verified.take(f.relpath, idx)  # verified for the header, not needed by this rank
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
     assert load.ring is not None
     cap = max(1, load.ring.slot_bytes // cs)  # consecutive chunks fetched by one range read
     groups: list[list[int]] = []
     for c in sorted(needed):
-        if groups and groups[-1][-1] == c - 1 and len(groups[-1]) < cap:
+        if c in kept:
+            groups.append([c])  # copied from memory, on its own
+        elif groups and groups[-1][-1] == c - 1 and groups[-1][-1] not in kept and len(groups[-1]) < cap:
             groups[-1].append(c)
         else:
             groups.append([c])
@@ -42,8 +50,18 @@ def read_chunked(
         last0, last_len = table.chunk_range(layer, group[-1])
         glen = last0 + last_len - g0
         slot = yield from load.next_slot()
+        held = load.verified.take(f.relpath, group[0]) if group[0] in kept and load.verified else None
 
-        def task(slot: Slot = slot, group: list[int] = group, g0: int = g0, glen: int = glen) -> None:
+        def task(
+            slot: Slot = slot,
+            group: list[int] = group,
+            g0: int = g0,
+            glen: int = glen,
+            held: bytearray | None = held,
+        ) -> None:
+            if held is not None:  # verified when the header was read; private to this load since
+                slot.view[:glen] = held
+                return
             reader.read_into(g0, slot.view[:glen])
             for c in group:  # every chunk checked before ANY byte is copied towards a tensor
                 c0, clen = table.chunk_range(layer, c)

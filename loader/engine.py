@@ -18,8 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from modelpack.loader.accounting import bytes_by_split
 from modelpack.loader.blocks import span_block_copies
 from modelpack.loader.dtypes import torch_dtype
+from modelpack.loader.headers import VerifiedChunks
 from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import FilePlan, ReadPlan, TensorRead
 from modelpack.loader.readers import RangeReader
@@ -59,6 +61,8 @@ class LoadEngine:
         self.out = out
         self.files = {f.relpath: f for f in src.files}
         self.readers: dict[str, RangeReader] = {}
+        self.header_bytes: dict[str, bytes] = {}  # what each header was parsed from (whole mode)
+        self.verified: VerifiedChunks | None = None  # chunks verified with the headers (chunk mode)
         self.tensors: list[TensorRead] = []
         self.dest: list[torch.Tensor | None] = []
         self.dest_bytes: list[torch.Tensor | None] = []
@@ -260,12 +264,15 @@ class LoadEngine:
         self.stats.read_done = time.time()
         self.stats.bytes_read = sum(r.bytes_read for r in self.readers.values())
         self.stats.per_file_bytes = {k: r.bytes_read for k, r in self.readers.items()}
+        self.stats.bytes_by_split = bytes_by_split(self.plan, {k: r.reads for k, r in self.readers.items()})
         fields = self._event_fields()
         self.events.emit(
             "loader.read_done",
             stage="t4",
             **fields,
             bytes=self.stats.bytes_read,
+            bytes_by_split=self.stats.bytes_by_split,
+            verification=self.stats.verification,
             duration_ms=round((self.stats.read_done - self.stats.read_start) * 1000, 3),
         )
         if self.cuda:
@@ -304,6 +311,8 @@ class LoadEngine:
         )
 
     def close(self) -> None:
+        if self.verified is not None:
+            self.verified.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         for r in self.readers.values():

@@ -23,6 +23,12 @@ class LoaderOptions:
     slots: int = 0  # staging buffers; 0 = workers + 2 (local) or remote_inflight + 2 (remote)
     direct_io: bool = False  # O_DIRECT reads through the aligned ring (cold NVMe)
     uneven: str = "refuse"  # or "chunk" (torch.chunk-compatible split), see plan.py
+    # With trusted keys, a weight layer no signed chunk table covers is refused (UnsignedSourceError):
+    # True accepts whole-layer digest checks for it instead, and says so in a loader.downgraded event.
+    allow_missing_chunk_table: bool = False
+    # Chunks verified while reading the headers are kept for the data pass, so each is fetched once;
+    # past this budget (in plan order) a file's first chunk is fetched again with its data.
+    verified_chunk_cache_bytes: int = 256 * MiB
 
     @property
     def local_workers(self) -> int:
@@ -49,6 +55,13 @@ class LoadStats:
     fingerprint: Fingerprint | None = None
     plan: ReadPlan | None = None
     per_file_bytes: dict[str, int] = field(default_factory=dict)
+    # file → what vouched for its bytes: trusted (node-cache snapshot bound to its store), chunks
+    # (signed chunk table), whole (layer digest), hashed (a snapshot file re-hashed against the
+    # layer digest because it is not the store's read-only blob), unverified (--allow-unverified)
+    verification: dict[str, str] = field(default_factory=dict)
+    # split kind (dim0, dim1, replicate) → {tensorBytes, planned, read}; header/other → {read}:
+    # the bytes the readers fetched, attributed to the tensors (of any rank) they belong to
+    bytes_by_split: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:

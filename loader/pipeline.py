@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from modelpack.loader.fingerprint import (
     device_arch,
     rank_layout_digest,
 )
-from modelpack.loader.headers import ChunkFetcher, read_header
+from modelpack.loader.headers import ChunkFetcher, VerifiedChunks, read_header
 from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
@@ -58,8 +58,14 @@ class PreparedLoad:
     plan: ReadPlan
     fingerprint: Fingerprint
     readers: dict[str, RangeReader]
+    # the bytes each header was parsed from: the whole-layer path checks them against the digest
+    header_bytes: dict[str, bytes] = field(default_factory=dict)
+    # chunks verified while reading headers, handed to the data pass so each is fetched once
+    verified: VerifiedChunks | None = None
 
     def close(self) -> None:
+        if self.verified is not None:
+            self.verified.clear()
         for r in self.readers.values():
             r.close()
         self.source.close()
@@ -89,14 +95,18 @@ def prepare(
         trusted_keys=trusted_keys,
         target_options=target_options,
         allow_unverified=allow_unverified,
+        allow_missing_chunk_table=opts.allow_missing_chunk_table,
         direct=opts.direct_io,
     )
     readers: dict[str, RangeReader] = {}
+    verified = VerifiedChunks(opts.verified_chunk_cache_bytes)
     try:
         if not src.files:
             raise LoaderError(f"{src.name}: the model has no safetensors weight files")
         headers: dict[str, SafetensorsHeader] = {}
-        for f in src.files:
+        header_bytes: dict[str, bytes] = {}
+        # plan order (the plan sorts files by path): the chunk budget goes to the files read first
+        for f in sorted(src.files, key=lambda f: f.relpath):
             reader = f.open()
             readers[f.relpath] = reader
             if f.size >= 0 and reader.size != f.size:
@@ -106,8 +116,10 @@ def prepare(
                     reader.size,
                     source=src.name,
                 )
-            verify = ChunkFetcher(reader, f) if f.mode == "chunks" else None
-            headers[f.relpath] = read_header(reader, f"{src.name}/{f.relpath}", reader.size, verify)
+            verify = ChunkFetcher(reader, f, verified) if f.mode == "chunks" else None
+            headers[f.relpath], header_bytes[f.relpath] = read_header(
+                reader, f"{src.name}/{f.relpath}", reader.size, verify
+            )
         plan = ReadPlan.build(headers, tp_size, tp_rank, rules, presets=presets, uneven=opts.uneven)
         dev = torch.device(device)
         for t in plan.tensors:
@@ -121,8 +133,9 @@ def prepare(
             rank_layout=rank_layout_digest({t.name: (t.rule.value, t.shape) for t in plan.tensors}),
             device_arch=device_arch(dev),
         )
-        return PreparedLoad(src, headers, plan, fp, readers)
+        return PreparedLoad(src, headers, plan, fp, readers, header_bytes, verified)
     except BaseException:
+        verified.clear()
         for r in readers.values():
             r.close()
         src.close()
@@ -197,6 +210,16 @@ def iter_tensors(
     st.fingerprint = prep.fingerprint
     st.plan = prep.plan
     st.bytes_to_read = prep.plan.bytes_to_read
+    st.verification = {f.relpath: f.verification or f.mode for f in prep.source.files}
+    for event, fields in prep.source.notices:
+        log.emit(
+            event,
+            start_id=st.start_id,
+            state=st.state,
+            reference=prep.source.name,
+            digest=prep.source.digest,
+            **fields,
+        )
     if st.state == "streamed":
         # no node cache said "version confirmed" for this start: the pinned manifest (and its
         # chunk table) just resolved and verified here is that point
@@ -219,6 +242,8 @@ def iter_tensors(
             on_plan(prep.plan)
         load = LoadEngine(prep.source, prep.plan, dev, opts, st, log, out, progress)
         load.readers = prep.readers
+        load.header_bytes = prep.header_bytes
+        load.verified = prep.verified
         load.setup()
         try:
             for idx in run(load):

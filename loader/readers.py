@@ -2,8 +2,9 @@
 
 Every reader fills caller-owned buffers (``read_into``) so the pipeline can reuse its staging
 ring or read straight into destination tensors; none allocates per read except the Target
-reader, whose protocol returns ``bytes``. Readers count the bytes they deliver (``bytes_read``):
-the tests use that count to check that a rank reads ≈ 1/TP of the model.
+reader, whose protocol returns ``bytes``. Readers count the bytes they deliver (``bytes_read``)
+and log where they came from (``reads``): the load attributes them to split kinds
+(``accounting``), and the tests use both to check that a rank reads ≈ 1/TP of the model.
 
 - ``FileReader``: positional ``os.preadv`` (thread-safe: no shared file offset, so a few worker
   threads read one file in parallel), optional ``O_DIRECT`` for cold NVMe (page-aligned reads into
@@ -43,21 +44,34 @@ class RangeReader(Protocol):
     @property
     def bytes_read(self) -> int: ...
 
+    @property
+    def reads(self) -> list[tuple[int, int, int]]: ...
+
     def close(self) -> None: ...
 
 
 class _Counter:
+    """Bytes delivered, and each read as (offset, bytes, end of the covering range)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._n = 0
+        self._reads: list[tuple[int, int, int]] = []
 
-    def add(self, n: int) -> None:
+    def add(self, n: int, offset: int = -1, end: int = -1) -> None:
         with self._lock:
             self._n += n
+            if offset >= 0 and n:
+                self._reads.append((offset, n, end if end >= 0 else offset + n))
 
     @property
     def value(self) -> int:
         return self._n
+
+    @property
+    def reads(self) -> list[tuple[int, int, int]]:
+        with self._lock:
+            return list(self._reads)
 
 
 class FileReader:
@@ -90,6 +104,14 @@ class FileReader:
     def bytes_read(self) -> int:
         return self._count.value
 
+    @property
+    def reads(self) -> list[tuple[int, int, int]]:
+        return self._count.reads
+
+    def fstat(self) -> os.stat_result:
+        """The open file's identity (the snapshot binding compares it with the store's blob)."""
+        return os.fstat(self._fd)
+
     def read_into(self, offset: int, buf: memoryview) -> None:
         want = len(buf)
         got = 0
@@ -98,7 +120,7 @@ class FileReader:
             if n <= 0:
                 raise TruncatedSourceError(self.path, offset, want, got)
             got += n
-        self._count.add(want)
+        self._count.add(want, offset)
 
     def read_direct(self, offset: int, buf: memoryview, *, need: int | None = None) -> None:
         """O_DIRECT read of page-aligned ``offset`` into the page-aligned ``buf`` (aligned length).
@@ -117,7 +139,7 @@ class FileReader:
             if n <= 0:
                 raise TruncatedSourceError(self.path, offset, want, got)
             got += n
-        self._count.add(got)
+        self._count.add(got, offset)
 
     def gather_rows(self, offset: int, length: int, stride: int, rows: int, dest: np.ndarray) -> None:
         """Copy ``rows`` runs of ``length`` bytes, ``stride`` apart, into ``dest`` (rows × length u8)."""
@@ -137,7 +159,7 @@ class FileReader:
             del src, view
         finally:
             m.close()
-        self._count.add(rows * length)
+        self._count.add(rows * length, offset, end)
 
     def close(self) -> None:
         for fd in (self._fd, self._direct_fd):
@@ -166,6 +188,10 @@ class TargetReader:
     def bytes_read(self) -> int:
         return self._count.value
 
+    @property
+    def reads(self) -> list[tuple[int, int, int]]:
+        return self._count.reads
+
     def read_into(self, offset: int, buf: memoryview) -> None:
         want = len(buf)
         if offset + want > self.size:
@@ -174,7 +200,7 @@ class TargetReader:
         if len(data) != want:
             raise TruncatedSourceError(self.name, offset, want, len(data))
         buf[:want] = data
-        self._count.add(want)
+        self._count.add(want, offset)
 
     def close(self) -> None:
         pass

@@ -2,15 +2,17 @@
 
 Three ways a weight file is served (``WeightFile.mode``):
 
-- ``trusted``: a node-cache snapshot published behind its ready marker. The cache checked every
-  blob's size and sha256 before it committed it, and committed files are read-only, so the loader
-  reads them as they are (no hashing on the hot path). A plain directory is served this way only
-  when the caller says ``allow_unverified=True``; its manifest digest is then unknown, so a
-  pinned digest or fingerprint check fails.
+- ``trusted``: a node-cache snapshot file that ``snapshot_binding`` tied to the manifest whose
+  digest names the snapshot: the store's committed, read-only blob (the cache checked its size
+  and sha256 before committing it), so it is read as it is (no hashing on the hot path). A plain
+  directory is served this way only with ``allow_unverified=True`` (``--allow-unverified``); its
+  manifest digest is then unknown, so a pinned digest or fingerprint check fails.
 - ``chunks``: a blob read by ranges with a signed chunk table: each chunk is hashed and checked
   BEFORE any of its bytes are copied towards a tensor.
-- ``whole``: a blob with no chunk table: the whole layer is read and hashed, and none of its
-  tensors is handed out before the layer's sha256 matches the manifest.
+- ``whole``: a blob with no chunk table (only when none was asked for, or the caller accepted the
+  downgrade), or a snapshot file that is not the store's blob: the whole layer is read and
+  hashed, header included, and none of its tensors is handed out before the layer's sha256
+  matches the manifest.
 
 Sources: a snapshot directory (``modelpack pull --cache`` prints it), a ``(NodeCache, reference)``
 pair, a ``(ReadableTarget, reference)`` pair, or a reference string (``oci:…``, ``s3://…``,
@@ -22,14 +24,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack.loader import snapshot_binding
 from modelpack.loader.readers import FileReader, RangeReader, TargetReader
 from modelpack.mediatypes import parse_layer_media_type
-from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
+from modelpack.mediatypes.annotations import layer_filepath
 
 from modelpack.errors import (
     ExpectedDigestError,
@@ -39,6 +41,7 @@ from modelpack.errors import (
     SourceError,
     UnpinnedReferenceError,
     UnsafePathError,
+    UnsignedSourceError,
     UnverifiedSourceError,
 )
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -47,7 +50,6 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
@@ -55,9 +57,10 @@ class WeightFile:
     relpath: str
     size: int
     open: Callable[[], RangeReader]
-    mode: str  # trusted | chunks | whole
+    mode: str  # read path: trusted | chunks | whole
     descriptor: Descriptor | None = None
     chunks: Any = None  # a modelpack.signing.chunks.ChunkTable covering this layer (mode chunks)
+    verification: str = ""  # what vouches for the bytes (LoadStats.verification); defaults to mode
 
 
 @dataclass
@@ -70,6 +73,8 @@ class ResolvedSource:
     quantization: str
     state: str  # event state: hit (node cache) | streamed | local
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
+    # (event, fields) the load records once it starts: downgrades and re-hashing, with the reason
+    notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def close(self) -> None:
         while self._cleanup:
@@ -123,80 +128,32 @@ def _config_json_layer(manifest: Manifest) -> Descriptor | None:
 
 
 # --------------------------------------------------------------------------- snapshots
-def _snapshot_of(real: str) -> tuple[Any, str] | None:
-    """``(Snapshots, digest)`` when ``real`` is ``<cache>/snapshots/<hex>`` with a ready marker.
-
-    The node cache owns the marker format and the reader lease; the loader only asks it.
-    """
-    name = os.path.basename(real)
-    parent = os.path.dirname(real)
-    if not _HEX_RE.match(name) or os.path.basename(parent) != "snapshots":
-        return None
-    if not os.path.exists(real + ".ready"):
-        return None
-    from modelpack.mount.snapshots import Snapshots
-    from modelpack.mount.store import Store
-
-    return Snapshots(Store(os.path.dirname(parent))), "sha256:" + name
-
-
 def open_snapshot(
     path: str, *, expected_digest: str | None, allow_unverified: bool, direct: bool = False
 ) -> ResolvedSource:
-    """A snapshot directory (trusted behind its ready marker) or, if allowed, a plain directory."""
+    """A snapshot directory bound to its manifest (see ``snapshot_binding``), or, if the caller
+    allowed it, a plain directory."""
     real = os.path.realpath(path)
-    found = _snapshot_of(real)
+    found = snapshot_binding.claim(real)
     if found is not None:
-        snapshots, digest = found
-        if expected_digest and Digest(expected_digest) != digest:
-            raise ExpectedDigestError(expected_digest, digest, source=real)
-        # the cache's reader lease (shared flock) for the whole load: GC cannot delete the files,
-        # and the marker is re-read under it (GC removes the marker first, then the files)
-        lease = snapshots.lease(digest)
+        if expected_digest and Digest(expected_digest) != found.digest:
+            raise ExpectedDigestError(expected_digest, found.digest, source=real)
         try:
-            info = lease.__enter__()
-        except NotFoundError as exc:
-            raise SourceError(f"{real}: snapshot was removed while opening it") from exc
-
-        def release() -> None:
-            lease.__exit__(None, None, None)
-
-        try:
-            manifest = _snapshot_manifest(real, digest)
-            entries: list[tuple[str, int, Descriptor | None]] = []
-            if manifest is not None:
-                for relpath, layer in weight_layers(manifest, real):
-                    entries.append((relpath, layer.size, layer))
-            else:
-                for sf in info.files:
-                    if sf.path.endswith(".safetensors"):
-                        safe = safe_relative_path(sf.path, what=f"{real}.ready file")
-                        entries.append((safe, sf.size, None))
-            files = []
-            for relpath, size, desc in entries:
-                full = os.path.join(real, *relpath.split("/"))
-                files.append(
-                    WeightFile(relpath, size, _file_opener(full, size, direct), "trusted", descriptor=desc)
-                )
-            hf = _read_small(os.path.join(real, "config.json"))
-        except UnsafePathError as exc:
-            release()
-            raise SourceError(str(exc)) from exc
-        except BaseException:
-            release()
-            raise
-        return ResolvedSource(
-            real, digest, manifest, files, False, _quantization_from_hf_config(hf), "hit", [release]
-        )
+            snapshot_binding.require_store(found)
+        except UnverifiedSourceError:
+            if not allow_unverified or expected_digest:
+                raise
+        else:
+            return _open_bound_snapshot(found, direct)
     if not allow_unverified:
         raise UnverifiedSourceError(
             f"{real}: not a node-cache snapshot (no ready marker next to it); its bytes cannot be tied to a "
-            "manifest digest. Load the snapshot printed by 'modelpack pull --cache', a reference, or pass "
-            "allow_unverified=True for a plain directory"
+            "manifest digest. Load the path printed by 'modelpack pull --cache DIR REF', a pinned reference "
+            "(REF@sha256:…), or pass --allow-unverified for a plain directory"
         )
     if expected_digest:
         raise UnverifiedSourceError(
-            f"{real}: a plain directory has no manifest digest to compare with {expected_digest}"
+            f"{real}: a plain directory has no manifest digest to compare with --expected-digest {expected_digest}"
         )
     files = []
     for dirpath, dirnames, filenames in os.walk(real):
@@ -206,12 +163,91 @@ def open_snapshot(
                 full = os.path.join(dirpath, fname)
                 rel = os.path.relpath(full, real).replace(os.sep, "/")
                 files.append(
-                    WeightFile(rel, os.path.getsize(full), _file_opener(full, None, direct), "trusted")
+                    WeightFile(
+                        rel,
+                        os.path.getsize(full),
+                        _file_opener(full, None, direct),
+                        "trusted",
+                        verification="unverified",
+                    )
                 )
     if not files:
         raise SourceError(f"{real}: no .safetensors files")
     hf = _read_small(os.path.join(real, "config.json"))
     return ResolvedSource(real, None, None, files, False, _quantization_from_hf_config(hf), "local", [])
+
+
+def _open_bound_snapshot(found: snapshot_binding.SnapshotClaim, direct: bool) -> ResolvedSource:
+    """Lease the snapshot, then tie its marker and files to the manifest in the cache's store."""
+    from modelpack.mount.snapshots import Snapshots
+    from modelpack.mount.store import Store
+
+    real, digest = found.path, found.digest
+    # the cache's reader lease (shared flock) for the whole load: GC cannot delete the files,
+    # and the marker is re-read under it (GC removes the marker first, then the files)
+    lease = Snapshots(Store(found.root)).lease(digest)
+    try:
+        info = lease.__enter__()
+    except NotFoundError as exc:
+        raise UnverifiedSourceError(
+            f"{real}: not ready in its cache (no ready marker the cache owner wrote and nobody else can "
+            f"write, or it was removed while opening it); pull it again with 'modelpack pull --cache "
+            f"{found.root} REF@{digest}'"
+        ) from exc
+
+    def release() -> None:
+        lease.__exit__(None, None, None)
+
+    try:
+        manifest = snapshot_binding.pinned_manifest(found)
+        snapshot_binding.check_marker(
+            found, [(f.path, f.digest, f.size, f.linked) for f in info.files], manifest
+        )
+        bound = snapshot_binding.bind_files(found, weight_layers(manifest, real))
+        files = []
+        for b in bound:
+            if b.trusted:
+                opener = _file_opener(b.path, b.layer.size, direct, identity=b.identity)
+                files.append(WeightFile(b.relpath, b.layer.size, opener, "trusted", descriptor=b.layer))
+            else:
+                opener = _file_opener(b.path, b.layer.size, direct)
+                files.append(
+                    WeightFile(
+                        b.relpath, b.layer.size, opener, "whole", descriptor=b.layer, verification="hashed"
+                    )
+                )
+        notices: list[tuple[str, dict[str, Any]]] = []
+        rehash = [b for b in bound if not b.trusted]
+        if rehash:
+            notices.append(
+                (
+                    "loader.rehashing",
+                    {
+                        "files": [b.relpath for b in rehash],
+                        "reason": "; ".join(dict.fromkeys(b.reason for b in rehash))[:2000],
+                    },
+                )
+            )
+        quant = _quantization_from_hf_config(_verified_snapshot_config(real, manifest))
+    except UnsafePathError as exc:
+        release()
+        raise SourceError(str(exc)) from exc
+    except BaseException:
+        release()
+        raise
+    return ResolvedSource(real, digest, manifest, files, False, quant, "hit", [release], notices)
+
+
+def _verified_snapshot_config(real: str, manifest: Manifest) -> bytes | None:
+    """config.json as the manifest has it (it decides the fingerprint's quantization field)."""
+    layer = _config_json_layer(manifest)
+    if layer is None:
+        return None
+    data = _read_small(os.path.join(real, "config.json"))
+    if data is None:
+        raise UnverifiedSourceError(f"{real}/config.json: missing from the snapshot")
+    verify_bytes(data, layer.digest, layer.size, what="config.json", source=real)
+    return data
 
 
 def _read_small(path: str) -> bytes | None:
@@ -223,24 +259,31 @@ def _read_small(path: str) -> bytes | None:
     return data if len(data) <= MAX_CONFIG_BYTES else None
 
 
-def _snapshot_manifest(snapshot: str, digest: str) -> Manifest | None:
-    """The manifest from the cache's store (``<cache>/blobs/sha256/<hex>``), verified; None if absent."""
-    root = os.path.dirname(os.path.dirname(snapshot))
-    raw = _read_small(os.path.join(root, "blobs", "sha256", Digest(digest).hex))
-    if raw is None:
-        return None
-    verify_bytes(raw, digest, None, what="manifest", source=snapshot)
-    return Manifest.parse(raw)
-
-
-def _file_opener(path: str, size: int | None, direct: bool) -> Callable[[], RangeReader]:
+def _file_opener(
+    path: str, size: int | None, direct: bool, *, identity: tuple[int, int] | None = None
+) -> Callable[[], RangeReader]:
     def opener() -> RangeReader:
-        return FileReader(path, size if size is not None and size >= 0 else None, direct=direct)
+        reader = FileReader(path, size if size is not None and size >= 0 else None, direct=direct)
+        if identity is not None:
+            st = reader.fstat()
+            if (st.st_dev, st.st_ino) != identity:
+                reader.close()
+                raise UnverifiedSourceError(
+                    f"{path}: replaced after it was checked against the cache's store; refusing the load"
+                )
+        return reader
 
     return opener
 
 
 # --------------------------------------------------------------------------- targets
+def cli_reference(target: ReadableTarget, reference: str | None) -> str:
+    """``host/repo:tag``, ``host/repo@sha256:…``, ``oci:DIR:TAG``, ``s3://BUCKET/PREFIX@sha256:…``."""
+    if not reference:
+        return target.name
+    return f"{target.name}{'@' if reference.startswith('sha256:') else ':'}{reference}"
+
+
 def open_target_source(
     target: ReadableTarget,
     reference: str | None,
@@ -248,9 +291,17 @@ def open_target_source(
     expected_digest: str | None,
     chunk_table: Any = None,
     trusted_keys: Sequence[Any] | None = None,
+    allow_missing_chunk_table: bool = False,
     direct: bool = False,
 ) -> ResolvedSource:
-    """A manifest pinned by digest in any Target; blobs read by ranges and verified."""
+    """A manifest pinned by digest in any Target; blobs read by ranges and verified.
+
+    Once a chunk table is asked for (``trusted_keys`` or ``chunk_table``), every weight layer must
+    be covered by it: a missing referrer, or a table that skips a layer, is a refusal
+    (``UnsignedSourceError``) unless ``allow_missing_chunk_table`` accepts whole-layer digest checks
+    for the uncovered layers (recorded as a ``loader.downgraded`` notice).
+    """
+    named = cli_reference(target, reference)
     pinned: str | None = None
     ref_digest: str | None = None
     if reference and reference.startswith("sha256:"):
@@ -258,63 +309,88 @@ def open_target_source(
     if expected_digest:
         pinned = str(Digest(expected_digest))
         if ref_digest and ref_digest != pinned:
-            raise ExpectedDigestError(pinned, ref_digest, source=f"{target.name} {reference}")
+            raise ExpectedDigestError(pinned, ref_digest, source=named)
     elif ref_digest:
         pinned = ref_digest
     if pinned is None:
         raise UnpinnedReferenceError(
-            f"{target.name} {reference or ''}: pin the manifest digest (expected_digest= or @sha256:…); "
+            f"{named}: pin the manifest digest ({target.name}@sha256:… or --expected-digest); "
             "a tag can move between the ranks of one model start"
         )
     if reference and not reference.startswith("sha256:"):
         # the caller named a tag AND pinned a digest: the tag must still point at the pin
         desc = target.resolve(reference)
         if desc.digest != pinned:
-            raise ExpectedDigestError(pinned, desc.digest, source=f"{target.name} {reference}")
+            raise ExpectedDigestError(pinned, desc.digest, source=named)
+    pinned_ref = f"{target.name}@{pinned}"
     desc = target.resolve(pinned)
     raw, media_type = target.fetch_manifest(pinned)
-    verify_bytes(raw, pinned, None, what="manifest", source=target.name)
+    verify_bytes(raw, pinned, None, what="manifest", source=pinned_ref)
     try:
         manifest = Manifest.parse(raw, media_type=media_type)
     except ManifestError as exc:
-        raise SourceError(f"{target.name} {pinned}: {exc}") from exc
+        raise SourceError(f"{pinned_ref}: {exc}") from exc
     table = chunk_table
+    wanted_table = table is not None or bool(trusted_keys)
     if table is None and trusted_keys:
         from modelpack.signing.chunks import load_chunk_table
 
         table = load_chunk_table(target, desc, list(trusted_keys), manifest=manifest)
     if table is not None and str(table.manifest_digest) != pinned:
-        raise ExpectedDigestError(pinned, str(table.manifest_digest), source=f"{target.name} chunk table")
+        raise ExpectedDigestError(pinned, str(table.manifest_digest), source=f"{pinned_ref} chunk table")
     local_path: Callable[[str], str] | None = None
     blob_path = getattr(target, "blob_path", None)
     if callable(blob_path):
         local_path = blob_path
     files = []
-    for rel, layer in weight_layers(manifest, f"{target.name} {pinned}"):
+    uncovered: list[str] = []
+    for rel, layer in weight_layers(manifest, pinned_ref):
         layer_table = None
         if table is not None and str(layer.digest) in table.layers:
             entry = table.layers[str(layer.digest)]
             if entry.size != layer.size:
                 raise SourceError(
-                    f"{target.name}: chunk table says layer {layer.digest} is {entry.size} bytes, "
+                    f"{pinned_ref}: chunk table says layer {layer.digest} is {entry.size} bytes, "
                     f"the manifest says {layer.size}"
                 )
             layer_table = table
+        elif wanted_table:
+            uncovered.append(rel)
         mode = "chunks" if layer_table is not None else "whole"
         if local_path is not None:
             opener = _file_opener(local_path(layer.digest), layer.size, direct)
         else:
             opener = _target_opener(target, layer, rel)
         files.append(WeightFile(rel, layer.size, opener, mode, descriptor=layer, chunks=layer_table))
+    notices: list[tuple[str, dict[str, Any]]] = []
+    if uncovered:
+        what = (
+            "has no chunk table signed by a trusted key"
+            if table is None
+            else "has a signed chunk table that does not cover " + ", ".join(uncovered[:10])
+        )
+        if not allow_missing_chunk_table:
+            raise UnsignedSourceError(
+                f"{pinned_ref} {what}, so its range reads cannot be checked chunk by chunk against "
+                "--trusted-key. Sign it with 'modelpack sign' (chunk table included), or pass "
+                "--allow-missing-chunk-table to check whole layers against the manifest instead",
+                uncovered,
+            )
+        notices.append(
+            (
+                "loader.downgraded",
+                {"files": uncovered, "reason": f"{what}; whole-layer digest checks instead"},
+            )
+        )
     quant = "none"
     cfg = _config_json_layer(manifest)
     if cfg is not None:
         with target.fetch_blob(cfg) as f:
             data = f.read(cfg.size + 1)
-        verify_bytes(data, cfg.digest, cfg.size, what="config.json", source=target.name)
+        verify_bytes(data, cfg.digest, cfg.size, what="config.json", source=pinned_ref)
         quant = _quantization_from_hf_config(data)
     return ResolvedSource(
-        f"{target.name}@{pinned}", pinned, manifest, files, local_path is None, quant, "streamed"
+        pinned_ref, pinned, manifest, files, local_path is None, quant, "streamed", notices=notices
     )
 
 
@@ -333,6 +409,7 @@ def resolve_source(
     trusted_keys: Sequence[Any] | None = None,
     target_options: Any = None,
     allow_unverified: bool = False,
+    allow_missing_chunk_table: bool = False,
     direct: bool = False,
 ) -> ResolvedSource:
     """Turn any accepted ``source`` into files with a verification mode (see the module doc)."""
@@ -347,6 +424,7 @@ def resolve_source(
                 expected_digest=expected_digest,
                 chunk_table=chunk_table,
                 trusted_keys=trusted_keys,
+                allow_missing_chunk_table=allow_missing_chunk_table,
                 direct=direct,
             )
         raise SourceError(f"unsupported source pair ({type(first).__name__}, …)")
@@ -371,6 +449,7 @@ def resolve_source(
             expected_digest=expected_digest,
             chunk_table=chunk_table,
             trusted_keys=trusted_keys,
+            allow_missing_chunk_table=allow_missing_chunk_table,
             direct=direct,
         )
     raise SourceError(f"unsupported load source {type(source).__name__}")

@@ -3,6 +3,11 @@
 The layer is read in order in slot-sized blocks; blocks are copied into their tensors as they
 arrive, but those tensors stay held (``LoadEngine.held``) until the layer's sha256 equals the
 manifest digest. Every rank therefore reads the entire layer, whatever its shard.
+
+The plan was built from a header parsed out of separate, unverified reads. The bytes hashed here
+include the header, so they are compared with the bytes that were parsed: placement (which file
+bytes land in which tensor) is then covered by the digest too, and a source that served a forged
+header to the first reads and honest bytes afterwards fails the load (``HeaderMismatchError``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from modelpack.loader.readers import RangeReader
 from modelpack.loader.sources import WeightFile
 from modelpack.loader.staging import Slot
 
-from modelpack.errors import DigestMismatchError
+from modelpack.errors import DigestMismatchError, HeaderMismatchError
 
 
 def read_whole_layer(
@@ -30,6 +35,10 @@ def read_whole_layer(
     size = desc.size
     block = load.ring.slot_bytes
     hasher = hashlib.sha256()
+    if f.relpath not in load.header_bytes:  # every header is read before any data: else a bug
+        raise HeaderMismatchError(f.relpath, str(desc.digest), source=load.src.name)
+    parsed: bytes = load.header_bytes[f.relpath]
+    hlen = len(parsed)
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
     nblocks = max(1, math.ceil(size / block))
     for b in range(nblocks):
@@ -42,6 +51,9 @@ def read_whole_layer(
 
         def done(_: Any, slot: Slot = slot, b0: int = b0, b1: int = b1) -> None:
             hasher.update(slot.view[: b1 - b0])  # FIFO completion keeps the hash in file order
+            if b0 < hlen and slot.view[: min(b1, hlen) - b0] != parsed[b0 : min(b1, hlen)]:
+                load.release(slot)
+                raise HeaderMismatchError(f.relpath, str(desc.digest), source=load.src.name)
             load.copy_out(slot, b0, b1, index.candidates(b0, b1))
             load.release(slot)
 

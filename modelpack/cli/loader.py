@@ -74,6 +74,19 @@ def timeline_cmd(event_logs: tuple[str, ...], as_json: bool) -> None:
 @click.option(
     "--allow-unverified", is_flag=True, help="Accept a plain directory (no snapshot marker, no digest)."
 )
+@click.option(
+    "--allow-missing-chunk-table",
+    is_flag=True,
+    help="With --trusted-key: accept whole-layer digest checks for layers no signed chunk table "
+    "covers (every rank then reads whole layers); refused without this flag.",
+)
+@click.option(
+    "--uneven",
+    type=click.Choice(["refuse", "chunk"]),
+    default="refuse",
+    show_default=True,
+    help="A dimension --tp-size does not divide: refuse, or split it like torch.chunk.",
+)
 @click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
 @target_options
 @progress_option
@@ -91,6 +104,8 @@ def load_cmd(
     events: str | None,
     start_id: str | None,
     allow_unverified: bool,
+    allow_missing_chunk_table: bool,
+    uneven: str,
     direct_io: bool,
     progress: str,
     as_json: bool,
@@ -100,6 +115,15 @@ def load_cmd(
 
     SOURCE is a snapshot directory (printed by 'modelpack pull --cache'), or a reference
     streamed by range reads: host/repo@sha256:…, oci:DIR@sha256:…, s3://BUCKET/PREFIX@sha256:….
+    With --trusted-key every chunk is checked against the signed chunk table before it is used;
+    a model without one is refused unless --allow-missing-chunk-table. The report (and --json:
+    bytesRead, bytesBySplit, verification) says what each rank read, per split kind.
+
+    \b
+    Examples:
+      modelpack load ~/.cache/modelpack/snapshots/<hex> --expected-digest sha256:<hex>
+      modelpack load registry.example/llama@sha256:<hex> --trusted-key ci.pub --tp-size 8 --tp-rank 3 --json
+      modelpack load oci:./layout@sha256:<hex> --allow-missing-chunk-table --trusted-key ci.pub
     """
     from modelpack.errors import PlanError
     from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
@@ -124,7 +148,9 @@ def load_cmd(
         start_id=start_id,
         allow_unverified=allow_unverified,
         target_options=build_target_options(kwargs),
-        options=LoaderOptions(direct_io=direct_io),
+        options=LoaderOptions(
+            direct_io=direct_io, uneven=uneven, allow_missing_chunk_table=allow_missing_chunk_table
+        ),
         progress=progress,
         stats=stats,
     )
@@ -136,6 +162,8 @@ def load_cmd(
         "tensors": len(sd),
         "bytesToRead": stats.bytes_to_read,
         "bytesRead": stats.bytes_read,
+        "bytesBySplit": stats.bytes_by_split,
+        "verification": stats.verification,
         "seconds": round(stats.seconds, 6),
         "gbps": round(stats.gbps, 3),
         "tpSize": tp_size,
@@ -154,5 +182,14 @@ def load_cmd(
         f"({stats.gbps:.2f} GB/s), rank {tp_rank}/{tp_size} on {device}"
     )
     click.echo(f"digest      {stats.digest or '-'}")
+    for kind, label in (("dim0", "row-split"), ("dim1", "column-split"), ("replicate", "replicated")):
+        b = stats.bytes_by_split.get(kind)
+        if b and b["tensorBytes"]:
+            click.echo(
+                f"{kind:<11} {human_size(b['read'])} read for {human_size(b['planned'])} needed of "
+                f"{human_size(b['tensorBytes'])} ({label})"
+            )
+    modes = sorted(set(stats.verification.values()))
+    click.echo(f"verified    {', '.join(modes) or '-'}")
     if stats.fingerprint:
         click.echo(f"fingerprint {stats.fingerprint.digest}")
