@@ -10,11 +10,13 @@ else ``~/.cache/modelpack``), and the module that owns each part::
     snapshots/<hex>.trust.json              what verified a digest's signature   ``mount.trust``
     refs/<key>.json, pins/<hex>             reference → digest at pull time; pins ``mount.refs``
     leases/<id>.json, locks/gc.lock         running pulls' digests, GC handshake ``mount.leases``
+    leases/hold-<id>.json                   ``pull --hold``: kept from GC until a deadline
     events.jsonl                            one JSON line per decision
 
-Eviction, ``rm`` and sweeps live in ``mount.gc``; re-hashing in ``mount.integrity``; ``ls`` and
-usage in ``mount.listing``; the records returned in ``mount.reports``. This module wires them to
-one cache root and keeps the public methods in one place.
+Eviction, ``rm`` and sweeps live in ``mount.gc``; re-hashing in ``mount.integrity`` (against
+the manifest, ``mount.contents``); ``ls`` and usage in ``mount.listing``; the records returned in
+``mount.reports``; modes and ownership in ``mount.modes``. This module wires them to one cache
+root and keeps the public methods in one place.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from modelpack.mount.gc import GarbageCollector
+from modelpack.mount.gc import DEFAULT_MIN_AGE_S, GarbageCollector
 from modelpack.mount.ingest import BlobIngest
 from modelpack.mount.integrity import verify_snapshots
 from modelpack.mount.leases import PullLeases
 from modelpack.mount.listing import list_entries, usage
-from modelpack.mount.locks import DEFAULT_STALE_AFTER_S
+from modelpack.mount.locks import DEFAULT_STALE_AFTER_S, default_lock_timeout
+from modelpack.mount.modes import FILE_MODE, open_private
 from modelpack.mount.pull import Puller
 from modelpack.mount.refs import Pins, RefRecords
 from modelpack.mount.reports import CacheEntry, GCResult, PullResult, VerifyReport
@@ -57,7 +60,13 @@ def default_cache_dir() -> str:
 
 
 class NodeCache:
-    """A node-local model cache. Safe for many threads and processes on one filesystem."""
+    """A node-local model cache. Safe for many threads and processes on one filesystem.
+
+    ``create=False`` opens an existing cache only (``NotFoundError`` otherwise) and creates
+    nothing, for commands that inspect or maintain a cache. ``lock_timeout`` bounds every wait
+    on the GC gate, ``index.json``'s lock and reader leases (default ``$MODELPACK_LOCK_TIMEOUT``,
+    else 120 s).
+    """
 
     def __init__(
         self,
@@ -67,24 +76,31 @@ class NodeCache:
         reserve_bytes: int = 0,
         stale_after: float = DEFAULT_STALE_AFTER_S,
         events: EventLog | str | None = None,
+        create: bool = True,
+        lock_timeout: float | None = None,
     ) -> None:
         self.root = os.path.abspath(root or default_cache_dir())
-        self.store = Store(self.root)
+        self.lock_timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
+        self.store = Store(self.root, create=create, lock_timeout=self.lock_timeout)
+        writable = self.store.writable
+        owner = self.store.owner
         self.snapshots = Snapshots(self.store)
-        self.refs = RefRecords(self.root)
-        self.pins = Pins(self.root)
-        self.leases = PullLeases(self.root, self.store.locks_dir)
+        self.refs = RefRecords(self.root, owner, create=writable)
+        self.pins = Pins(self.root, owner, create=writable)
+        self.leases = PullLeases(
+            self.root, self.store.locks_dir, owner=owner, lock_timeout=self.lock_timeout, create=writable
+        )
         self.refs_dir = self.refs.dir
         self.pins_dir = self.pins.dir
         self.leases_dir = self.leases.dir
-        for d in (self.refs_dir, self.pins_dir, self.leases_dir):
-            os.makedirs(d, exist_ok=True)
         self.blobs = BlobIngest(self.store, stale_after=stale_after)
         self.trust = TrustRecords(self.store, self.snapshots)
         self.max_cache_bytes = max_cache_bytes
         self.reserve_bytes = reserve_bytes
         self.stale_after = stale_after
         self.events_path = os.path.join(self.root, "events.jsonl")
+        if writable:  # created 0644, never through a symlink another uid may have left there
+            os.close(open_private(self.events_path, os.O_WRONLY, owner, FILE_MODE))
         self.events = self._event_log(events)
 
     def _event_log(self, events: EventLog | str | None) -> EventLog:
@@ -133,11 +149,16 @@ class NodeCache:
         events: EventLog | str | None = None,
         source: ReadableTarget | None = None,
         start_id: str | None = None,
+        progress: str = "off",
+        hold: float | None = None,
     ) -> PullResult:
         """Make ``reference`` available as a verified snapshot; returns where and what it cost.
 
         ``policy`` is a ``TrustPolicy``, a path to one, public keys, or None (no signature check).
         ``source`` overrides the target the reference names (tests, custom backings).
+        ``progress`` is ``auto|on|off`` (bars on stderr while blobs download). ``hold`` keeps the
+        snapshot from GC for that many seconds after the pull, so the process it is handed to
+        finds it (``result.hold_path``; ``release_hold`` ends it early).
         """
         log = self.events if events is None else self._event_log(events)
         puller = Puller(
@@ -151,10 +172,16 @@ class NodeCache:
             max_cache_bytes=self.max_cache_bytes,
             reserve_bytes=self.reserve_bytes,
             usage=self.usage,
+            progress=progress,
+            hold=hold,
         )
         return puller.pull(
             reference, target_options, policy=policy, jobs=jobs, log=log, source=source, start_id=start_id
         )
+
+    def release_hold(self, hold_path: str) -> bool:
+        """End a ``pull(hold=…)`` hold early (its reader has its own lease now)."""
+        return self.leases.release_hold(hold_path)
 
     # ------------------------------------------------------------------ readers
     @contextlib.contextmanager
@@ -209,7 +236,11 @@ class NodeCache:
         keep_versions: int | None = None,
         max_bytes: int | None = None,
         dry_run: bool = False,
+        min_age: float = DEFAULT_MIN_AGE_S,
     ) -> GCResult:
         """Evict least-recently-used snapshots: beyond ``keep_versions`` per repository, then until
-        the cache is under ``max_bytes``. Never a pinned, in-use or being-pulled model."""
-        return self._collector().gc(keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run)
+        the cache is under ``max_bytes``. Never a pinned, in-use, being-pulled or held model, nor
+        one used or published less than ``min_age`` seconds ago."""
+        return self._collector().gc(
+            keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run, min_age=min_age
+        )

@@ -1,8 +1,12 @@
 """Removing models from the node cache: ``rm``, LRU garbage collection and crash-leftover sweeps.
 
-Both ``rm`` and GC run under the exclusive ``locks/gc.lock`` (``mount.leases``), so they see
-every running pull's lease, and never delete a pinned, in-use or being-pulled model. Deletion
-order: refs → snapshot (marker first, then files) → manifest → blobs no remaining manifest needs.
+Both ``rm`` and GC run under the exclusive ``locks/gc.lock`` (``mount.leases``; the wait for it
+is bounded), so they see every running pull's lease, and never delete a pinned, in-use,
+being-pulled or held model, nor one used or published less than ``min_age`` seconds ago (the
+pull that published it may not have handed it to its reader yet). Deletion order: refs →
+snapshot (marker first, then files) → manifest → blobs no remaining manifest or snapshot needs.
+GC never waits on a reader's lease or on ``index.json``'s lock: what it cannot lock now it skips,
+and the next GC finishes it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from modelpack.mount.reports import GCResult, to_ms
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 
-from modelpack.errors import CacheError, ModelpackError, SnapshotInUseError
+from modelpack.errors import CacheError, LockTimeoutError, ModelpackError, SnapshotInUseError
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Index, parse_manifest_or_index
 from modelpack.oci.digest import Digest
+
+# a snapshot used or published this recently is not evicted: its pull may still be handing it over
+DEFAULT_MIN_AGE_S = 300.0
 
 
 class GarbageCollector:
@@ -73,16 +80,20 @@ class GarbageCollector:
         keep_versions: int | None = None,
         max_bytes: int | None = None,
         dry_run: bool = False,
+        min_age: float = DEFAULT_MIN_AGE_S,
     ) -> GCResult:
         """Evict least-recently-used snapshots: beyond ``keep_versions`` per repository, then until
-        the cache is under ``max_bytes``. Never a pinned, in-use or being-pulled model. Deletes refs
-        → snapshots → manifests → blobs no remaining manifest needs."""
+        the cache is under ``max_bytes``. Never a pinned, in-use, being-pulled or held model, nor
+        one used less than ``min_age`` seconds ago. Deletes refs → snapshots → manifests → blobs
+        no remaining manifest needs. ``dry_run`` deletes nothing and reports what would go."""
         res = GCResult()
         with self.leases.gc_exclusive():
             res.swept = [] if dry_run else self.sweep()
             res.bytes_before = self.usage()
             pulling_manifests, pulling = self.leases.active()
             res.kept_pulling = sorted(set(pulling_manifests))
+            held = {h.digest for h in self.leases.holds(remove_expired=not dry_run)}
+            now = time.time()
             infos = sorted(self.snapshots.list_ready(), key=lambda i: i.last_used)  # LRU first
             protected: set[str] = set()
             for info in infos:
@@ -94,6 +105,12 @@ class GarbageCollector:
                     res.kept_in_use.append(d)
                     protected.add(d)
                 elif d in pulling:
+                    protected.add(d)
+                elif d in held:
+                    res.kept_held.append(d)
+                    protected.add(d)
+                elif now - info.last_used < min_age:
+                    res.kept_young.append(d)
                     protected.add(d)
             evict: list[SnapshotInfo] = []
             reasons: dict[str, str] = {}
@@ -129,14 +146,15 @@ class GarbageCollector:
                     usage_now -= freed
             if dry_run:
                 res.evicted = [str(i.digest) for i in evict]
-                res.bytes_after = res.bytes_before
+                res.bytes_freed = min(res.bytes_before, sum(self._freed_by(evict, infos, pulling)))
+                res.bytes_after = res.bytes_before - res.bytes_freed
                 return res
             # leftovers of pulls that died after storing their manifest or renaming their snapshot
             # directory but before the marker: never ready, so never trusted; remove them
             ready = {str(i.digest) for i in infos}
             for m in self.store.manifest_digests():
                 if m not in ready and m not in pulling:
-                    self.store.remove_manifest(m)
+                    self._forget_manifest(m)
             for entry in list(os.scandir(self.snapshots.dir)):
                 if len(entry.name) == 64 and entry.is_dir(follow_symlinks=False):
                     d = "sha256:" + entry.name
@@ -154,7 +172,7 @@ class GarbageCollector:
                 except SnapshotInUseError:  # a reader arrived after our check
                     res.kept_in_use.append(d)
                     continue
-                self.store.remove_manifest(d)
+                self._forget_manifest(d)
                 res.evicted.append(d)
                 self.events.emit(
                     "cache.evict",
@@ -165,7 +183,11 @@ class GarbageCollector:
                     idle_s=round(time.time() - info.last_used, 3),
                     duration_ms=to_ms(time.monotonic() - t),
                 )
-            removed, freed = self._delete_unreferenced_blobs(pulling)
+            keep = set(pulling)
+            for info in infos:
+                if str(info.digest) not in res.evicted:
+                    keep |= info.blob_digests() | {str(info.digest)}
+            removed, freed = self._delete_unreferenced_blobs(keep)
             res.blobs_removed = removed
             res.bytes_after = self.usage()
             res.bytes_freed = max(0, res.bytes_before - res.bytes_after)
@@ -177,8 +199,16 @@ class GarbageCollector:
             kept_in_use=len(res.kept_in_use),
             kept_pinned=len(res.kept_pinned),
             kept_pulling=len(res.kept_pulling),
+            kept_held=len(res.kept_held),
+            kept_young=len(res.kept_young),
         )
         return res
+
+    def _forget_manifest(self, digest: str) -> None:
+        """Drop a manifest from index.json without waiting for its lock: a held lock means this
+        GC leaves the entry (and so its blobs) for the next one."""
+        with contextlib.suppress(LockTimeoutError):
+            self.store.remove_manifest(digest, timeout=0)
 
     def _manifest_blobs(self, digest: str) -> set[str]:
         """Digests a stored manifest keeps alive (itself, config, layers)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -137,7 +138,9 @@ class BlobIngest:
                 result.resumed_from = offset
                 if on_event:
                     on_event("cache.resume", blob=str(desc.digest), offset=offset, size=desc.size)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            fd = os.open(
+                partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
             try:
                 n = offset
                 extra = 0  # a complete partial (killed before its rename) needs no fetch at all
@@ -195,10 +198,11 @@ class BlobIngest:
         jobs: int,
         manifest_digest: str,
         ev: Callable[..., None],
-        heartbeat: Callable[[], None],
+        on_bytes: Callable[[int], None],
     ) -> list[IngestResult]:
         """Ingest a manifest's missing blobs with up to ``jobs`` threads; the first failure cancels
-        the rest and is raised. ``heartbeat`` keeps the caller's manifest lock fresh."""
+        the rest and is raised. ``on_bytes`` (bytes fetched) keeps the caller's manifest lock fresh
+        and its progress bar moving."""
 
         def on_event(name: str, **fields: Any) -> None:
             ev(name, digest=manifest_digest, **fields)
@@ -206,7 +210,7 @@ class BlobIngest:
         def one(b: Descriptor) -> IngestResult:
             tb = time.monotonic()
             try:
-                r = self.ingest(b, source, on_event=on_event, on_bytes=lambda _n: heartbeat())
+                r = self.ingest(b, source, on_event=on_event, on_bytes=on_bytes)
             except (DigestMismatchError, SizeMismatchError) as exc:
                 ev(
                     "cache.verify_failed",
@@ -283,14 +287,22 @@ def check_space(
 
 
 def _rehash_prefix(partial: str, desc: Descriptor, h: Any) -> int:
-    """Feed an existing partial file into ``h``; returns its length (0 = start over)."""
+    """Feed an existing partial file into ``h``; returns its length (0 = start over).
+
+    Only a regular file of this process's uid with a single link is resumed: anything else in
+    ``ingest/`` (a symlink to a file we must never append to, another uid's file) is started over.
+    """
     try:
-        size = os.stat(partial).st_size
+        st = os.lstat(partial)
     except FileNotFoundError:
+        return 0
+    size = st.st_size
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
         return 0
     if size == 0 or size > desc.size:
         return 0
-    with open(partial, "rb", buffering=0) as f:
+    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
         buf = bytearray(HASH_CHUNK)
         view = memoryview(buf)
         n = 0

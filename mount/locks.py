@@ -1,4 +1,4 @@
-"""Locks for the node cache: in-process single-flight plus an fcntl file lock per digest.
+"""Locks for the node cache: in-process single-flight, fcntl file locks, and bounded waits for both.
 
 Why both: threads of one process share one download through ``SingleFlight`` without polling,
 and processes on the node serialise on ``flock`` so a blob is fetched once. ``flock`` locks die
@@ -8,6 +8,13 @@ heartbeat, and a waiter that sees no heartbeat for ``stale_after`` seconds stops
 proceeds without the lock. That is safe because correctness never rests on the lock: every
 writer ingests into its own temp file, verifies, and publishes with an atomic rename of
 identical content.
+
+No wait is unbounded. Download locks wait only while their holder's heartbeat is fresh; the GC
+gate, ``index.json``'s lock and reader leases wait at most ``lock_timeout`` seconds
+(``$MODELPACK_LOCK_TIMEOUT``, default 120) and then fail with ``LockTimeoutError`` naming the
+lock file and whoever holds it (from ``/proc/locks``: pid, uid and command, which works even for
+a holder that wrote nothing into the file). Lock files are ``0600`` in a ``0700`` directory, so
+another uid cannot open them, let alone hold them.
 """
 
 from __future__ import annotations
@@ -25,13 +32,28 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from modelpack.errors import LockTimeoutError
+from modelpack.mount.modes import open_private
+
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, LockTimeoutError
 
 T = TypeVar("T")
 
 DEFAULT_STALE_AFTER_S = 60.0
+DEFAULT_LOCK_TIMEOUT_S = 120.0
+LOCK_TIMEOUT_ENV = "MODELPACK_LOCK_TIMEOUT"
 HEARTBEAT_EVERY_S = 1.0
 _POLL_S = 0.02
+_MAX_POLL_S = 0.2
+
+
+def default_lock_timeout() -> float:
+    """``$MODELPACK_LOCK_TIMEOUT`` seconds when it is a positive number, else 120."""
+    try:
+        value = float(os.environ.get(LOCK_TIMEOUT_ENV, ""))
+    except ValueError:
+        return DEFAULT_LOCK_TIMEOUT_S
+    return value if value > 0 else DEFAULT_LOCK_TIMEOUT_S
 
 
 class SingleFlight(Generic[T]):
@@ -96,12 +118,43 @@ class HeldLock:
             self.fd = None
 
 
+def lock_holders(path: str) -> list[str]:
+    """Who holds a flock on ``path`` now, from ``/proc/locks``: ``pid N (uid U, comm) [kind]``.
+
+    Empty when unknown (no procfs, the file is gone, or the holder lives in another pid namespace).
+    """
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read(4 * 1024 * 1024).splitlines()
+    except OSError:
+        return []
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != want:
+            continue
+        who = f"pid {parts[4]}"
+        with contextlib.suppress(OSError, ValueError):
+            uid = os.stat(f"/proc/{parts[4]}").st_uid
+            with open(f"/proc/{parts[4]}/comm", encoding="utf-8", errors="replace") as c:
+                comm = c.read(64).strip()
+            who += f" (uid {uid}, {comm})"
+        out.append(f"{who} [{'exclusive' if parts[3] == 'WRITE' else 'shared'}]")
+    return out
+
+
 def _holder_info(path: str) -> str:
+    """The holder as ``/proc/locks`` knows it, else as it described itself in the lock file."""
+    holders = lock_holders(path)
+    if holders:
+        return ", ".join(holders)
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read(4096) or b"{}")
+            doc = loads_object(f.read(4096) or b"{}", what=path, max_bytes=4096)
         return f"pid {doc.get('pid')} on {doc.get('host')}"
-    except (OSError, ValueError):
+    except (OSError, DocumentError):
         return "an unknown holder"
 
 
@@ -130,7 +183,8 @@ def acquire(
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     start = time.monotonic()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    owner = os.stat(os.path.dirname(path)).st_uid
+    fd = open_private(path, os.O_RDWR, owner)
     announced = False
     try:
         while True:
@@ -148,7 +202,7 @@ def acquire(
                     same = False
                 if not same:
                     os.close(fd)
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    fd = open_private(path, os.O_RDWR, owner)
                     continue
                 info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
                 os.ftruncate(fd, 0)
@@ -168,7 +222,7 @@ def acquire(
                 fd = -1
                 return HeldLock(path, None, time.monotonic() - start, stale=True)
             if timeout is not None and time.monotonic() - start > timeout:
-                raise LockTimeoutError(f"{path}: still held by {_holder_info(path)} after {timeout:.0f}s")
+                raise LockTimeoutError(f"{path}: still held by {_holder_info(path)} after {timeout:g}s")
             time.sleep(_POLL_S)
     except BaseException:
         if fd >= 0:
@@ -194,7 +248,7 @@ def file_lock(
 def is_locked(path: str) -> bool:
     """Whether some open file description holds any flock on ``path`` right now."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
@@ -210,12 +264,33 @@ def is_locked(path: str) -> bool:
         os.close(fd)
 
 
+def flock_bounded(fd: int, operation: int, path: str, timeout: float, what: str) -> None:
+    """``flock(fd, operation)``, polling for at most ``timeout`` seconds (``0``: one try); then
+    ``LockTimeoutError`` naming ``path``, ``what`` it guards and who holds it."""
+    deadline = time.monotonic() + timeout
+    pause = _POLL_S
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        now = time.monotonic()
+        if now >= deadline:
+            raise LockTimeoutError(
+                f"{path} ({what}): held by {_holder_info(path)}; gave up after {timeout:g}s "
+                f"(set ${LOCK_TIMEOUT_ENV} to wait longer for a holder that is legitimately busy)"
+            )
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, _MAX_POLL_S)
+
+
 @contextlib.contextmanager
-def _blocking_flock(path: str, operation: int) -> Iterator[int]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _bounded_flock(path: str, operation: int, timeout: float | None, what: str) -> Iterator[int]:
+    fd = open_private(path, os.O_RDWR, os.stat(os.path.dirname(path)).st_uid)
     try:
-        fcntl.flock(fd, operation)
+        flock_bounded(fd, operation, path, default_lock_timeout() if timeout is None else timeout, what)
         yield fd
     finally:
         with contextlib.suppress(OSError):
@@ -223,20 +298,29 @@ def _blocking_flock(path: str, operation: int) -> Iterator[int]:
         os.close(fd)
 
 
-def shared_lock(path: str) -> contextlib.AbstractContextManager[int]:
-    """A blocking shared flock (the GC gate and snapshot leases); yields the fd."""
-    return _blocking_flock(path, fcntl.LOCK_SH)
+def shared_lock(
+    path: str, *, timeout: float | None = None, what: str = "lock"
+) -> contextlib.AbstractContextManager[int]:
+    """A shared flock (a pull registering at the GC gate), waiting at most ``timeout`` seconds
+    (default ``$MODELPACK_LOCK_TIMEOUT``); yields the fd."""
+    return _bounded_flock(path, fcntl.LOCK_SH, timeout, what)
 
 
-def exclusive_lock(path: str) -> contextlib.AbstractContextManager[int]:
-    """A blocking exclusive flock without heartbeat (short critical sections only)."""
-    return _blocking_flock(path, fcntl.LOCK_EX)
+def exclusive_lock(
+    path: str, *, timeout: float | None = None, what: str = "lock"
+) -> contextlib.AbstractContextManager[int]:
+    """An exclusive flock without heartbeat (short critical sections), waiting at most ``timeout``
+    seconds; ``timeout=0`` tries once (GC skips what it cannot lock)."""
+    return _bounded_flock(path, fcntl.LOCK_EX, timeout, what)
 
 
 def try_exclusive(path: str) -> int | None:
-    """Non-blocking exclusive flock; returns the fd (caller closes) or None if held elsewhere."""
+    """Non-blocking exclusive flock; returns the fd (caller closes) or None if held elsewhere.
+
+    Opens read-only: a flock needs no write access, and a reader lease of another uid stays usable.
+    """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:

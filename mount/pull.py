@@ -20,7 +20,7 @@ from typing import Any
 
 from modelpack.mediatypes import MEDIA_TYPE_IMAGE_CONFIG, parse_layer_media_type
 from modelpack.mount.ingest import BlobIngest, check_space
-from modelpack.mount.leases import PullLeases
+from modelpack.mount.leases import Hold, PullLeases
 from modelpack.mount.locks import acquire
 from modelpack.mount.refs import RefRecords
 from modelpack.mount.reports import PullResult, to_ms
@@ -33,6 +33,7 @@ from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
+from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 
@@ -52,6 +53,8 @@ class Puller:
     max_cache_bytes: int | None
     reserve_bytes: int
     usage: Callable[[], int]
+    progress: str = "off"  # --progress auto|on|off: bars on stderr for the blobs a miss downloads
+    hold: float | None = None  # --hold: keep the snapshot from GC this many seconds after the pull
 
     def pull(
         self,
@@ -126,6 +129,7 @@ class Puller:
         signature: str = "not-checked",
     ) -> PullResult:
         self.snapshots.touch(info.digest)
+        hold = self._add_hold(info.digest, ref_text, ev) if self.hold else None
         now = time.monotonic()
         ev(
             "cache.version_confirmed",
@@ -158,7 +162,23 @@ class Puller:
             timings=timings,
             start_id=sid,
             signature=signature,
+            hold_path=hold.path if hold else "",
+            hold_until=hold.until if hold else 0.0,
         )
+
+    def _add_hold(self, digest: str, ref_text: str, ev: Callable[..., None]) -> Hold:
+        """Keep the snapshot from GC until its reader has opened it (``--hold``)."""
+        seconds = float(self.hold or 0)
+        try:
+            hold = self.leases.add_hold(
+                digest, seconds, ref_text, still_there=lambda: self.snapshots.ready(digest) is not None
+            )
+        except FileNotFoundError:
+            raise CacheError(
+                f"{ref_text}: {digest} was evicted from {self.store.root} before it could be held; pull again"
+            ) from None
+        ev("cache.hold", digest=str(digest), until=round(hold.until, 3), seconds=seconds, path=hold.path)
+        return hold
 
     def _miss(
         self,
@@ -218,6 +238,9 @@ class Puller:
                     manifest, target, blobs, jobs, ref_text, sid, timings, ev, mlock.heartbeat
                 )
                 self._publish(ref, ref_text, manifest, blobs, result, t0, timings, ev)
+                if self.hold:  # registered before this pull's own lease ends: no gap for GC
+                    hold = self._add_hold(digest, ref_text, ev)
+                    result.hold_path, result.hold_until = hold.path, hold.until
             if verification is not None:
                 self.trust.record(str(digest), verification)
                 result.signature = str(verification.status)
@@ -263,23 +286,33 @@ class Puller:
             blobs=len(missing),
             bytes=needed,
         )
-        results = self.blobs.ingest_all(
-            missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, heartbeat=heartbeat
-        )
+        with Progress(needed, f"pull {digest.hex[:12]}", self.progress) as bar:
+
+            def on_bytes(n: int) -> None:
+                heartbeat()
+                bar.update(n)
+
+            results = self.blobs.ingest_all(
+                missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes
+            )
         timings["download"] = to_ms(time.monotonic() - t)
+        # downloaded + reused == total: a blob is either fetched (minus a resumed prefix, which is
+        # reused) or was already there (committed by someone else meanwhile counts as reused)
         for b, r in zip(missing, results, strict=True):
             result.bytes_downloaded += r.downloaded
             result.bytes_resumed += r.resumed_from
+            if r.existed:
+                result.bytes_reused += b.size
+            else:
+                result.bytes_reused += r.resumed_from
             if r.downloaded:
                 result.blobs_downloaded += 1
             else:
                 result.blobs_reused += 1
-                result.bytes_reused += b.size
         for b in blobs:
             if b not in missing:
                 result.blobs_reused += 1
                 result.bytes_reused += b.size
-        result.bytes_reused += result.bytes_resumed
         return result
 
     def _publish(

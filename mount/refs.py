@@ -6,8 +6,9 @@
     pins/<hex>          a pinned manifest (GC never evicts it)
 
 A tag's record is what the last pull on this node resolved it to, so ``open_snapshot`` and
-``pin`` work without the network. Records are read with a size cap and a digest check: a
-damaged one reads as absent, never as a different model.
+``pin`` work without the network. Records are read with a size and depth cap and a digest
+check, and only when the cache owner wrote them (``mount.modes``): a damaged or planted one
+reads as absent, never as a different model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import os
 import time
 from typing import Any
 
-from modelpack.errors import NotFoundError
+from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
+
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, NotFoundError
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference
@@ -27,29 +31,29 @@ from modelpack.oci.reference import Reference, parse_reference
 MAX_REF_BYTES = 64 * 1024
 
 
-def read_record(path: str) -> dict[str, Any] | None:
-    """A small JSON record naming a digest; None when missing, oversized or malformed."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_REF_BYTES + 1)
-    except FileNotFoundError:
-        return None
-    if len(raw) > MAX_REF_BYTES:
+def read_record(path: str, owner: int) -> dict[str, Any] | None:
+    """A small JSON record naming a digest; None when missing, oversized, malformed or not the
+    cache owner's."""
+    raw = read_trusted(path, owner, MAX_REF_BYTES)
+    if raw is None or len(raw) > MAX_REF_BYTES:
         return None
     try:
-        doc = json.loads(raw)
+        doc = loads_object(raw, what=path, max_bytes=MAX_REF_BYTES)
         Digest(doc["digest"])
-    except (ValueError, KeyError, TypeError):
+    except (DocumentError, ValueError, KeyError, TypeError):
         return None
-    return doc if isinstance(doc, dict) else None
+    return doc
 
 
 class RefRecords:
     """``refs/``: reference → manifest digest, one file per reference."""
 
-    def __init__(self, cache_root: str) -> None:
+    def __init__(self, cache_root: str, owner: int, *, create: bool = True) -> None:
         self.cache_root = cache_root
+        self.owner = owner
         self.dir = os.path.join(cache_root, "refs")
+        if create:
+            ensure_dir(self.dir, DIR_MODE, owner)
 
     def path(self, reference: str) -> str:
         return os.path.join(self.dir, hashlib.sha256(reference.encode()).hexdigest()[:40] + ".json")
@@ -57,18 +61,20 @@ class RefRecords:
     def record(self, ref: Reference, digest: str) -> None:
         key = str(ref)
         path = self.path(key)
-        current = read_record(path)
+        current = read_record(path, self.owner)
         if current and current.get("digest") == digest:
             return
         doc = {"reference": key, "repository": ref.repo_name, "digest": digest, "resolved_at": time.time()}
-        atomic_write_bytes(path, json.dumps(doc, sort_keys=True).encode())
+        atomic_write_bytes(path, json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE)
 
     def all(self) -> list[dict[str, Any]]:
         """Every readable record, each with its file under ``_path``."""
         out = []
+        if not os.path.isdir(self.dir):
+            return out
         for entry in os.scandir(self.dir):
             if entry.name.endswith(".json"):
-                doc = read_record(entry.path)
+                doc = read_record(entry.path, self.owner)
                 if doc:
                     doc["_path"] = entry.path
                     out.append(doc)
@@ -85,7 +91,7 @@ class RefRecords:
         ref = parse_reference(reference) if isinstance(reference, str) else reference
         if ref.digest:
             return ref.digest
-        doc = read_record(self.path(str(ref.with_tag(ref.tag or "latest"))))
+        doc = read_record(self.path(str(ref.with_tag(ref.tag or "latest"))), self.owner)
         if doc is None:
             raise NotFoundError(f"{ref}: not in the node cache {self.cache_root} (pull it first)")
         return Digest(doc["digest"])
@@ -104,17 +110,21 @@ class RefRecords:
 class Pins:
     """``pins/``: manifests GC must keep, whatever their age."""
 
-    def __init__(self, cache_root: str) -> None:
+    def __init__(self, cache_root: str, owner: int, *, create: bool = True) -> None:
         self.dir = os.path.join(cache_root, "pins")
+        self.owner = owner
+        if create:
+            ensure_dir(self.dir, DIR_MODE, owner)
 
     def path(self, digest: str) -> str:
         return os.path.join(self.dir, Digest(digest).hex)
 
     def is_pinned(self, digest: str) -> bool:
-        return os.path.exists(self.path(digest))
+        return read_trusted(self.path(digest), self.owner, MAX_REF_BYTES) is not None
 
     def add(self, digest: str, reference: str) -> None:
-        atomic_write_bytes(self.path(digest), json.dumps({"reference": reference}).encode())
+        ensure_dir(self.dir, DIR_MODE, self.owner)
+        atomic_write_bytes(self.path(digest), json.dumps({"reference": reference}).encode(), mode=FILE_MODE)
 
     def remove(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):

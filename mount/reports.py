@@ -33,9 +33,11 @@ class PullResult:
     timings: dict[str, float] = field(default_factory=dict)  # milliseconds
     start_id: str = ""
     signature: str = "not-checked"
+    hold_path: str = ""  # ``pull --hold``: the hold GC honours until ``hold_until`` (epoch seconds)
+    hold_until: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "reference": self.reference,
             "digest": str(self.digest),
             "path": self.path,
@@ -52,6 +54,9 @@ class PullResult:
             "start_id": self.start_id,
             "signature": self.signature,
         }
+        if self.hold_path:
+            out["hold"] = {"path": self.hold_path, "until": self.hold_until}
+        return out
 
 
 @dataclass
@@ -97,9 +102,11 @@ class GCResult:
     kept_in_use: list[str] = field(default_factory=list)
     kept_pinned: list[str] = field(default_factory=list)
     kept_pulling: list[str] = field(default_factory=list)
+    kept_held: list[str] = field(default_factory=list)  # a ``pull --hold`` has not expired
+    kept_young: list[str] = field(default_factory=list)  # used or published within ``min_age``
     refs_removed: int = 0
     blobs_removed: int = 0
-    bytes_freed: int = 0
+    bytes_freed: int = 0  # with ``dry_run``: what the eviction would free
     swept: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0

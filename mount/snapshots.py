@@ -9,13 +9,17 @@ Per manifest digest ``<hex>`` under ``<cache>/snapshots/``::
 
 A snapshot is built in a temp directory and renamed into place in one step; the marker is then
 written atomically. A directory without a marker (a crash between the two) is never used: the
-next pull replaces it. Deletion goes the other way: marker first, then the directory.
+next pull replaces it. Deletion goes the other way: marker first, then the directory. A marker,
+or a snapshot directory, that is not the cache owner's or that others can write vouches for
+nothing (``mount.modes``). Waiting for a lease is bounded (``LockTimeoutError`` names the lease
+file and its holder).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -34,10 +38,22 @@ from modelpack.mediatypes import (
     parse_layer_media_type,
 )
 from modelpack.mediatypes.annotations import layer_filepath
-from modelpack.mount.locks import pid_alive, try_exclusive
+from modelpack.mount.locks import flock_bounded, pid_alive, try_exclusive
+from modelpack.mount.modes import (
+    DIR_MODE,
+    LEASE_FILE_MODE,
+    PRIVATE_DIR_MODE,
+    READ_ONLY_DIR_MODE,
+    READ_ONLY_FILE_MODE,
+    ensure_dir,
+    read_trusted,
+    untrusted_reason,
+)
 from modelpack.mount.store import Store
 
+from modelpack.boundedjson import loads_object
 from modelpack.errors import (
+    DocumentError,
     ManifestError,
     ModelpackError,
     NotFoundError,
@@ -53,6 +69,8 @@ MARKER_SUFFIX = ".ready"
 LEASE_SUFFIX = ".lease"
 MARKER_VERSION = 1
 MAX_MARKER_BYTES = 16 * 1024 * 1024
+# a temp file another process is writing (a marker, a record) is left alone for this long
+TEMP_FILE_TTL_S = 3600.0
 IMAGE_LAYER_TYPES = (
     MEDIA_TYPE_IMAGE_LAYER_TAR,
     MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
@@ -89,7 +107,8 @@ class Snapshots:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.dir = os.path.join(store.root, "snapshots")
-        os.makedirs(self.dir, exist_ok=True)
+        if store.writable:
+            ensure_dir(self.dir, DIR_MODE, store.owner)
 
     def path(self, digest: str) -> str:
         return os.path.join(self.dir, Digest(digest).hex)
@@ -106,26 +125,31 @@ class Snapshots:
 
     # ------------------------------------------------------------------ read side
     def ready(self, digest: str) -> SnapshotInfo | None:
-        """The snapshot if its marker says it is ready for ``digest``; None otherwise. No hashing."""
+        """The snapshot if its marker says it is ready for ``digest``; None otherwise. No hashing.
+
+        Only a marker and a directory the cache owner wrote, and nobody else can write, count."""
         marker = self.marker_path(digest)
-        try:
-            with open(marker, "rb") as f:
-                raw = f.read(MAX_MARKER_BYTES + 1)
-        except FileNotFoundError:
+        raw = read_trusted(marker, self.store.owner, MAX_MARKER_BYTES)
+        if raw is None:
             return None
         if len(raw) > MAX_MARKER_BYTES:
             raise SnapshotError(f"{marker}: larger than {MAX_MARKER_BYTES} bytes")
         try:
-            doc = json.loads(raw)
+            doc = loads_object(raw, what=f"ready marker {marker}", max_bytes=MAX_MARKER_BYTES)
             if doc.get("digest") != digest or doc.get("version") != MARKER_VERSION:
                 raise ValueError("marker names another digest or version")
             files = [
-                SnapshotFile(f["path"], f["digest"], int(f["size"]), bool(f["linked"])) for f in doc["files"]
+                SnapshotFile(str(f["path"]), str(f["digest"]), int(f["size"]), bool(f["linked"]))
+                for f in doc["files"]
             ]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (DocumentError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise SnapshotError(f"{marker}: invalid ready marker ({exc}); run 'modelpack cache rm'") from exc
         path = self.path(digest)
-        if not os.path.isdir(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or untrusted_reason(st, self.store.owner) is not None:
             return None
         try:
             last_used = os.stat(self.lease_path(digest)).st_mtime
@@ -148,27 +172,39 @@ class Snapshots:
         """Record a use (LRU) on the lease file's mtime: one utime, no content write."""
         lease = self.lease_path(digest)
         try:
-            os.utime(lease)
+            os.utime(lease, follow_symlinks=False)
         except FileNotFoundError:
-            fd = os.open(lease, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            os.close(fd)
+            os.close(self._open_lease(lease))
+
+    def _open_lease(self, lease: str) -> int:
+        """The lease file, created ``0644`` (readers of other uids take shared locks on it)."""
+        try:
+            fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, LEASE_FILE_MODE)
+        except OSError as exc:
+            # A serving container may see the cache read-only, or be another uid: a shared flock
+            # needs no write access.
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            return os.open(lease, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != LEASE_FILE_MODE:
+                os.fchmod(fd, LEASE_FILE_MODE)
+        return fd
 
     @contextlib.contextmanager
-    def lease(self, digest: str) -> Iterator[SnapshotInfo]:
-        """Hold a reader lease (shared flock) while the snapshot's files are in use."""
-        import fcntl
+    def lease(self, digest: str, *, timeout: float | None = None) -> Iterator[SnapshotInfo]:
+        """Hold a reader lease (shared flock) while the snapshot's files are in use.
 
+        GC holds the lease exclusively only for the moment it deletes, so a wait longer than
+        ``timeout`` (default: the store's ``lock_timeout``) means someone else is holding it:
+        ``LockTimeoutError`` names the lease file and the holder."""
         lease = self.lease_path(digest)
+        limit = self.store.lock_timeout if timeout is None else timeout
         while True:
+            fd = self._open_lease(lease)
             try:
-                fd = os.open(lease, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as exc:
-                # A serving container may see the cache read-only: a shared flock needs no write access.
-                if exc.errno not in (errno.EROFS, errno.EACCES):
-                    raise
-                fd = os.open(lease, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                flock_bounded(fd, fcntl.LOCK_SH, lease, limit, f"reader lease of snapshot {digest}")
                 try:
                     same = os.fstat(fd).st_ino == os.stat(lease).st_ino
                 except FileNotFoundError:
@@ -206,7 +242,7 @@ class Snapshots:
         tmp = os.path.join(
             self.dir, f"{TEMP_PREFIX}{manifest.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
-        os.mkdir(tmp, 0o755)
+        os.mkdir(tmp, PRIVATE_DIR_MODE)  # private until published read-only
         try:
             files = self._materialise(manifest, config_raw, tmp)
             meta = {
@@ -273,7 +309,7 @@ class Snapshots:
                 raise ManifestError(f"{manifest.digest}: two layers claim the path {rel!r}")
             seen.add(rel)
             target = _safe_join(dest, rel)
-            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            os.makedirs(os.path.dirname(target), mode=DIR_MODE, exist_ok=True)
             src = self.store.blob_path(layer.digest)
             try:
                 os.link(src, target, follow_symlinks=False)
@@ -281,7 +317,7 @@ class Snapshots:
                 if exc.errno not in (errno.EMLINK, errno.EXDEV, errno.EPERM):
                     raise
                 shutil.copyfile(src, target)
-                os.chmod(target, 0o444)
+                os.chmod(target, READ_ONLY_FILE_MODE)
             files.append(SnapshotFile(rel, str(layer.digest), layer.size, True))
         return files
 
@@ -296,7 +332,7 @@ class Snapshots:
         final = self.path(digest)
         meta_tmp = os.path.join(tmp, TEMP_PREFIX + "meta.json")
         with open(meta_tmp, "rb") as f:
-            meta = json.loads(f.read())
+            meta = loads_object(f.read(MAX_MARKER_BYTES + 1), what=meta_tmp, max_bytes=MAX_MARKER_BYTES)
         os.unlink(meta_tmp)
         meta["created"] = time.time()
         _make_read_only(tmp)
@@ -321,11 +357,13 @@ class Snapshots:
                         remove_tree(aside)
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    os.chmod(final, 0o555)
+                    os.chmod(final, READ_ONLY_DIR_MODE)
                 fsync_dir(self.dir)
                 self.touch(digest)
                 atomic_write_bytes(
-                    self.marker_path(digest), json.dumps(meta, sort_keys=True).encode(), mode=0o444
+                    self.marker_path(digest),
+                    json.dumps(meta, sort_keys=True).encode(),
+                    mode=READ_ONLY_FILE_MODE,
                 )
                 info = self.ready(digest)
                 if info is not None:
@@ -367,19 +405,38 @@ class Snapshots:
             if fd is not None:
                 os.close(fd)
 
-    def sweep(self) -> list[str]:
-        """Remove temp snapshot directories whose builder process is gone, and orphan leftovers."""
+    def sweep(self, *, temp_ttl: float = TEMP_FILE_TTL_S) -> list[str]:
+        """Remove what crashed builders and writers left in ``snapshots/``; returns what was removed.
+
+        ``.tmp-modelpack-*`` directories are snapshot builds (names end in ``-<pid>-<random>``):
+        a live builder's is left alone. ``.tmp-modelpack-*`` files are markers and records being
+        written atomically (``mkstemp`` names, no pid): removed only when older than ``temp_ttl``,
+        as the store does. Only what is really gone is reported."""
         removed = []
+        now = time.time()
         for entry in list(os.scandir(self.dir)):
             if not entry.name.startswith(TEMP_PREFIX):
                 continue
-            # names end in -<pid>-<random>: a live builder's directory is left alone
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                if now - st.st_mtime < temp_ttl:
+                    continue  # possibly another process's marker, being written right now
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+                continue
             parts = entry.name[len(TEMP_PREFIX) :].split("-")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
             if pid is not None and (pid == os.getpid() or pid_alive(pid)):
                 continue
+            if pid is None and now - st.st_mtime < temp_ttl:
+                continue  # not one of our build names: only when clearly abandoned
             remove_tree(entry.path)
-            removed.append(entry.path)
+            if not os.path.lexists(entry.path):
+                removed.append(entry.path)
         # lease/trust files of snapshots that no longer exist (a reader asked for a missing one)
         for entry in list(os.scandir(self.dir)):
             for suffix in (LEASE_SUFFIX, ".trust.json"):
@@ -389,7 +446,7 @@ class Snapshots:
                 if os.path.lexists(base) or os.path.exists(base + MARKER_SUFFIX):
                     continue
                 fd = try_exclusive(entry.path)
-                if fd is None and suffix == LEASE_SUFFIX:
+                if fd is None and suffix == LEASE_SUFFIX and os.path.lexists(entry.path):
                     continue  # someone holds it right now
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
@@ -410,13 +467,15 @@ def _safe_join(root: str, rel: str) -> str:
 
 
 def _make_read_only(root: str) -> None:
+    """Exactly 0444 files and 0555 directories below ``root``, whatever the umask made them."""
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
         for name in filenames:
             p = os.path.join(dirpath, name)
-            if stat.S_IMODE(os.lstat(p).st_mode) & 0o222:
-                os.chmod(p, 0o444)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != READ_ONLY_FILE_MODE:
+                os.chmod(p, READ_ONLY_FILE_MODE)
         if dirpath != root:
-            os.chmod(dirpath, 0o555)
+            os.chmod(dirpath, READ_ONLY_DIR_MODE)
 
 
 def remove_tree(path: str) -> None:
@@ -426,7 +485,7 @@ def remove_tree(path: str) -> None:
     for dirpath, dirnames, _ in os.walk(path):
         for d in dirnames:
             with contextlib.suppress(OSError):
-                os.chmod(os.path.join(dirpath, d), 0o755)
+                os.chmod(os.path.join(dirpath, d), PRIVATE_DIR_MODE)
     with contextlib.suppress(OSError):
-        os.chmod(path, 0o755)
+        os.chmod(path, PRIVATE_DIR_MODE)
     shutil.rmtree(path, ignore_errors=True)

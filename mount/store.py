@@ -8,42 +8,103 @@ Layout (under the cache root, one filesystem so renames and hard links work)::
 
 A blob becomes visible at ``blobs/sha256/<hex>`` only after its size and sha256 match: it is
 written to ``ingest/`` (same filesystem), fsynced, made read-only, renamed, and the directory
-fsynced. Downloading and resuming live in ``mount.ingest``; this module owns the paths, the
-commit step, ``index.json`` and deletion.
+fsynced. A blob counts as present only if it is a regular, read-only file of the cache owner
+that nobody else can write (``mount.modes``): a same-size file someone else put there is fetched
+and verified again. Downloading and resuming live in ``mount.ingest``; this module owns the
+paths, the commit step, ``index.json`` and deletion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import time
 import uuid
 from typing import Any
 
-from modelpack.mount.locks import exclusive_lock, is_locked
+from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
+from modelpack.mount.locks import default_lock_timeout, exclusive_lock, is_locked
+from modelpack.mount.modes import (
+    DIR_MODE,
+    FILE_MODE,
+    PRIVATE_DIR_MODE,
+    READ_ONLY_FILE_MODE,
+    cache_owner,
+    ensure_dir,
+    ensure_root,
+    open_private,
+    read_trusted,
+    trusted_file,
+)
 
-from modelpack.errors import ModelpackError, StoreError
+from modelpack.boundedjson import loads_object
+from modelpack.errors import ModelpackError, NotFoundError, StoreError
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
-from modelpack.targets.layout import OCILayoutTarget
 
 PARTIAL_SUFFIX = ".partial"
+LAYOUT_FILE = b'{"imageLayoutVersion":"1.0.0"}'
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+MAX_SMALL_BLOB_BYTES = 4 * 1024 * 1024
 
 
 class Store:
-    """Content-addressed blobs + manifests, readable as an OCI layout by other tools."""
+    """Content-addressed blobs + manifests, readable as an OCI layout by other tools.
 
-    def __init__(self, root: str) -> None:
+    ``create=False`` opens an existing cache only (``NotFoundError`` otherwise) and creates
+    nothing: maintenance commands must not turn a mistyped ``--cache`` into a new cache, and a
+    reader of another uid (a serving container) cannot create anything anyway.
+    """
+
+    def __init__(self, root: str, *, create: bool = True, lock_timeout: float | None = None) -> None:
         self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
-        self.layout = OCILayoutTarget(self.root, create=True, link="copy")
         self.blobs_dir = os.path.join(self.root, "blobs", "sha256")
         self.ingest_dir = os.path.join(self.root, "ingest")
         self.locks_dir = os.path.join(self.root, "locks")
-        os.makedirs(self.ingest_dir, exist_ok=True)
-        os.makedirs(self.locks_dir, exist_ok=True)
+        self.index_path = os.path.join(self.root, "index.json")
+        self.index_lock_path = os.path.join(self.root, ".index.lock")
+        self.lock_timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
+        self.writable = create
+        if create:
+            try:
+                self.owner = ensure_root(self.root)
+                self._create_layout()
+            except OSError as exc:
+                # a reader: another uid, or the cache mounted read-only into a serving container
+                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not self._exists():
+                    raise
+                self.writable = False
+                self.owner = cache_owner(self.root)
+        else:
+            if not self._exists():
+                raise NotFoundError(
+                    f"{self.root}: no node cache here (no such directory, or no oci-layout file in it); "
+                    "check --cache / $MODELPACK_CACHE, or pull a model into it first"
+                )
+            self.owner = cache_owner(self.root)
+
+    def _exists(self) -> bool:
+        return os.path.isfile(os.path.join(self.root, "oci-layout"))
+
+    def _create_layout(self) -> None:
+        ensure_dir(os.path.join(self.root, "blobs"), DIR_MODE, self.owner)
+        for path, mode in (
+            (self.blobs_dir, DIR_MODE),
+            (self.ingest_dir, PRIVATE_DIR_MODE),
+            (self.locks_dir, PRIVATE_DIR_MODE),
+        ):
+            ensure_dir(path, mode, self.owner)
+        layout = os.path.join(self.root, "oci-layout")
+        if read_trusted(layout, self.owner, len(LAYOUT_FILE)) != LAYOUT_FILE:
+            atomic_write_bytes(layout, LAYOUT_FILE, mode=FILE_MODE)
+        if read_trusted(self.index_path, self.owner, MAX_INDEX_BYTES) is None:
+            self._write_index(_empty_index())
+        # OCILayoutTarget would create it 0644 (lockable by anyone who can read the cache)
+        os.close(open_private(self.index_lock_path, os.O_RDWR, self.owner))
 
     # ------------------------------------------------------------------ paths
     def blob_path(self, digest: str) -> str:
@@ -55,19 +116,25 @@ class Store:
     def lock_path(self, digest: str) -> str:
         return os.path.join(self.locks_dir, Digest(digest).hex + ".lock")
 
+    def trusted(self, st: os.stat_result, *, read_only: bool = False) -> bool:
+        """A regular file the cache owner (or root) wrote and nobody else can write."""
+        return trusted_file(st, self.owner, read_only=read_only)
+
     def has(self, desc: Descriptor) -> bool:
-        """Committed with the expected size. Size only: committed blobs were hashed on the way in."""
+        """Committed with the expected size. Size and provenance only: committed blobs were hashed
+        on the way in, and a blob the cache did not commit (another owner, writable) is absent."""
         try:
-            return os.stat(self.blob_path(desc.digest)).st_size == desc.size
+            st = os.lstat(self.blob_path(desc.digest))
         except FileNotFoundError:
             return False
+        return st.st_size == desc.size and self.trusted(st, read_only=True)
 
     # ------------------------------------------------------------------ committing
     def commit(self, tmp: str, digest: str) -> None:
         """Publish verified content written to ``tmp`` (same filesystem) as blob ``digest``."""
         final = self.blob_path(digest)
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, final)
+        os.chmod(tmp, READ_ONLY_FILE_MODE)
+        os.replace(tmp, final)  # replaces whatever another uid may have left at the final path
         fsync_dir(self.blobs_dir)
 
     def put_bytes(self, desc: Descriptor, data: bytes) -> None:
@@ -75,26 +142,44 @@ class Store:
         if self.has(desc):
             return
         tmp = os.path.join(self.ingest_dir, f"{TEMP_PREFIX}{desc.digest.hex[:16]}-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         self.commit(tmp, desc.digest)
 
-    def read_small(self, digest: str, limit: int = 4 * 1024 * 1024) -> bytes:
-        with open(self.blob_path(digest), "rb") as f:
-            data = f.read(limit + 1)
+    def read_small(self, digest: str, limit: int = MAX_SMALL_BLOB_BYTES) -> bytes:
+        """A small committed blob (manifest, config); callers verify it against its digest."""
+        path = self.blob_path(digest)
+        data = read_trusted(path, self.owner, limit, read_only=True)
+        if data is None:
+            if os.path.lexists(path):
+                raise StoreError(f"{path}: not committed by the node cache (wrong owner or writable)")
+            raise FileNotFoundError(path)
         if len(data) > limit:
-            raise StoreError(f"{self.blob_path(digest)}: larger than {limit} bytes")
+            raise StoreError(f"{path}: larger than {limit} bytes")
         return data
 
     # ------------------------------------------------------------------ index (manifests)
+    def _read_index(self) -> dict[str, Any]:
+        """index.json as the cache wrote it; an absent or foreign one reads as empty."""
+        raw = read_trusted(self.index_path, self.owner, MAX_INDEX_BYTES)
+        if raw is None:
+            return _empty_index()
+        doc = loads_object(raw, what=self.index_path, max_bytes=MAX_INDEX_BYTES)
+        manifests = doc.get("manifests", [])
+        if not isinstance(manifests, list) or not all(isinstance(e, dict) for e in manifests):
+            raise StoreError(f"{self.index_path}: 'manifests' is not a list of descriptors")
+        doc["manifests"] = manifests
+        return doc
+
     def add_manifest(self, raw: bytes, media_type: str, reference: str | None = None) -> None:
-        """Record a manifest in index.json (by digest; ``reference`` as a ref.name annotation)."""
+        """Record a manifest in index.json (by digest; ``reference`` as an annotation)."""
         desc = Descriptor(media_type, Digest.from_bytes(raw), len(raw))
         self.put_bytes(desc, raw)
-        with self._index_lock():
-            doc = self.layout._read_index()
+        with self._index_lock(self.lock_timeout):
+            doc = self._read_index()
             entries: list[dict[str, Any]] = doc["manifests"]
             if not any(e.get("digest") == desc.digest for e in entries):
                 entry = desc.to_dict()
@@ -103,31 +188,29 @@ class Store:
                 entries.append(entry)
                 self._write_index(doc)
 
-    def remove_manifest(self, digest: str) -> None:
-        with self._index_lock():
-            doc = self.layout._read_index()
+    def remove_manifest(self, digest: str, *, timeout: float | None = None) -> None:
+        with self._index_lock(self.lock_timeout if timeout is None else timeout):
+            doc = self._read_index()
             before = len(doc["manifests"])
             doc["manifests"] = [e for e in doc["manifests"] if e.get("digest") != digest]
             if len(doc["manifests"]) != before:
                 self._write_index(doc)
 
     def manifest_digests(self) -> list[str]:
-        return [str(e.get("digest")) for e in self.layout._read_index()["manifests"] if e.get("digest")]
+        return [str(e.get("digest")) for e in self._read_index()["manifests"] if e.get("digest")]
 
-    def _index_lock(self) -> contextlib.AbstractContextManager[int]:
+    def _index_lock(self, timeout: float) -> contextlib.AbstractContextManager[int]:
         # Same lock file as OCILayoutTarget so both writers serialise on index.json.
-        return exclusive_lock(os.path.join(self.root, ".index.lock"))
+        return exclusive_lock(self.index_lock_path, timeout=timeout, what="node cache index.json")
 
     def _write_index(self, doc: dict[str, Any]) -> None:
-        atomic_write_bytes(
-            os.path.join(self.root, "index.json"), json.dumps(doc, separators=(",", ":")).encode()
-        )
+        atomic_write_bytes(self.index_path, json.dumps(doc, separators=(",", ":")).encode(), mode=FILE_MODE)
 
     # ------------------------------------------------------------------ deletion & sweeping
     def remove_blob(self, digest: str) -> int:
         path = self.blob_path(digest)
         try:
-            size = os.stat(path).st_size
+            size = os.lstat(path).st_size
             os.unlink(path)
             return size
         except FileNotFoundError:
@@ -141,10 +224,12 @@ class Store:
         return out
 
     def partial_bytes(self, digest: str) -> int:
+        """Bytes of a resumable partial download; a partial that is not the cache's counts as 0."""
         try:
-            return os.stat(self.partial_path(digest)).st_size
+            st = os.lstat(self.partial_path(digest))
         except FileNotFoundError:
             return 0
+        return st.st_size if stat.S_ISREG(st.st_mode) and st.st_uid in (self.owner, 0) else 0
 
     def sweep(self, *, temp_ttl: float = 3600.0, partial_ttl: float = 86400.0) -> list[str]:
         """Remove what a crash left behind; returns the removed paths.
@@ -177,7 +262,7 @@ class Store:
                 continue
             try:
                 committed = os.path.exists(self.blob_path(digest))
-                if committed or now - entry.stat().st_mtime >= partial_ttl:
+                if committed or now - entry.stat(follow_symlinks=False).st_mtime >= partial_ttl:
                     os.unlink(entry.path)
                     removed.append(entry.path)
             except FileNotFoundError:
@@ -189,7 +274,12 @@ class Store:
         for entry in os.scandir(self.blobs_dir):
             with contextlib.suppress(FileNotFoundError):
                 total += entry.stat(follow_symlinks=False).st_size
-        for entry in os.scandir(self.ingest_dir):
-            with contextlib.suppress(FileNotFoundError):
-                total += entry.stat(follow_symlinks=False).st_size
+        with contextlib.suppress(PermissionError):  # a reader of another uid cannot list ingest/
+            for entry in os.scandir(self.ingest_dir):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat(follow_symlinks=False).st_size
         return total
+
+
+def _empty_index() -> dict[str, Any]:
+    return {"schemaVersion": 2, "mediaType": MEDIA_TYPE_OCI_INDEX, "manifests": []}

@@ -3,7 +3,8 @@
 ``snapshots/<hex>.trust.json`` remembers which trusted keys verified a digest (and whether the
 directory signature and chunk table were verified), so a hit under the same trust needs no
 network. A miss records it only after its snapshot is published, so no trust file exists for a
-snapshot that never became ready. ``modelpack.signing`` is imported only when a policy is given.
+snapshot that never became ready. A record the cache owner did not write is ignored.
+``modelpack.signing`` is imported only when a policy is given.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from modelpack.mount.modes import FILE_MODE, read_trusted
 from modelpack.mount.reports import to_ms
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 
-from modelpack.errors import SignatureRefused
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, SignatureRefused
 from modelpack.events import EventLog
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -47,13 +50,17 @@ class TrustRecords:
         self.snapshots = snapshots
 
     def read(self, digest: str) -> dict[str, Any]:
+        """What verified ``digest``; empty when unknown, malformed, or not written by the cache
+        owner (a record another uid planted claims nothing)."""
+        path = self.snapshots.trust_path(digest)
         try:
-            with open(self.snapshots.trust_path(digest), "rb") as f:
-                raw = f.read(MAX_TRUST_BYTES + 1)
-            doc = json.loads(raw) if len(raw) <= MAX_TRUST_BYTES else {}
-        except (OSError, ValueError):
+            raw = read_trusted(path, self.store.owner, MAX_TRUST_BYTES)
+            if raw is None or len(raw) > MAX_TRUST_BYTES:
+                return {}
+            doc = loads_object(raw, what=path, max_bytes=MAX_TRUST_BYTES)
+        except (OSError, DocumentError):
             return {}
-        return doc if isinstance(doc, dict) and doc.get("digest") == digest else {}
+        return doc if doc.get("digest") == digest else {}
 
     def record(self, digest: str, result: Any) -> None:
         """Remember which keys verified this digest, so a hit under the same trust needs no network."""
@@ -65,7 +72,9 @@ class TrustRecords:
         ):
             if getattr(result, attr, None) == "verified":
                 doc[field_name] = "verified"
-        atomic_write_bytes(self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode())
+        atomic_write_bytes(
+            self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE
+        )
 
     def trusted_locally(self, digest: str, ref: Reference, policy: Any) -> bool:
         """Whether an earlier verification of ``digest`` satisfies ``policy`` for ``ref``."""

@@ -417,11 +417,11 @@ def test_node_cache_keeps_assets_next_to_snapshots_with_the_same_gc_and_leases(
     assert stat.S_IMODE(snapshot.stat().st_mode) & 0o222 == 0
 
     # GC: the asset never counts as a version of the model, and a lease protects it
-    assert cache.gc(keep_versions=1).evicted == []
+    assert cache.gc(keep_versions=1, min_age=0).evicted == []
     with cache.open_snapshot(pushed["asset"]):
-        res = cache.gc(max_bytes=0)
+        res = cache.gc(max_bytes=0, min_age=0)
         assert pushed["asset"] in res.kept_in_use and str(world.model.digest) in res.evicted
-    res = cache.gc(max_bytes=0)
+    res = cache.gc(max_bytes=0, min_age=0)
     assert pushed["asset"] in res.evicted and not snapshot.exists()
     assert (tmp_path / "view-1" / rel).read_bytes()  # views survive GC: the inodes stay
 

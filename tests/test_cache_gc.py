@@ -40,10 +40,10 @@ def test_keep_versions_is_per_repository_and_lru(tmp_path: Path) -> None:
         cache.pull(f"oci:{layout_b}:v{i}")
     # in repository a, v1 was used last, then v2, then v0: LRU keeps v1 and v2
     _touch_order(cache, [a[0], a[2], a[1], b[0], b[1]])
-    res = cache.gc(keep_versions=2)
+    res = cache.gc(keep_versions=2, min_age=0)
     assert res.evicted == [a[0]]
     assert {e.digest for e in cache.ls()} == {a[1], a[2], b[0], b[1]}
-    res = cache.gc(keep_versions=1)
+    res = cache.gc(keep_versions=1, min_age=0)
     assert sorted(res.evicted) == sorted([a[2], b[0]])
     # blobs of evicted versions are gone; the kept ones are intact
     assert all(r.ok for r in cache.verify())
@@ -62,10 +62,10 @@ def test_max_bytes_evicts_least_recently_used_first_and_stops_when_under(tmp_pat
         cache.pull(f"oci:{layout}:v{i}")
     _touch_order(cache, [d[1], d[0], d[2]])
     per_model = cache.usage() // 3
-    res = cache.gc(max_bytes=2 * per_model + per_model // 2)  # room for two
+    res = cache.gc(max_bytes=2 * per_model + per_model // 2, min_age=0)  # room for two
     assert res.evicted == [d[1]]
     assert res.bytes_after <= 2 * per_model + per_model // 2 < res.bytes_before
-    dry = cache.gc(max_bytes=0, dry_run=True)
+    dry = cache.gc(max_bytes=0, dry_run=True, min_age=0)
     assert sorted(dry.evicted) == sorted([d[0], d[2]]) and len(cache.ls()) == 2  # nothing deleted
 
 
@@ -76,7 +76,7 @@ def test_pinned_and_in_use_survive_max_bytes_zero(tmp_path: Path) -> None:
         cache.pull(f"oci:{layout}:v{i}")
     cache.pin(f"oci:{layout}:v0")
     with cache.open_snapshot(f"oci:{layout}:v1") as snap:
-        res = cache.gc(max_bytes=0, keep_versions=0)
+        res = cache.gc(max_bytes=0, keep_versions=0, min_age=0)
         assert res.evicted == [d[2]]
         assert res.kept_pinned == [d[0]] and res.kept_in_use == [d[1]]
         assert (Path(snap.path) / "config.json").read_bytes()  # still readable mid-GC
@@ -84,10 +84,10 @@ def test_pinned_and_in_use_survive_max_bytes_zero(tmp_path: Path) -> None:
     # refs of the evicted model went first; its snapshot and blobs too
     assert not os.path.exists(cache.snapshots.path(d[2]))
     assert len(os.listdir(cache.refs_dir)) == 2
-    res = cache.gc(max_bytes=0)  # lease released: v1 goes now, the pinned v0 stays
+    res = cache.gc(max_bytes=0, min_age=0)  # lease released: v1 goes now, the pinned v0 stays
     assert res.evicted == [d[1]] and [e.digest for e in cache.ls()] == [d[0]]
     cache.unpin(f"oci:{layout}:v0")
-    assert cache.gc(max_bytes=0).evicted == [d[0]]
+    assert cache.gc(max_bytes=0, min_age=0).evicted == [d[0]]
     assert cache.store.blob_digests() == [] and cache.usage() == 0
 
 

@@ -232,7 +232,7 @@ def test_gc_during_pull_and_while_in_use_deletes_neither(registry, proxy, tmp_pa
             while not (committed(cache_dir) - before) or not partial_bytes(cache_dir):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.02)
-            res = cache.gc(max_bytes=0)
+            res = cache.gc(max_bytes=0, min_age=0)
             assert old in res.evicted
             assert used in res.kept_in_use and used not in res.evicted
             assert new in res.kept_pulling

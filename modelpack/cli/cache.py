@@ -1,11 +1,14 @@
 """``cache ls|verify|pin|unpin|gc|rm|path``: inspect and maintain the node cache.
 
 ``pull REF --cache DIR`` lives on the ``pull`` command (``modelpack.cli.pull``) and calls
-``cache_pull`` here, so every way into the cache shares one implementation.
+``cache_pull`` here, so every way into the cache shares one implementation. Only a pull creates
+a cache; the maintenance commands open an existing one and refuse a directory that is not one,
+so a mistyped ``--cache`` is an error, not a new empty cache.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +16,7 @@ import click
 
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
+from modelpack.mount.gc import DEFAULT_MIN_AGE_S
 
 if TYPE_CHECKING:
     from modelpack.signing.policy import TrustPolicy
@@ -42,7 +46,35 @@ def events_option(fn: Any) -> Any:
     )(fn)
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class SecondsType(click.ParamType):
+    """A length of time: ``300`` (seconds), ``90s``, ``5m``, ``2h``, ``1d``."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip().lower()
+        unit = _UNITS.get(text[-1:]) if text else None
+        number = text[:-1] if unit is not None else text
+        try:
+            seconds = float(number) * (unit or 1.0)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (e.g. 300, 90s, 5m, 2h)", param, ctx)
+        if seconds < 0 or not math.isfinite(seconds):
+            self.fail(f"{value!r}: a duration is a finite number of seconds, not negative", param, ctx)
+        return seconds
+
+
+SECONDS = SecondsType()
+
+
 def open_cache(cache_dir: str | None, events: str | None = None, **kwargs: Any) -> NodeCache:
+    """An existing cache (maintenance commands); ``create=True`` in ``kwargs`` for a pull."""
+    kwargs.setdefault("create", False)
     return NodeCache(cache_dir or default_cache_dir(), events=events, **kwargs)
 
 
@@ -56,17 +88,20 @@ def cache_pull(
     events: str | None = None,
     max_cache_bytes: int | None = None,
     as_json: bool = False,
+    progress: str = "auto",
+    hold: float | None = None,
 ) -> PullResult:
     """What ``modelpack pull REF --cache DIR`` does: pull into the node cache, print the snapshot."""
-    cache = open_cache(cache_dir, events, max_cache_bytes=max_cache_bytes)
-    result = cache.pull(reference, target_options, policy=policy, jobs=jobs)
+    cache = open_cache(cache_dir, events, max_cache_bytes=max_cache_bytes, create=True)
+    result = cache.pull(reference, target_options, policy=policy, jobs=jobs, progress=progress, hold=hold)
     if as_json:
         emit_json(result.to_json())
     else:
+        held = f"; held until {_when(result.hold_until)}" if result.hold_path else ""
         click.echo(
             f"{result.state}: {result.digest} ({result.files} files, {human_size(result.bytes_total)}; "
             f"downloaded {human_size(result.bytes_downloaded)}, reused {human_size(result.bytes_reused)}) "
-            f"in {result.timings.get('total', 0):.0f} ms",
+            f"in {result.timings.get('total', 0):.0f} ms{held}",
             err=True,
         )
         click.echo(result.path)
@@ -81,7 +116,14 @@ def _when(ts: float) -> str:
 
 @click.group("cache")
 def cache_group() -> None:
-    """Inspect and maintain the node cache (snapshots of pulled models)."""
+    """Inspect and maintain the node cache (snapshots of pulled models).
+
+    \b
+    Examples:
+      modelpack pull reg.example/models/llama:v1 --cache /var/cache/modelpack
+      modelpack cache ls --cache /var/cache/modelpack
+      MODELPACK_CACHE=/var/cache/modelpack modelpack cache gc --keep-versions 2
+    """
 
 
 @cache_group.command("ls")
@@ -89,7 +131,13 @@ def cache_group() -> None:
 @json_option
 @handle_errors
 def cache_ls(cache_dir: str | None, as_json: bool) -> None:
-    """List ready snapshots, most recently used first."""
+    """List ready snapshots, most recently used first.
+
+    \b
+    Examples:
+      modelpack cache ls --cache /var/cache/modelpack
+      modelpack cache ls --cache /var/cache/modelpack --json
+    """
     cache = open_cache(cache_dir)
     entries = cache.ls()
     if as_json:
@@ -109,7 +157,12 @@ def cache_ls(cache_dir: str | None, as_json: bool) -> None:
 @cache_dir_option
 @handle_errors
 def cache_path(reference: str, cache_dir: str | None) -> None:
-    """Print the snapshot directory of REFERENCE (no network: tags as last pulled)."""
+    """Print the snapshot directory of REFERENCE (no network: tags as last pulled).
+
+    \b
+    Examples:
+      modelpack cache path reg.example/models/llama:v1 --cache /var/cache/modelpack
+    """
     click.echo(open_cache(cache_dir).snapshot_path(reference))
 
 
@@ -123,10 +176,16 @@ def cache_path(reference: str, cache_dir: str | None) -> None:
 def cache_verify(
     reference: str | None, cache_dir: str | None, no_repair: bool, events: str | None, as_json: bool
 ) -> None:
-    """Re-hash every file of REFERENCE (default: all snapshots). Exit 1 if any is damaged.
+    """Check REFERENCE's snapshot (default: all) against its manifest. Exit 1 if any is damaged.
 
-    A damaged snapshot is unpublished (its ready marker removed) and its bad blobs deleted, so
-    the next pull fetches them again.
+    Every file is re-hashed; the ready marker must list exactly the files the manifest implies,
+    and the directory must hold nothing else. A damaged snapshot is unpublished (its ready
+    marker removed) and its bad blobs deleted, so the next pull fetches them again.
+
+    \b
+    Examples:
+      modelpack cache verify --cache /var/cache/modelpack
+      modelpack cache verify reg.example/models/llama:v1 --cache /var/cache/modelpack --no-repair --json
     """
     reports = open_cache(cache_dir, events).verify(reference, repair=not no_repair)
     if as_json:
@@ -146,7 +205,12 @@ def cache_verify(
 @cache_dir_option
 @handle_errors
 def cache_pin(reference: str, cache_dir: str | None) -> None:
-    """Keep REFERENCE's snapshot through every GC."""
+    """Keep REFERENCE's snapshot through every GC.
+
+    \b
+    Examples:
+      modelpack cache pin reg.example/models/llama:v1 --cache /var/cache/modelpack
+    """
     click.echo(open_cache(cache_dir).pin(reference))
 
 
@@ -155,7 +219,12 @@ def cache_pin(reference: str, cache_dir: str | None) -> None:
 @cache_dir_option
 @handle_errors
 def cache_unpin(reference: str, cache_dir: str | None) -> None:
-    """Let GC evict REFERENCE's snapshot again."""
+    """Let GC evict REFERENCE's snapshot again.
+
+    \b
+    Examples:
+      modelpack cache unpin reg.example/models/llama:v1 --cache /var/cache/modelpack
+    """
     click.echo(open_cache(cache_dir).unpin(reference))
 
 
@@ -165,7 +234,15 @@ def cache_unpin(reference: str, cache_dir: str | None) -> None:
     "--keep-versions", type=click.IntRange(0), default=None, help="Keep N most recent per repository."
 )
 @click.option("--max-bytes", type=SIZE, default=None, help="Evict least recently used until under SIZE.")
-@click.option("--dry-run", is_flag=True, help="Say what would be evicted; delete nothing.")
+@click.option(
+    "--min-age",
+    type=SECONDS,
+    default=f"{DEFAULT_MIN_AGE_S:g}s",
+    show_default=True,
+    help="Never evict a snapshot used or published less than DURATION ago (its pull may still be "
+    "handing it to the process that reads it).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be evicted and freed; delete nothing.")
 @events_option
 @json_option
 @handle_errors
@@ -173,23 +250,40 @@ def cache_gc(
     cache_dir: str | None,
     keep_versions: int | None,
     max_bytes: int | None,
+    min_age: float,
     dry_run: bool,
     events: str | None,
     as_json: bool,
 ) -> None:
-    """Evict snapshots (LRU), never pinned, in-use or being-pulled ones; sweep crash leftovers.
+    """Evict snapshots (LRU), never pinned, in-use, being-pulled, held or young ones; sweep leftovers.
 
     Deletes refs, then snapshots, then the blobs no remaining manifest needs.
+
+    \b
+    Examples:
+      modelpack cache gc --cache /var/cache/modelpack --keep-versions 2
+      modelpack cache gc --cache /var/cache/modelpack --max-bytes 500G --dry-run
+      modelpack cache gc --cache /var/cache/modelpack --max-bytes 0 --min-age 0 --json
     """
-    res = open_cache(cache_dir, events).gc(keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run)
+    res = open_cache(cache_dir, events).gc(
+        keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run, min_age=min_age
+    )
     if as_json:
         emit_json(res.to_json())
         return
-    verb = "would evict" if dry_run else "evicted"
+    if dry_run:
+        click.echo(
+            f"would evict {len(res.evicted)} snapshots; would free {human_size(res.bytes_freed)} "
+            f"of {human_size(res.bytes_before)}; kept {len(res.kept_in_use)} in use, "
+            f"{len(res.kept_pinned)} pinned, {len(res.kept_pulling)} being pulled, "
+            f"{len(res.kept_held)} held, {len(res.kept_young)} younger than --min-age"
+        )
+        return
     click.echo(
-        f"{verb} {len(res.evicted)} snapshots, removed {res.blobs_removed} blobs, freed "
+        f"evicted {len(res.evicted)} snapshots, removed {res.blobs_removed} blobs, freed "
         f"{human_size(res.bytes_freed)}; kept {len(res.kept_in_use)} in use, {len(res.kept_pinned)} pinned, "
-        f"{len(res.kept_pulling)} being pulled; swept {len(res.swept)} leftovers"
+        f"{len(res.kept_pulling)} being pulled, {len(res.kept_held)} held, "
+        f"{len(res.kept_young)} younger than --min-age; swept {len(res.swept)} leftovers"
     )
 
 
@@ -199,8 +293,13 @@ def cache_gc(
 @click.option("--force", is_flag=True, help="Also remove a pinned or in-use snapshot.")
 @handle_errors
 def cache_rm(reference: str, cache_dir: str | None, force: bool) -> None:
-    """Remove REFERENCE's refs, snapshot and unshared blobs."""
+    """Remove REFERENCE's refs, snapshot and unshared blobs.
+
+    \b
+    Examples:
+      modelpack cache rm reg.example/models/llama:v1 --cache /var/cache/modelpack
+    """
     click.echo(open_cache(cache_dir).rm(reference, force=force))
 
 
-__all__ = ["cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]
+__all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]

@@ -108,6 +108,8 @@ def pull_into_cache(
     jobs: int,
     as_json: bool,
     max_cache_bytes: int | None = None,
+    progress: str = "auto",
+    hold: str | None = None,
 ) -> None:
     """``pull REF --cache DIR``: the pull command's trust flags (--key/--policy/--events) become
     the cache's policy and event log; the cache itself verifies, before publishing."""
@@ -116,8 +118,12 @@ def pull_into_cache(
     topts = build_target_options(kwargs)
     policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
     events = kwargs.pop("trust_events", None)
-    from modelpack.cli.cache import cache_pull
+    from modelpack.cli.cache import SECONDS, cache_pull
 
+    try:
+        hold_s = None if hold is None else SECONDS.convert(hold, None, None)
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint="'--hold'") from None
     cache_pull(
         reference,
         cache_dir,
@@ -127,7 +133,21 @@ def pull_into_cache(
         events=events,
         max_cache_bytes=max_cache_bytes,
         as_json=as_json,
+        progress=progress,
+        hold=hold_s,
     )
+
+
+def _hold_option(fn: Any) -> Any:
+    # a plain string here, read as a duration by the cache branch: the pull-to-directory path
+    # does not import the node cache's command module
+    return click.option(
+        "--hold",
+        default=None,
+        metavar="DURATION",
+        help="With --cache: keep the snapshot from 'cache gc' for DURATION after the pull (e.g. 10m), "
+        "so the process it is handed to finds it; that process's own lease protects it from then on.",
+    )(fn)
 
 
 @click.command("pull")
@@ -143,6 +163,7 @@ def pull_into_cache(
 @click.option(
     "--max-cache-bytes", type=SIZE, default=None, help="With --cache: refuse to grow the cache past SIZE."
 )
+@_hold_option
 @click.option("--include", multiple=True, metavar="GLOB", help="Only files matching GLOB (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
 @target_options
@@ -171,18 +192,29 @@ def pull_cmd(
       modelpack pull registry.example.com/models/llama:v1 ./model
       modelpack pull reg.example/m@sha256:… ./model --include '*.json'
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
+      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --hold 10m
     """
     cache_dir = kwargs.pop("cache_dir", None)
     max_cache_bytes = kwargs.pop("max_cache_bytes", None)
+    hold = kwargs.pop("hold", None)
     if cache_dir is not None:
         if dest_dir is not None or include or exclude:
             raise click.UsageError(
                 "--cache pulls the whole model into the cache: drop DEST_DIR/--include/--exclude"
             )
         pull_into_cache(
-            reference, cache_dir, kwargs, jobs=jobs, as_json=as_json, max_cache_bytes=max_cache_bytes
+            reference,
+            cache_dir,
+            kwargs,
+            jobs=jobs,
+            as_json=as_json,
+            max_cache_bytes=max_cache_bytes,
+            progress=progress,
+            hold=hold,
         )
         return
+    if hold is not None:
+        raise click.UsageError("--hold keeps a node-cache snapshot: it needs --cache DIR")
     if dest_dir is None:
         raise click.UsageError("missing DEST_DIR (or give --cache DIR)")
     from modelpack.api import transfer

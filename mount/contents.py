@@ -1,0 +1,168 @@
+"""What a snapshot must contain, derived from its manifest alone: path → (digest, size, linked).
+
+The ready marker records what a pull built, but a marker can be edited and a snapshot directory
+can gain files; ``cache verify`` (and anyone binding a pinned digest to files) needs the truth
+from the manifest, whose digest is the pin. Raw layers name their file and digest in the
+manifest; tar layers (the image-shaped variant, ``tar`` ModelPack layers) are read again from
+the store — the blob hashed against its digest, the uncompressed stream against its ``diff_id``
+— and each member hashed, with the same path rules as extraction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tarfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from modelpack.mediatypes import (
+    MEDIA_TYPE_IMAGE_CONFIG,
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    parse_layer_media_type,
+)
+from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
+from modelpack.mount.store import Store
+
+from modelpack.errors import DigestMismatchError, ManifestError, UnsafePathError, UnsafeTarError
+from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.digest import HASH_CHUNK
+from modelpack.oci.image_config import MODELS_PREFIX, image_diff_ids
+from modelpack.transfer.untar import MAX_TAR_MEMBERS, open_layer_stream
+
+IMAGE_LAYER_TYPES = (
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+)
+
+
+@dataclass(frozen=True)
+class ExpectedFile:
+    path: str
+    digest: str
+    size: int
+    linked: bool  # a hard link of the layer blob (raw layers); False: extracted from a tar layer
+
+
+def tar_format(layer: Descriptor) -> str | None:
+    """The tar flavour a layer is extracted with (``tar``, ``…+gzip``, ``…+zstd``); None for raw."""
+    if layer.media_type in IMAGE_LAYER_TYPES:
+        return layer.media_type
+    lt = parse_layer_media_type(layer.media_type)
+    if lt is not None and not lt.is_raw:
+        return lt.format
+    return None
+
+
+def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
+    """Where a raw layer's file sits in the snapshot (its title annotation, checked for safety)."""
+    try:
+        rel = layer_filepath(layer.annotations)
+    except UnsafePathError as exc:
+        raise ManifestError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
+    if rel is None:
+        raise ManifestError(
+            f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
+        )
+    return rel
+
+
+class _Hashing:
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.h = hashlib.sha256()
+        self.n = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self.raw.read(n)
+        self.h.update(data)
+        self.n += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(HASH_CHUNK):
+            pass
+
+
+def _tar_members(
+    blob: BinaryIO, layer: Descriptor, fmt: str, strip: str, diff_id: str | None
+) -> list[ExpectedFile]:
+    where = f"layer {layer.digest}"
+    compressed = _Hashing(blob)
+    uncompressed = _Hashing(open_layer_stream(compressed, fmt))  # type: ignore[arg-type]
+    out: list[ExpectedFile] = []
+    with tarfile.open(fileobj=uncompressed, mode="r|", encoding="utf-8") as tar:  # type: ignore[call-overload]
+        for count, member in enumerate(tar, 1):
+            if count > MAX_TAR_MEMBERS:
+                raise UnsafeTarError(f"{where}: more than {MAX_TAR_MEMBERS} members")
+            name = member.name[2:] if member.name.startswith("./") else member.name
+            if member.isdir():
+                continue
+            if strip and not name.startswith(strip):
+                raise UnsafeTarError(f"{where}: member {member.name!r} is outside {strip!r}")
+            try:
+                rel = safe_relative_path(name[len(strip) :] if strip else name, what=f"{where} member")
+            except UnsafePathError as exc:
+                raise UnsafeTarError(str(exc)) from exc
+            if not member.isreg():
+                raise UnsafeTarError(f"{where}: member {member.name!r} is not a regular file")
+            src = tar.extractfile(member)
+            h = hashlib.sha256()
+            n = 0
+            while src is not None:
+                chunk = src.read(HASH_CHUNK)
+                if not chunk:
+                    break
+                h.update(chunk)
+                n += len(chunk)
+            out.append(ExpectedFile(rel, "sha256:" + h.hexdigest(), n, False))
+    uncompressed.drain()
+    compressed.drain()
+    if "sha256:" + compressed.h.hexdigest() != layer.digest or compressed.n != layer.size:
+        raise DigestMismatchError(layer.digest, "sha256:" + compressed.h.hexdigest(), what=where)
+    if diff_id is not None and "sha256:" + uncompressed.h.hexdigest() != diff_id:
+        raise DigestMismatchError(diff_id, "sha256:" + uncompressed.h.hexdigest(), what=f"{where} diff_id")
+    return out
+
+
+def expected_files(
+    manifest: Manifest, store: Store, config_raw: bytes | None = None
+) -> dict[str, ExpectedFile]:
+    """Every file the snapshot of ``manifest`` must hold, keyed by path.
+
+    ``config_raw`` (verified by the caller) is needed for the image-shaped variant's ``diff_ids``.
+    Raises ``ManifestError``/``UnsafeTarError`` for a manifest no snapshot could be built from,
+    ``DigestMismatchError`` for a damaged tar layer blob and ``OSError`` for a missing one.
+    """
+    image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG
+    diff_ids: list[str] = []
+    if image_shaped:
+        if config_raw is None:
+            raise ManifestError(f"{manifest.digest}: image config missing")
+        diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
+    out: dict[str, ExpectedFile] = {}
+    for i, layer in enumerate(manifest.layers):
+        fmt = tar_format(layer)
+        if fmt is None:
+            files = [ExpectedFile(raw_layer_path(manifest, layer), str(layer.digest), layer.size, True)]
+        else:
+            path = store.blob_path(layer.digest)
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as blob:
+                if not stat.S_ISREG(os.fstat(blob.fileno()).st_mode):
+                    raise ManifestError(f"{path}: not a regular file")
+                files = _tar_members(
+                    blob,
+                    layer,
+                    fmt,
+                    MODELS_PREFIX if image_shaped else "",
+                    diff_ids[i] if image_shaped else None,
+                )
+        for f in files:
+            if f.path in out:
+                raise ManifestError(f"{manifest.digest}: two layers claim the path {f.path!r}")
+            out[f.path] = f
+    return out
