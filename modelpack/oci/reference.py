@@ -124,20 +124,21 @@ class Reference:
 
 def canonical_host(host: str) -> str:
     """``host[:port]`` in the one spelling that names the registry (see ``Reference.canonical``)."""
-    import ipaddress  # not on the cache-hit path: only trust decisions need canonical names
-    import socket
-
     name, port = _split_port(host.lower())
     if port is not None:
         port = port.lstrip("0") or "0"
         if port == "443":
             port = None
     if name.startswith("["):
+        import ipaddress  # imported only for such hosts: the cache-hit path stays lean
+
         try:
             name = f"[{ipaddress.IPv6Address(name[1:-1]).compressed}]"
         except ValueError:
             pass
     elif _NUMERIC_IPV4.match(name) and any(c.isdigit() for c in name):
+        import socket
+
         try:  # the resolver's reading (inet_aton): 127.1, 0x7f.0.0.1 and 127.000.0.01 are 127.0.0.1
             name = socket.inet_ntoa(socket.inet_aton(name))
         except OSError:
