@@ -12,15 +12,13 @@ source that serves one header to the parser and another to the digest check is c
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Callable
 
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.sources import WeightFile
 
-from modelpack.errors import SafetensorsError
-from modelpack.packing.safetensors_format import MAX_HEADER_BYTES, SafetensorsHeader, parse_header_bytes
+from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 
 
 def read_header(
@@ -37,14 +35,8 @@ def read_header(
         reader.read_into(offset, memoryview(buf))
         return bytes(buf)
 
-    if size < 8:
-        raise SafetensorsError(name, f"file is {size} bytes; a safetensors file has at least 8")
-    prefix = get(0, 8)
-    (n,) = struct.unpack("<Q", prefix)
-    if n > MAX_HEADER_BYTES:
-        raise SafetensorsError(name, f"header length {n} exceeds the 100 MB limit")
-    if 8 + n > size:
-        raise SafetensorsError(name, f"header length {n} runs past the end of the file ({size} bytes)")
+    prefix = get(0, 8) if size >= 8 else b""
+    n = header_length(name, prefix, size)  # the packer's checks and messages ("not a safetensors file")
     body = get(8, n)
     return parse_header_bytes(name, prefix, body, size), prefix + body
 
