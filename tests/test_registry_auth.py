@@ -112,7 +112,11 @@ def test_token_auth_anonymous_pull_and_scope_upgrade(
     with pytest.raises(AuthenticationError):
         transfer.push(str(checkpoint), ref, progress="off")
 
-    opts = TargetOptions(username=token_registry.username, password=token_registry.password)
+    opts = TargetOptions(
+        username=token_registry.username,
+        password=token_registry.password,
+        credentials_host=token_registry.host,  # credentials belong to one registry (issue 11.12)
+    )
     target = open_target(token_registry.ref("token/model", None), opts)  # opened for reading
     assert isinstance(target, RegistryTarget)
     ts.requests_seen.clear()

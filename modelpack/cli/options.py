@@ -193,6 +193,25 @@ def jobs_option(fn: F) -> F:
     )(fn)
 
 
+class DurationType(click.ParamType):
+    """A duration written the way people write them (``--retry-for 2m``)."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        from modelpack.targets.retry import parse_duration
+
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = DurationType()
+
+
 def target_options(fn: F) -> F:
     """Connection flags every command that touches a registry or bucket accepts."""
     opts = [
@@ -203,9 +222,20 @@ def target_options(fn: F) -> F:
             "--ca-file", type=click.Path(exists=True, dir_okay=False), help="PEM CA bundle for registry TLS."
         ),
         click.option(
-            "--username", "-u", help="Registry user (else MODELPACK_REGISTRY_USERNAME or docker config)."
+            "--username",
+            "-u",
+            help="Registry user, for the registry this command names (the destination of push, cp "
+            "and tag) and no other; else MODELPACK_REGISTRY_USERNAME or docker config.",
         ),
         click.option("--password-stdin", is_flag=True, help="Read the registry password from stdin."),
+        click.option(
+            "--retry-for",
+            type=DURATION,
+            envvar="MODELPACK_RETRY_FOR",
+            default=None,
+            help="Keep retrying through a network or registry outage this long (30s, 2m; 0: never). "
+            "Cut downloads resume from the byte reached. Default 60s.",
+        ),
         click.option("--s3-endpoint", envvar="MODELPACK_S3_ENDPOINT", help="S3-compatible endpoint URL."),
         click.option("--s3-region", envvar="AWS_REGION", help="S3 region."),
     ]
@@ -214,21 +244,78 @@ def target_options(fn: F) -> F:
     return fn
 
 
-def build_target_options(kwargs: dict[str, Any]) -> TargetOptions:
-    """Pop the connection flags out of a command's kwargs into a TargetOptions."""
+def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None) -> TargetOptions:
+    """Pop the connection flags out of a command's kwargs into a TargetOptions.
+
+    ``--username``/``--password-stdin`` (and the environment's credentials) are bound to one
+    registry host: ``registry`` (a reference or host) when the command says which, else the one
+    registry host among the command's arguments. A command naming two registries without saying
+    which the credentials are for is a usage error, never a guess.
+    """
     from modelpack.targets.opener import TargetOptions
 
     password = None
     if kwargs.pop("password_stdin", False):
         password = sys.stdin.readline().rstrip("\n")
+    username = kwargs.pop("username", None)
+    host = _registry_host(registry) if registry else _command_registry_host(bool(username))
     return TargetOptions(
         plain_http=kwargs.pop("plain_http", False),
         ca_file=kwargs.pop("ca_file", None),
-        username=kwargs.pop("username", None),
+        username=username,
         password=password,
+        credentials_host=host,
+        retry_for=kwargs.pop("retry_for", None),
         s3_endpoint=kwargs.pop("s3_endpoint", None),
         s3_region=kwargs.pop("s3_region", None),
     )
+
+
+def _registry_host(value: str) -> str | None:
+    """The registry host a command argument names (``HOST/REPO:TAG`` or a bare ``HOST[:PORT]``),
+    or None for anything else (a directory, ``oci:``, ``s3://``, a file)."""
+    if not value or value.startswith(("oci:", "s3://", ".", "/", "~")) or os.path.exists(value):
+        return None
+    first = value.split("/", 1)[0]
+    if not ("." in first or ":" in first or first == "localhost") or "@" in first:
+        return None  # implicit Docker Hub names are never guessed as the credentials' registry
+    if "/" not in value:
+        return first
+    from modelpack.oci.reference import parse_reference
+
+    try:
+        ref = parse_reference(value)
+    except ModelpackError:
+        return None
+    return ref.location if ref.scheme == "registry" else None
+
+
+def _command_registry_host(credentials_given: bool) -> str | None:
+    """The one registry host among the running command's arguments (None when there is none)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return None
+    from modelpack.targets.registry.hosts import canonical_host
+
+    hosts: dict[str, str] = {}
+    for param in ctx.command.params:
+        if not isinstance(param, click.Argument) or isinstance(param.type, click.Path):
+            continue
+        value = ctx.params.get(param.name or "")
+        for item in value if isinstance(value, (tuple, list)) else [value]:
+            host = _registry_host(item) if isinstance(item, str) else None
+            if host:
+                hosts.setdefault(canonical_host(host), host)
+    if len(hosts) > 1 and (credentials_given or os.environ.get("MODELPACK_REGISTRY_USERNAME")):
+        if not credentials_given and os.environ.get("MODELPACK_REGISTRY_HOST"):
+            return None  # the environment names its registry itself
+        names = ", ".join(sorted(hosts))
+        raise click.UsageError(
+            f"registry credentials apply to one registry, and this command names {names}: store them "
+            "per host with 'modelpack login HOST' (or set MODELPACK_REGISTRY_HOST for "
+            "MODELPACK_REGISTRY_USERNAME/PASSWORD)"
+        )
+    return next(iter(hosts.values()), None)
 
 
 def trust_policy_from(keys: Sequence[str], policy: str | None) -> TrustPolicy | None:

@@ -16,7 +16,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from modelpack.errors import LayoutError, ManifestError, NotFoundError, SizeMismatchError
+from modelpack import boundedjson
+from modelpack.errors import DocumentError, LayoutError, ManifestError, NotFoundError, SizeMismatchError
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
@@ -134,9 +135,12 @@ class OCILayoutTarget:
         else:
             try:
                 with open(layout_file, "rb") as f:
-                    version = json.loads(f.read(4096)).get("imageLayoutVersion")
-            except (OSError, ValueError) as exc:
+                    layout_doc = boundedjson.loads_object(f.read(4097), what=layout_file, max_bytes=4096)
+                version = layout_doc.get("imageLayoutVersion")
+            except OSError as exc:
                 raise LayoutError(f"{layout_file}: unreadable oci-layout file: {exc}") from exc
+            except DocumentError as exc:
+                raise LayoutError(f"{layout_file}: unreadable oci-layout file: {exc.reason}") from None
             if version != "1.0.0":
                 raise LayoutError(f"{layout_file}: unsupported imageLayoutVersion {version!r}")
             os.makedirs(os.path.join(self.path, "blobs", "sha256"), exist_ok=True)
@@ -163,10 +167,10 @@ class OCILayoutTarget:
         if len(raw) > MAX_INDEX_BYTES:
             raise LayoutError(f"{self._index_path} is larger than {MAX_INDEX_BYTES} bytes")
         try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise LayoutError(f"{self._index_path}: invalid index: {exc}") from exc
-        if not isinstance(doc, dict) or not isinstance(doc.get("manifests", []), list):
+            doc = boundedjson.loads_object(raw, what=self._index_path, max_bytes=MAX_INDEX_BYTES)
+        except DocumentError as exc:
+            raise LayoutError(f"{self._index_path}: invalid index: {exc.reason}") from None
+        if not isinstance(doc.get("manifests", []), list):
             raise LayoutError(f"{self._index_path}: invalid index")
         doc.setdefault("manifests", [])
         return doc

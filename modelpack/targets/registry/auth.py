@@ -1,9 +1,19 @@
-"""Registry credentials and the Basic/Bearer challenge dance.
+"""Registry credentials, bound to the registry host they belong to, and the Basic/Bearer dance.
 
-Where credentials come from, first match wins: explicit (``--username`` + ``--password-stdin``),
-the environment (``MODELPACK_REGISTRY_USERNAME`` / ``MODELPACK_REGISTRY_PASSWORD``, for CI), then
-Docker's ``config.json`` (``DOCKER_CONFIG``, ``auths``, ``credsStore``, ``credHelpers``) read through
-the ``docker`` package's own helpers, so whatever ``docker login`` wrote works here too.
+Where credentials for a host come from, first match wins: the command line (``--username`` +
+``--password-stdin``, ``cp --src-creds/--dest-creds``), the environment
+(``MODELPACK_REGISTRY_USERNAME`` / ``MODELPACK_REGISTRY_PASSWORD``, for CI), then Docker's
+``config.json`` (``DOCKER_CONFIG``, ``auths``, ``credsStore``, ``credHelpers``) read through the
+``docker`` package's own helpers, so whatever ``docker login`` wrote works here too.
+
+Each of them belongs to one registry host. Command-line credentials apply to the registry the
+command names (``TargetOptions.credentials_host``; for ``cp``, the destination unless
+``--src-creds`` says otherwise), environment credentials to ``MODELPACK_REGISTRY_HOST`` or else
+that same registry, and ``config.json`` entries are keyed by host as docker keys them. Without
+that binding a ``cp`` from a hostile registry that answers with a Basic challenge would collect
+the CI password meant for the destination. Command-line and environment credentials also never
+go to a token service on another host name (Docker Hub's documented ``auth.docker.io`` aside);
+``config.json`` entries follow the registry's realm the way docker does.
 
 Bearer tokens are cached per (realm, service, scope): a pull-scoped token is never reused for a
 push (the bug that keeps the PyPI ``oras`` client from pushing to token registries). Nothing in
@@ -13,6 +23,7 @@ this module logs or formats a password or a token; ``Credentials.__repr__`` hide
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import os
@@ -23,15 +34,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
+import urllib3
 
-from modelpack.errors import AuthenticationError, RegistryConnectionError, RegistryError
+from modelpack import boundedjson
+from modelpack.errors import AuthenticationError, DocumentError, RegistryConnectionError, RegistryError
 from modelpack.files import atomic_write_bytes
-from modelpack.targets.registry.hosts import is_loopback_url
+from modelpack.targets.options import TargetOptions
+from modelpack.targets.registry.hosts import (
+    canonical_host,
+    host_name,
+    is_loopback_url,
+    token_host_allowed,
+)
+from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry.auth")
 
 ENV_USERNAME = "MODELPACK_REGISTRY_USERNAME"
 ENV_PASSWORD = "MODELPACK_REGISTRY_PASSWORD"
+ENV_HOST = "MODELPACK_REGISTRY_HOST"
+#: where credentials that must stay on their registry host come from
+HOST_BOUND_SOURCES = frozenset({"command line", "environment"})
 MAX_TOKEN_RESPONSE = 1024 * 1024
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]+$")
 DOCKER_HUB_AUTH_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io")
@@ -46,6 +69,12 @@ class Credentials:
     password: str = field(repr=False)
     identity_token: str | None = field(default=None, repr=False)
     source: str = ""
+
+    @property
+    def host_bound(self) -> bool:
+        """Given on the command line or in the environment: sent to their registry host only,
+        never to a token service on another host name."""
+        return self.source in HOST_BOUND_SOURCES
 
     def basic_header(self) -> str:
         raw = f"{self.username}:{self.password}".encode()
@@ -87,20 +116,43 @@ def _from_docker_config(host: str) -> Credentials | None:
     return Credentials(user, password, identity, source=f"docker config {path}")
 
 
-def resolve_credentials(
-    host: str, username: str | None = None, password: str | None = None
-) -> Credentials | None:
-    """Explicit → environment → docker config.json; None means anonymous."""
-    if username:
-        if password is None:
+def resolve_credentials(host: str, options: TargetOptions | None = None) -> Credentials | None:
+    """The credentials that belong to ``host``: command line → environment → docker config.json;
+    None means anonymous. Credentials bound to another host are never returned."""
+    opts = options or TargetOptions()
+    registry = canonical_host(host)
+    for bound, (user, password) in (opts.registry_credentials or {}).items():
+        if canonical_host(bound) == registry:
+            return Credentials(user, password, source="command line")
+    if opts.username:
+        if opts.password is None:
             raise AuthenticationError(
                 "a username was given without a password (use --password-stdin)", target=host
             )
-        return Credentials(username, password, source="command line")
+        if not opts.credentials_host:
+            raise AuthenticationError(
+                "credentials were given without the registry they belong to; name it "
+                "(TargetOptions.credentials_host) so they are never sent to another host",
+                target=host,
+            )
+        if canonical_host(opts.credentials_host) == registry:
+            return Credentials(opts.username, opts.password, source="command line")
     env_user, env_password = os.environ.get(ENV_USERNAME), os.environ.get(ENV_PASSWORD)
     if env_user and env_password is not None:
-        return Credentials(env_user, env_password, source="environment")
+        env_host = os.environ.get(ENV_HOST) or opts.credentials_host
+        if env_host and canonical_host(env_host) == registry:
+            return Credentials(env_user, env_password, source="environment")
     return _from_docker_config(host)
+
+
+def unbound_environment_hint(host: str) -> str:
+    """Why environment credentials were not used for ``host`` (empty when they were not set)."""
+    if not os.environ.get(ENV_USERNAME):
+        return ""
+    named = os.environ.get(ENV_HOST)
+    if named:
+        return f"; {ENV_USERNAME} belongs to {named} ({ENV_HOST}), not to {host}"
+    return f"; {ENV_USERNAME} is set but names no registry: set {ENV_HOST}={host}"
 
 
 # ----------------------------------------------------------------------------- challenges
@@ -158,8 +210,10 @@ class Authenticator:
         *,
         verify: bool | str = True,
         timeout: float = 60.0,
+        retry_for: float | None = None,
     ) -> None:
         self.host = host
+        self._retry_for = retry_for
         self._session = session
         self._credentials = credentials
         self._verify = verify
@@ -235,6 +289,14 @@ class Authenticator:
                 f"refusing to send credentials to a plain-HTTP token realm {realm}", target=self.host
             )
         creds = self._credentials
+        if creds is not None and creds.host_bound and not token_host_allowed(self.host, realm):
+            raise AuthenticationError(
+                f"the registry sends token requests to another host ({host_name(realm)}); credentials "
+                f"from the {creds.source} belong to {canonical_host(self.host)} and are never sent "
+                "elsewhere (store them with 'modelpack login', whose entries follow the registry's "
+                "token service as docker's do)",
+                target=self.host,
+            )
         log.debug(
             "token request: realm=%s service=%s scopes=%s as %s",
             realm,
@@ -243,6 +305,47 @@ class Authenticator:
             "anonymous" if creds is None else "an authenticated user",
         )
         self.token_requests += 1
+        budget = RetryBudget(self._retry_for)
+        while True:
+            try:
+                status, body = self._token_request(realm, service, scopes, creds)
+            except _TokenTransportError as exc:
+                if budget.wait():
+                    continue
+                raise RegistryConnectionError(
+                    f"token service {host_name(realm)} unreachable: {exc.reason}", target=self.host
+                ) from None
+            if status in (429, 502, 503, 504) and budget.wait():
+                continue
+            break
+        if status in (401, 403):
+            raise AuthenticationError(
+                "the token service refused the credentials"
+                if creds is not None
+                else "the token service requires credentials (modelpack login, -u/--password-stdin, "
+                f"or {ENV_USERNAME}/{ENV_PASSWORD})" + unbound_environment_hint(self.host),
+                status=status,
+                target=self.host,
+            )
+        if status != 200:
+            raise RegistryError("token request failed", status=status, target=self.host)
+        try:
+            doc = boundedjson.loads_object(body, what="token response", max_bytes=MAX_TOKEN_RESPONSE)
+        except DocumentError as exc:
+            raise AuthenticationError(f"unusable token response ({exc.reason})", target=self.host) from None
+        value = doc.get("token") or doc.get("access_token")
+        if not isinstance(value, str) or not _TOKEN_RE.match(value):
+            raise AuthenticationError("token response has no usable token", target=self.host)
+        expires_in = doc.get("expires_in", 60)
+        if not isinstance(expires_in, int) or expires_in < 60:
+            expires_in = 60  # the spec's minimum
+        return _Token(value, time.monotonic() + expires_in)
+
+    def _token_request(
+        self, realm: str, service: str | None, scopes: tuple[str, ...], creds: Credentials | None
+    ) -> tuple[int, bytes]:
+        """One token request: (status, body of at most 1 MiB + 1 byte); transport failures raise
+        ``_TokenTransportError`` so the caller can retry them."""
         try:
             if creds is not None and creds.identity_token:
                 form = {
@@ -270,36 +373,24 @@ class Authenticator:
                     verify=self._verify,
                     stream=True,
                 )
-        except requests.RequestException as exc:
-            raise RegistryConnectionError(
-                f"token service {realm} unreachable: {type(exc).__name__}", target=self.host
-            ) from None
-        with resp:
-            body = resp.raw.read(MAX_TOKEN_RESPONSE + 1, decode_content=True)
-            if resp.status_code in (401, 403):
-                raise AuthenticationError(
-                    "the token service refused the credentials"
-                    if creds is not None
-                    else "the token service requires credentials (docker login, "
-                    f"{ENV_USERNAME}/{ENV_PASSWORD} or --username)",
-                    status=resp.status_code,
-                    target=self.host,
-                )
-            if resp.status_code != 200:
-                raise RegistryError("token request failed", status=resp.status_code, target=self.host)
-        if len(body) > MAX_TOKEN_RESPONSE:
-            raise AuthenticationError("token response larger than 1 MiB", target=self.host)
-        try:
-            doc: Any = json.loads(body)
-        except ValueError:
-            raise AuthenticationError("token response is not JSON", target=self.host) from None
-        value = doc.get("token") or doc.get("access_token") if isinstance(doc, dict) else None
-        if not isinstance(value, str) or not _TOKEN_RE.match(value):
-            raise AuthenticationError("token response has no usable token", target=self.host)
-        expires_in = doc.get("expires_in", 60)
-        if not isinstance(expires_in, int) or expires_in < 60:
-            expires_in = 60  # the spec's minimum
-        return _Token(value, time.monotonic() + expires_in)
+            with resp:
+                body = resp.raw.read(MAX_TOKEN_RESPONSE + 1, decode_content=True)
+                return resp.status_code, body
+        except (
+            requests.RequestException,
+            urllib3.exceptions.HTTPError,
+            http.client.HTTPException,
+            OSError,
+        ) as exc:
+            raise _TokenTransportError(type(exc).__name__) from None
+
+
+class _TokenTransportError(Exception):
+    """A token request that failed in transport (refused, reset, cut, timed out)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 # ----------------------------------------------------------------------------- login / logout
@@ -311,13 +402,12 @@ def _read_config(path: str) -> dict[str, Any]:
         return {}
     if len(raw) > 16 * 1024 * 1024:
         raise RegistryError(f"{path} is larger than 16 MiB")
+    if not raw.strip():
+        return {}
     try:
-        doc = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        raise RegistryError(f"{path} is not valid JSON; not touching it") from None
-    if not isinstance(doc, dict):
-        raise RegistryError(f"{path} is not a JSON object; not touching it")
-    return doc
+        return boundedjson.loads_object(raw, what=path, max_bytes=16 * 1024 * 1024)
+    except DocumentError as exc:
+        raise RegistryError(f"{path}: {exc.reason}; not touching it") from None
 
 
 def _credential_store_for(doc: dict[str, Any], host: str) -> str | None:

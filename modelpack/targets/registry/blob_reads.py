@@ -1,13 +1,21 @@
-"""Blob downloads from a registry repository: a stream from an offset, or an exact range.
+"""Blob downloads from a registry repository: a stream from an offset, or an exact range, each
+resumed from the byte it reached when the connection is cut.
 
-Neither is verified here: the consumer (copy engine, pull, loader) does, because a registry
-serves a corrupted stored blob without noticing. What is checked is that the bytes start where
-asked (a 206's ``Content-Range``), and that a registry without range support has its prefix
-skipped here, so a resumed read never splices in the wrong bytes.
+Neither is verified here: the consumer (copy engine, pull, node cache, loader) does, because a
+registry serves a corrupted stored blob without noticing. What is checked is that the bytes
+start where asked (a 206's ``Content-Range``), and that a registry without range support has its
+prefix skipped here, so a resumed read never splices in the wrong bytes.
+
+A cut (registry restarted, proxy or load balancer dropping the connection) is resumed with a
+``Range`` request from the byte reached, within the client's retry budget, which starts afresh
+whenever bytes flow again; so the consumer sees one uninterrupted stream and every byte crosses
+the wire once. When the budget is spent, the consumer gets a ``RegistryConnectionError`` naming
+the registry, the blob and the byte reached, never a urllib3 traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, BinaryIO
 
@@ -15,101 +23,235 @@ import requests
 
 from modelpack.errors import RegistryError, SizeMismatchError
 from modelpack.oci.descriptor import Descriptor
+from modelpack.targets.registry.client import TRANSPORT_ERRORS, is_transport_error
 from modelpack.targets.registry.repository import RepositoryAPI
+from modelpack.targets.retry import RetryBudget
+
+log = logging.getLogger("modelpack.targets.registry")
+
+#: clean ends of stream (no error, no bytes) in a row before a short blob is called short
+MAX_EMPTY_RESUMES = 3
+_SKIP_CHUNK = 1 << 20
 
 
-class ResponseStream:
-    """A blob download as a binary stream; closing it releases the connection."""
+class ResumingBlobStream:
+    """A blob download as a binary stream that resumes itself after a cut; closing it releases
+    the connection. ``resumes`` counts the ranged requests that continued it."""
 
-    def __init__(self, response: requests.Response) -> None:
-        self._resp = response
-        self._raw = response.raw
+    def __init__(self, repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0) -> None:
+        self._repo = repo
+        self._desc = descriptor
+        self._pos = offset
+        self._budget = repo.client.budget()
+        self._resp: requests.Response | None = None
+        self._empty = 0
+        self.resumes = 0
+        self._resp = self._open()
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    def _what(self) -> str:
+        return f"blob {self._desc.digest} from {self._repo.name}"
+
+    def _open(self) -> requests.Response:
+        try:
+            return _open_at(self._repo, self._desc, self._pos, self._budget)
+        except RegistryError as exc:
+            if exc.status == 416 and self._pos:  # nothing after the byte reached: a short blob
+                raise SizeMismatchError(
+                    self._desc.digest, self._desc.size, self._pos, source=self._repo.name
+                ) from None
+            raise
 
     def read(self, n: int = -1) -> bytes:
-        data: bytes = self._raw.read(None if n is None or n < 0 else n, decode_content=False)
-        return data
+        want = None if n is None or n < 0 else n
+        if want == 0:
+            return b""
+        while True:
+            if self._resp is None:
+                self._resp = self._open()
+            try:
+                data: bytes = self._resp.raw.read(want, decode_content=False)
+            except TRANSPORT_ERRORS as exc:
+                if not is_transport_error(exc):
+                    raise
+                self._cut(exc)
+                continue
+            if data:
+                self._pos += len(data)
+                self._empty = 0
+                self._budget.progressed()
+                return data
+            if self._pos >= self._desc.size or "Content-Length" in self._resp.headers:
+                # the end, or all the registry says there is (a body that ends before its
+                # declared length raises instead): the consumer's size check reports a short blob
+                return b""
+            # a close-delimited body that ended early: a cut nobody could tell from the end
+            self._empty += 1
+            if self._empty > MAX_EMPTY_RESUMES:
+                raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos, source=self._repo.name)
+            self._cut(None)
+
+    def _cut(self, exc: BaseException | None) -> None:
+        """Drop the broken response and wait for the next attempt (raise when out of budget)."""
+        self._release()
+        reason = type(exc).__name__ if exc is not None else "end of stream"
+        log.debug("%s: cut at byte %d (%s); resuming", self._what(), self._pos, reason)
+        if not self._budget.wait():
+            raise self._repo.client.connection_error(
+                f"{self._what()} at byte {self._pos} of {self._desc.size}", exc, self._budget
+            )
+        self._repo.client.count_retry()
+        self._repo.count("read_resumes")
+        self.resumes += 1
 
     def readinto(self, buf: Any) -> int:
-        data = self.read(len(buf))
-        buf[: len(data)] = data
+        view = memoryview(buf).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
         return len(data)
 
     def readable(self) -> bool:
         return True
 
-    def close(self) -> None:
-        self._resp.close()
+    def _release(self) -> None:
+        if self._resp is not None:
+            try:
+                self._resp.close()
+            except Exception:
+                pass
+            self._resp = None
 
-    def __enter__(self) -> ResponseStream:
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> ResumingBlobStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def open_blob(repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
-    """The blob from ``offset`` as a stream; closing it releases the connection."""
-    headers = {"Range": f"bytes={offset}-"} if offset else {}
-    resp = repo.client.request(
-        "GET",
-        repo.path("blobs", descriptor.digest),
-        scopes=repo.scopes(),
-        headers=headers,
-        stream=True,
-        ok=(200, 206),
-        what=f"blob {descriptor.digest} from {repo.name}",
-    )
-    if resp.status_code == 206:
-        _check_content_range(repo, resp, descriptor, offset)
-    if offset and resp.status_code == 200:
+def _open_at(
+    repo: RepositoryAPI, descriptor: Descriptor, offset: int, budget: RetryBudget
+) -> requests.Response:
+    """A response whose body starts at ``offset`` (a 206 checked, or a 200 with the prefix read
+    past); connection failures while skipping count as cuts of the caller's budget."""
+    while True:
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        resp = repo.client.request(
+            "GET",
+            repo.path("blobs", descriptor.digest),
+            scopes=repo.scopes(),
+            headers=headers,
+            stream=True,
+            ok=(200, 206),
+            what=f"blob {descriptor.digest} from {repo.name}",
+            budget=budget,
+        )
+        if resp.status_code == 206:
+            _check_content_range(repo, resp, descriptor, offset)
+            return resp
+        if not offset:
+            return resp
         # no range support: skip the prefix ourselves (bounded reads)
         left = offset
-        while left:
-            data = resp.raw.read(min(left, 1 << 20), decode_content=False)
-            if not data:
-                resp.close()
-                raise SizeMismatchError(descriptor.digest, descriptor.size, offset - left, source=repo.name)
-            left -= len(data)
-    return ResponseStream(resp)  # type: ignore[return-value]
+        try:
+            while left:
+                data = resp.raw.read(min(left, _SKIP_CHUNK), decode_content=False)
+                if not data:
+                    resp.close()
+                    raise SizeMismatchError(
+                        descriptor.digest, descriptor.size, offset - left, source=repo.name
+                    )
+                left -= len(data)
+        except TRANSPORT_ERRORS as exc:
+            resp.close()
+            if not is_transport_error(exc):
+                raise
+            if not budget.wait():
+                raise repo.client.connection_error(
+                    f"blob {descriptor.digest} from {repo.name} at byte {offset}", exc, budget
+                ) from None
+            continue
+        return resp
+
+
+def open_blob(repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+    """The blob from ``offset`` as a stream that resumes after a cut; closing it releases the
+    connection."""
+    return ResumingBlobStream(repo, descriptor, offset)  # type: ignore[return-value]
 
 
 def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length: int) -> bytes:
-    """Exactly ``length`` bytes at ``offset`` (a registry that ignores ``Range`` is skipped through)."""
+    """Exactly ``length`` bytes at ``offset`` (a registry that ignores ``Range`` is skipped
+    through); a cut range is continued from the byte it reached."""
     if length <= 0:
         return b""
     if offset < 0 or offset + length > descriptor.size:
         raise SizeMismatchError(descriptor.digest, descriptor.size, offset + length, source=repo.name)
-    resp = repo.client.request(
-        "GET",
-        repo.path("blobs", descriptor.digest),
-        scopes=repo.scopes(),
-        headers={"Range": f"bytes={offset}-{offset + length - 1}"},
-        stream=True,
-        ok=(206,),
-        allow=(200, 416),
-        what=f"range of blob {descriptor.digest} from {repo.name}",
-    )
-    with resp:
-        if resp.status_code == 416:
-            # distribution 2.8's 416 carries a wrong Content-Length: never read its body
-            raise RegistryError(
-                f"range {offset}+{length} of blob {descriptor.digest} not satisfiable",
-                status=416,
-                target=repo.name,
-            )
-        if resp.status_code == 206:
-            _check_content_range(repo, resp, descriptor, offset)
-        if resp.status_code == 200:
-            left = offset
-            while left:
-                chunk = resp.raw.read(min(left, 1 << 20), decode_content=False)
-                if not chunk:
-                    break
-                left -= len(chunk)
-        data = resp.raw.read(length + 1 if resp.status_code == 206 else length, decode_content=False)
-    if len(data) != length:
-        raise SizeMismatchError(descriptor.digest, length, len(data), source=f"{repo.name} range {offset}")
-    return bytes(data)
+    budget = repo.client.budget()
+    got = bytearray()
+    what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
+    while len(got) < length:
+        start = offset + len(got)
+        resp = repo.client.request(
+            "GET",
+            repo.path("blobs", descriptor.digest),
+            scopes=repo.scopes(),
+            headers={"Range": f"bytes={start}-{offset + length - 1}"},
+            stream=True,
+            ok=(206,),
+            allow=(200, 416),
+            what=what,
+            budget=budget,
+        )
+        try:
+            with resp:
+                if resp.status_code == 416:
+                    # distribution 2.8's 416 carries a wrong Content-Length: never read its body
+                    raise RegistryError(f"{what} not satisfiable", status=416, target=repo.name)
+                if resp.status_code == 206:
+                    _check_content_range(repo, resp, descriptor, start)
+                else:
+                    _skip(resp, start)
+                before = len(got)
+                _read_into(resp, got, length)
+                if len(got) == before:
+                    break  # the registry has no more bytes: the size check below says so
+                budget.progressed()
+        except TRANSPORT_ERRORS as exc:
+            if not is_transport_error(exc):
+                raise
+            log.debug("%s: cut at byte %d (%s); resuming", what, start, type(exc).__name__)
+            if not budget.wait():
+                raise repo.client.connection_error(what, exc, budget) from None
+            repo.client.count_retry()
+            repo.count("read_resumes")
+    if len(got) != length:
+        raise SizeMismatchError(descriptor.digest, length, len(got), source=f"{repo.name} range {offset}")
+    return bytes(got)
+
+
+def _skip(resp: requests.Response, n: int) -> None:
+    """Read past the first ``n`` bytes of a 200 (a registry that ignored ``Range``)."""
+    left = n
+    while left:
+        chunk = resp.raw.read(min(left, _SKIP_CHUNK), decode_content=False)
+        if not chunk:
+            return
+        left -= len(chunk)
+
+
+def _read_into(resp: requests.Response, got: bytearray, length: int) -> None:
+    """Append the response's bytes to ``got`` up to ``length`` in all (bytes kept on a cut)."""
+    while len(got) < length:
+        data = resp.raw.read(min(length - len(got), _SKIP_CHUNK), decode_content=False)
+        if not data:
+            return
+        got += data
 
 
 def _check_content_range(

@@ -2,9 +2,16 @@
 
 Why not the PyPI ``oras`` client: see DESIGN §3. What this adds over bare ``requests``:
 scheme choice (HTTPS, plain HTTP only for loopback or an explicit ``--plain-http``), the auth
-dance (``modelpack.targets.registry.auth``), bounded retries for idempotent requests only, OCI error
-bodies turned into typed errors, and request logging that never includes credentials (only the
-method, the path without its query, and the status are logged).
+dance (``modelpack.targets.registry.auth``), retries of idempotent requests within a time budget
+(``modelpack.targets.retry``: backoff with jitter, long enough to ride out a registry restart),
+small bodies read whole and re-fetched when a connection is cut, OCI error bodies turned into
+typed errors, and request logging that never includes credentials (only the method, the path
+without its query, and the status are logged). Whatever ``requests`` or ``urllib3`` raise leaves
+this module as a ``RegistryConnectionError`` naming the registry and what was being done.
+
+The Authorization header goes to the registry's own host only: an upload ``Location`` or a
+redirect to another host gets none (``requests`` strips it from redirects; ``request`` does not
+add it to URLs on other hosts).
 
 ``trust_env`` is off so ``~/.netrc`` can never inject an Authorization header; proxies from the
 environment are still honoured, explicitly, for non-loopback registries.
@@ -12,20 +19,23 @@ environment are still honoured, explicitly, for non-loopback registries.
 
 from __future__ import annotations
 
-import json
+import http.client
 import logging
-import random
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
+import urllib3
 from requests.adapters import HTTPAdapter
 
+from modelpack import boundedjson
 from modelpack.errors import (
     AuthenticationError,
+    DocumentError,
     InsecureRegistryError,
     PermissionDeniedError,
     RegistryConnectionError,
@@ -33,15 +43,40 @@ from modelpack.errors import (
     RegistryNotFoundError,
     RegistryTLSError,
 )
-from modelpack.targets.registry.auth import Authenticator, Credentials
+from modelpack.targets.registry.auth import Authenticator, Credentials, unbound_environment_hint
 from modelpack.targets.registry.hosts import is_loopback_host
+from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
 MAX_ERROR_BODY = 64 * 1024
-DEFAULT_RETRIES = 4
-MAX_BACKOFF_S = 8.0
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: answers that mean "not now": retried within the budget (a restarting registry behind a proxy)
+RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
+#: a 500 is more often a lasting fault than an outage: retried a few times only
+MAX_500_RETRIES = 4
+#: what a cut, reset or timed-out connection raises, whichever layer notices it first (requests'
+#: own errors derive from OSError too: ``is_transport_error`` tells the transient ones apart)
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    requests.exceptions.RequestException,
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    OSError,
+)
+_REQUESTS_TRANSIENT = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """A cut, reset, refused or timed-out connection (worth a retry), as opposed to a request
+    ``requests`` refused to make (bad URL, redirect loop) or a body it could not decode."""
+    if isinstance(exc, requests.exceptions.RequestException):
+        return isinstance(exc, _REQUESTS_TRANSIENT)
+    return isinstance(exc, TRANSPORT_ERRORS)
+
+
 SOCKET_BLOCKSIZE = 1024 * 1024
 DOCKER_HUB_API = "registry-1.docker.io"  # urllib3 sends streamed bodies in blocks of this size
 
@@ -67,7 +102,7 @@ class _BigBlockAdapter(HTTPAdapter):
 
 
 def oci_error(response: requests.Response) -> tuple[str | None, str]:
-    """First OCI error code and message from an error body (bounded read)."""
+    """First OCI error code and message from an error body (bounded read; never raises)."""
     try:
         raw = response.raw.read(MAX_ERROR_BODY, decode_content=True) if response.raw else b""
     except Exception:
@@ -78,15 +113,32 @@ def oci_error(response: requests.Response) -> tuple[str | None, str]:
         except Exception:
             raw = b""
     try:
-        doc = json.loads(raw)
-        errs = doc.get("errors") if isinstance(doc, dict) else None
-        if isinstance(errs, list) and errs and isinstance(errs[0], dict):
-            code = errs[0].get("code")
-            msg = errs[0].get("message") or ""
-            return (str(code) if code else None), str(msg)[:300]
-    except (ValueError, UnicodeDecodeError):
-        pass
+        doc = boundedjson.loads(raw, what="error body", max_bytes=MAX_ERROR_BODY, max_depth=16)
+    except DocumentError:
+        return None, ""
+    errs = doc.get("errors") if isinstance(doc, dict) else None
+    if isinstance(errs, list) and errs and isinstance(errs[0], dict):
+        code = errs[0].get("code")
+        msg = errs[0].get("message") or ""
+        return (str(code)[:100] if code else None), str(msg)[:300]
     return None, ""
+
+
+@dataclass
+class Document:
+    """A small response read whole: status, headers and body (at most the caller's bound + 1)."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+
+class BodyTooLarge(Exception):
+    """A declared ``Content-Length`` above the caller's bound (raised before reading)."""
+
+    def __init__(self, declared: int) -> None:
+        super().__init__(declared)
+        self.declared = declared
 
 
 class RegistryClient:
@@ -102,14 +154,14 @@ class RegistryClient:
         insecure_skip_verify: bool = False,
         credentials: Credentials | None = None,
         timeout: float = 300.0,
-        retries: int = DEFAULT_RETRIES,
+        retry_for: float | None = None,
         pool_size: int = 16,
     ) -> None:
         self.host = host
         # Docker Hub's references say docker.io; its API lives elsewhere (as docker resolves it)
         self.api_host = DOCKER_HUB_API if host in ("docker.io", "index.docker.io") else host
         self.plain_http = plain_http
-        self.retries = retries
+        self.retry_for = retry_for
         self.timeout = timeout
         self.verify: bool | str = False if insecure_skip_verify else (ca_file or True)
         self._scheme: str | None = "http" if plain_http else ("https" if not is_loopback_host(host) else None)
@@ -123,7 +175,19 @@ class RegistryClient:
         self._proxies: dict[str, str] = {}
         if not is_loopback_host(host):
             self._proxies = requests.utils.get_environ_proxies(f"https://{self.api_host}/") or {}
-        self.auth = Authenticator(host, self.session, credentials, verify=self.verify, timeout=60.0)
+        self.auth = Authenticator(
+            host, self.session, credentials, verify=self.verify, timeout=60.0, retry_for=retry_for
+        )
+        self.retries = 0  # requests retried after a transport failure or a "not now" status
+        self._retries_lock = threading.Lock()
+
+    def budget(self) -> RetryBudget:
+        """A fresh retry budget for one operation (``--retry-for``)."""
+        return RetryBudget(self.retry_for)
+
+    def count_retry(self) -> None:
+        with self._retries_lock:
+            self.retries += 1
 
     # ------------------------------------------------------------------ scheme
     @property
@@ -144,7 +208,7 @@ class RegistryClient:
         A certificate the CA file (or system store) does not trust is an error, not a reason to
         fall back: only "this port does not speak TLS at all" selects plain HTTP.
         """
-        attempt = 0
+        budget = self.budget()
         while True:
             try:
                 self.session.get(
@@ -152,8 +216,7 @@ class RegistryClient:
                 ).close()
                 return "https"
             except requests.exceptions.SSLError as exc:
-                text = str(exc)
-                if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+                if _untrusted_certificate(exc):
                     raise RegistryTLSError(
                         "TLS certificate not trusted (pass --ca-file with the registry's CA, or "
                         "--plain-http if it serves HTTP)",
@@ -163,10 +226,15 @@ class RegistryClient:
             except requests.exceptions.ConnectionError as exc:
                 if "SSL" in str(exc) or "EOF occurred" in str(exc):
                     return "http"
-                if attempt < self.retries:  # a GET: retried like any idempotent request
-                    attempt += 1
-                    self._sleep(attempt)
+                if budget.wait():  # a GET: retried like any idempotent request
+                    self.count_retry()
                     continue
+                raise RegistryConnectionError(
+                    f"cannot connect: {type(exc).__name__} (retried for {budget.spent_s:.0f} s; "
+                    "--retry-for sets how long)",
+                    target=self.host,
+                ) from None
+            except requests.RequestException as exc:
                 raise RegistryConnectionError(
                     f"cannot connect: {type(exc).__name__}", target=self.host
                 ) from None
@@ -183,6 +251,10 @@ class RegistryClient:
             )
         return url
 
+    def _own_host(self, url: str) -> bool:
+        """Whether ``url`` is on this registry's API host (the only host credentials go to)."""
+        return urlsplit(url).netloc.lower() == self.api_host.lower()
+
     # ------------------------------------------------------------------ requests
     def request(
         self,
@@ -198,22 +270,30 @@ class RegistryClient:
         ok: tuple[int, ...] = (200,),
         allow: tuple[int, ...] = (),
         what: str = "",
+        budget: RetryBudget | None = None,
     ) -> requests.Response:
         """Send with auth and retries; statuses in ``ok`` or ``allow`` are returned, others raise.
 
         ``body`` is bytes or a zero-argument factory returning a fresh body (stream) per attempt:
-        a streamed upload can only be re-sent if its source can be reopened.
+        a streamed upload can only be re-sent if its source can be reopened. Idempotent requests
+        are retried on transport failures and "not now" statuses until ``budget`` (a fresh one
+        per call unless given: a resumed download shares one across its requests) is spent;
+        others fail at once with ``RegistryConnectionError`` and the caller decides (an upload
+        asks the registry where it stands).
         """
         url = path_or_url if path_or_url.startswith(("http://", "https://")) else self.url(path_or_url)
         if idempotent is None:
             idempotent = method in ("GET", "HEAD")
-        attempt = 0
+        budget = budget or self.budget()
+        label = what or f"{method} {urlsplit(url).path}"
         auth_retried = False
+        errors_500 = 0
         while True:
             hdrs = dict(headers or {})
-            auth_header = self.auth.header(scopes)
-            if auth_header:
-                hdrs["Authorization"] = auth_header
+            if self._own_host(url):
+                auth_header = self.auth.header(scopes)
+                if auth_header:
+                    hdrs["Authorization"] = auth_header
             data = body() if callable(body) else body
             start = time.monotonic()
             try:
@@ -229,21 +309,26 @@ class RegistryClient:
                     proxies=self._proxies,
                     allow_redirects=method in ("GET", "HEAD"),
                 )
-            except requests.exceptions.SSLError:
-                raise RegistryTLSError(
-                    "TLS handshake failed (untrusted certificate? pass --ca-file)", target=self.host
-                ) from None
-            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+                if not stream and resp.status_code in ok + allow:
+                    _ = resp.content  # read the (small) body now so the connection is reused
+            except requests.exceptions.SSLError as exc:
                 self._close_body(data)
+                if _untrusted_certificate(exc) or not idempotent or not budget.wait():
+                    raise RegistryTLSError(
+                        f"{label}: TLS handshake failed (untrusted certificate? pass --ca-file)",
+                        target=self.host,
+                    ) from None
+                self.count_retry()
+                continue
+            except TRANSPORT_ERRORS as exc:
+                self._close_body(data)
+                if not is_transport_error(exc):  # redirect loops, invalid URLs: not transient
+                    raise RegistryError(f"{label} failed: {type(exc).__name__}", target=self.host) from None
                 log.debug("%s %s failed: %s", method, redact_url(url), type(exc).__name__)
-                if idempotent and attempt < self.retries:
-                    attempt += 1
-                    self._sleep(attempt)
+                if idempotent and budget.wait():
+                    self.count_retry()
                     continue
-                raise RegistryConnectionError(
-                    f"{what or method} failed: cannot reach the registry ({type(exc).__name__})",
-                    target=self.host,
-                ) from None
+                raise self.connection_error(label, exc, budget) from None
             self._close_body(data)
             log.debug(
                 "%s %s -> %d (%.0f ms)",
@@ -252,29 +337,92 @@ class RegistryClient:
                 resp.status_code,
                 (time.monotonic() - start) * 1e3,
             )
-            if resp.status_code == 401 and not auth_retried:
+            if resp.status_code == 401 and not auth_retried and self._own_host(url):
                 auth_retried = True
                 retry = self.auth.handle_401(resp, scopes)
                 resp.close()
                 if retry:
                     continue
                 raise AuthenticationError(
-                    f"{what or method} needs credentials (docker login, --username, or "
-                    "MODELPACK_REGISTRY_USERNAME/PASSWORD)",
+                    f"{label} needs credentials (modelpack login, -u/--password-stdin, or "
+                    "MODELPACK_REGISTRY_USERNAME/PASSWORD)" + unbound_environment_hint(self.host),
                     status=401,
                     target=self.host,
                 )
-            if resp.status_code in RETRY_STATUSES and idempotent and attempt < self.retries:
-                attempt += 1
-                delay = self._retry_after(resp)
-                resp.close()
-                self._sleep(attempt, delay)
-                continue
+            if idempotent and self._retryable_status(resp.status_code, errors_500):
+                errors_500 += resp.status_code == 500
+                hint = self._retry_after(resp)
+                if budget.wait(hint):
+                    resp.close()
+                    self.count_retry()
+                    continue
             if resp.status_code in ok or resp.status_code in allow:
-                if not stream:
-                    _ = resp.content  # read the (small) body now so the connection is reused
                 return resp
-            raise self.error_for(resp, what or f"{method} {urlsplit(url).path}")
+            raise self.error_for(resp, label)
+
+    @staticmethod
+    def _retryable_status(status: int, errors_500: int) -> bool:
+        return status in RETRY_STATUSES or (status == 500 and errors_500 < MAX_500_RETRIES)
+
+    def connection_error(
+        self, what: str, exc: BaseException | None, budget: RetryBudget | None = None
+    ) -> RegistryConnectionError:
+        """The typed error for a transport failure: the registry, what was being done, why, and
+        how long it was retried (a traceback names none of these)."""
+        reason = type(exc).__name__ if exc is not None else "connection lost"
+        tried = ""
+        if budget is not None and budget.retries:
+            tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
+        return RegistryConnectionError(
+            f"{what} failed: cannot reach the registry ({reason}){tried}", target=self.host
+        )
+
+    def fetch_document(
+        self,
+        path_or_url: str,
+        *,
+        scopes: tuple[str, ...],
+        max_bytes: int,
+        what: str,
+        params: Mapping[str, str] | list[tuple[str, str]] | None = None,
+        headers: Mapping[str, str] | None = None,
+        ok: tuple[int, ...] = (200,),
+        allow: tuple[int, ...] = (),
+    ) -> Document:
+        """GET a small document (manifest, index, tag list) whole, at most ``max_bytes`` + 1 bytes
+        read; a connection cut mid-body is re-fetched within the retry budget. A declared
+        ``Content-Length`` above the bound raises ``BodyTooLarge`` before anything is read."""
+        budget = self.budget()
+        while True:
+            resp = self.request(
+                "GET",
+                path_or_url,
+                scopes=scopes,
+                params=params,
+                headers=headers,
+                stream=True,
+                ok=ok,
+                allow=allow,
+                what=what,
+                budget=budget,
+            )
+            with resp:
+                declared = resp.headers.get("Content-Length")
+                if declared and declared.isdigit() and int(declared) > max_bytes:
+                    raise BodyTooLarge(int(declared))
+                try:
+                    body = resp.raw.read(max_bytes + 1, decode_content=True)
+                except TRANSPORT_ERRORS as exc:
+                    if not is_transport_error(exc):
+                        raise RegistryError(
+                            f"{what}: unreadable body ({type(exc).__name__})", target=self.host
+                        ) from None
+                    log.debug("%s: body cut (%s)", what, type(exc).__name__)
+                    if budget.wait():
+                        self.count_retry()
+                        continue
+                    raise self.connection_error(what, exc, budget) from None
+                return Document(resp.status_code, resp.headers, bytes(body))
 
     @staticmethod
     def _close_body(data: Any) -> None:
@@ -289,14 +437,8 @@ class RegistryClient:
     def _retry_after(resp: requests.Response) -> float | None:
         value = resp.headers.get("Retry-After")
         if value and value.isdigit():
-            return min(float(value), MAX_BACKOFF_S)
+            return float(value)
         return None
-
-    @staticmethod
-    def _sleep(attempt: int, delay: float | None = None) -> None:
-        if delay is None:
-            delay = min(MAX_BACKOFF_S, 0.2 * (2 ** (attempt - 1))) * (0.5 + random.random() / 2)
-        time.sleep(delay)
 
     def error_for(self, resp: requests.Response, what: str) -> RegistryError:
         code, message = oci_error(resp)
@@ -319,4 +461,19 @@ class RegistryClient:
         self.session.close()
 
 
-__all__ = ["RegistryClient", "is_loopback_host", "oci_error", "redact_url"]
+def _untrusted_certificate(exc: BaseException) -> bool:
+    """A certificate verification failure (fatal), as opposed to a handshake cut by a restart."""
+    text = str(exc)
+    return "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text or "hostname" in text
+
+
+__all__ = [
+    "TRANSPORT_ERRORS",
+    "BodyTooLarge",
+    "Document",
+    "RegistryClient",
+    "is_loopback_host",
+    "is_transport_error",
+    "oci_error",
+    "redact_url",
+]

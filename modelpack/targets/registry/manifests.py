@@ -12,13 +12,19 @@ them, two concurrent writers of the same index can lose an entry).
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 
 import requests
 
-from modelpack.errors import ManifestError, ManifestTooLargeError, RegistryNotFoundError, UploadError
+from modelpack import boundedjson
+from modelpack.errors import (
+    DocumentError,
+    ManifestError,
+    ManifestTooLargeError,
+    RegistryNotFoundError,
+    UploadError,
+)
 from modelpack.mediatypes import (
     MEDIA_TYPE_DOCKER_MANIFEST,
     MEDIA_TYPE_DOCKER_MANIFEST_LIST,
@@ -28,6 +34,7 @@ from modelpack.mediatypes import (
 from modelpack.oci.descriptor import MAX_MANIFEST_BYTES, Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import validate_tag
+from modelpack.targets.registry.client import BodyTooLarge
 from modelpack.targets.registry.repository import RepositoryAPI
 
 MANIFEST_ACCEPT = ", ".join(
@@ -71,25 +78,26 @@ class ManifestStore:
                 return cached[0], cached[1], Digest(reference)
         else:
             validate_tag(reference)
-        resp = self._repo.client.request(
-            "GET",
-            self._repo.path("manifests", reference),
-            scopes=self._repo.scopes(),
-            headers={"Accept": MANIFEST_ACCEPT},
-            stream=True,
-            what=f"manifest {self._repo.name}:{reference}"
+        what = (
+            f"manifest {self._repo.name}:{reference}"
             if not is_digest
-            else f"manifest {self._repo.name}@{reference}",
+            else f"manifest {self._repo.name}@{reference}"
         )
-        with resp:
-            declared = resp.headers.get("Content-Length")
-            if declared and declared.isdigit() and int(declared) > MAX_MANIFEST_BYTES:
-                raise ManifestError(
-                    f"{self._repo.name} {reference}: manifest is {declared} bytes; the limit is 4 MiB"
-                )
-            raw = resp.raw.read(MAX_MANIFEST_BYTES + 1, decode_content=True)
-            media_type = (resp.headers.get("Content-Type") or "").split(";")[0].strip()
-            header_digest = resp.headers.get("Docker-Content-Digest")
+        try:
+            doc = self._repo.client.fetch_document(
+                self._repo.path("manifests", reference),
+                scopes=self._repo.scopes(),
+                headers={"Accept": MANIFEST_ACCEPT},
+                max_bytes=MAX_MANIFEST_BYTES,
+                what=what,
+            )
+        except BodyTooLarge as exc:
+            raise ManifestError(
+                f"{self._repo.name} {reference}: manifest is {exc.declared} bytes; the limit is 4 MiB"
+            ) from None
+        raw = doc.body
+        media_type = (doc.headers.get("Content-Type") or "").split(";")[0].strip()
+        header_digest = doc.headers.get("Docker-Content-Digest")
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{self._repo.name} {reference}: manifest larger than 4 MiB")
         actual = Digest.from_bytes(raw)
@@ -101,9 +109,10 @@ class ManifestStore:
             )
         if media_type not in MANIFEST_TYPES:
             try:
-                doc = json.loads(raw)
-                media_type = doc.get("mediaType") or ""
-            except ValueError:
+                parsed = boundedjson.loads_object(raw, what=what, max_bytes=MAX_MANIFEST_BYTES)
+                declared_type = parsed.get("mediaType")
+                media_type = declared_type if isinstance(declared_type, str) else ""
+            except DocumentError:
                 media_type = ""
             if media_type not in MANIFEST_TYPES:
                 media_type = MEDIA_TYPE_OCI_MANIFEST
@@ -123,24 +132,27 @@ class ManifestStore:
         entries: list[Descriptor] | None = None
         if self._referrers_api is not False:
             params = {"artifactType": artifact_type} if artifact_type else None
-            resp = self._repo.client.request(
-                "GET",
-                self._repo.path("referrers", subject.digest),
-                scopes=self._repo.scopes(),
-                params=params,
-                headers={"Accept": MEDIA_TYPE_OCI_INDEX},
-                stream=True,
-                allow=(404, 400, 405),
-                what=f"referrers of {subject.digest}",
-            )
-            with resp:
-                ctype = (resp.headers.get("Content-Type") or "").split(";")[0].strip()
-                if resp.status_code == 200 and ctype == MEDIA_TYPE_OCI_INDEX:
-                    raw = resp.raw.read(MAX_MANIFEST_BYTES + 1, decode_content=True)
-                    self._referrers_api = True
-                    entries = list(Index.parse(raw).manifests)
-                else:
-                    self._referrers_api = False
+            try:
+                doc = self._repo.client.fetch_document(
+                    self._repo.path("referrers", subject.digest),
+                    scopes=self._repo.scopes(),
+                    params=params,
+                    headers={"Accept": MEDIA_TYPE_OCI_INDEX},
+                    max_bytes=MAX_MANIFEST_BYTES,
+                    allow=(404, 400, 405),
+                    what=f"referrers of {subject.digest}",
+                )
+            except BodyTooLarge as exc:
+                raise ManifestError(
+                    f"{self._repo.name}: referrers index of {subject.digest} is {exc.declared} bytes; "
+                    "the limit is 4 MiB"
+                ) from None
+            ctype = (doc.headers.get("Content-Type") or "").split(";")[0].strip()
+            if doc.status == 200 and ctype == MEDIA_TYPE_OCI_INDEX:
+                self._referrers_api = True
+                entries = list(Index.parse(doc.body).manifests)
+            else:
+                self._referrers_api = False
         if entries is None:
             entries = list(self._fallback_index(subject.digest)[1])
         if artifact_type:

@@ -20,7 +20,15 @@ class RepositoryAPI:
         self.repository = repository
         self.name = f"{client.host}/{repository}"
         self._write = for_write
-        self.stats = {"uploaded": 0, "mounted": 0, "skipped": 0, "resumed": 0, "bytes_sent": 0}
+        self.stats = {
+            "uploaded": 0,
+            "mounted": 0,
+            "skipped": 0,
+            "resumed": 0,
+            "bytes_sent": 0,
+            "read_resumes": 0,
+            "upload_retries": 0,
+        }
         self._stats_lock = threading.Lock()
 
     def scopes(self, *, push: bool = False) -> tuple[str, ...]:

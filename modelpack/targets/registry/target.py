@@ -11,20 +11,21 @@ blobs across repositories of the same registry instead of re-sending them.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 from urllib.parse import urlencode, urljoin, urlsplit
 
-from modelpack.errors import NotFoundError, RegistryError, UploadError
+from modelpack import boundedjson
+from modelpack.errors import DocumentError, NotFoundError, RegistryError, UploadError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
 from modelpack.targets.base import BlobSource
+from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range
-from modelpack.targets.registry.client import RegistryClient
+from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
@@ -77,16 +78,15 @@ class RegistryTarget:
         ``extra`` may set ``chunk_size``, ``monolithic_max``, ``upload_state_dir``)."""
         if ref.scheme != "registry":
             raise RegistryError(f"{ref} is not a registry reference")
-        opts = options
-        username = getattr(opts, "username", None)
-        password = getattr(opts, "password", None)
-        creds = resolve_credentials(ref.location, username, password)
+        opts = options if isinstance(options, TargetOptions) else TargetOptions()
+        creds = resolve_credentials(ref.location, opts)
         client = RegistryClient(
             ref.location,
-            plain_http=bool(getattr(opts, "plain_http", False)),
-            ca_file=getattr(opts, "ca_file", None),
-            insecure_skip_verify=bool(getattr(opts, "insecure_skip_verify", False)),
+            plain_http=opts.plain_http,
+            ca_file=opts.ca_file,
+            insecure_skip_verify=opts.insecure_skip_verify,
             credentials=creds,
+            retry_for=opts.retry_for,
         )
         extra = dict(getattr(opts, "extra", None) or {})
         chunk_size = int(extra.get("chunk_size") or DEFAULT_CHUNK_SIZE)
@@ -131,7 +131,7 @@ class RegistryTarget:
         if resp.status_code == 404:
             return False
         length = resp.headers.get("Content-Length")
-        return length is None or int(length) == descriptor.size
+        return length is None or not length.isdigit() or int(length) == descriptor.size
 
     # ------------------------------------------------------------------ listing
     def _paginate(
@@ -140,18 +140,20 @@ class RegistryTarget:
         url: str | None = self.client.url(path) + ("?" + urlencode(params) if params else "")
         seen_pages = 0
         while url:
-            resp = self.client.request("GET", url, scopes=scopes, stream=True, what=f"list {self.name}")
-            with resp:
-                raw = resp.raw.read(MAX_TAGS_PAGE_BYTES + 1, decode_content=True)
-                link = resp.headers.get("Link", "")
-            if len(raw) > MAX_TAGS_PAGE_BYTES:
-                raise RegistryError(f"{key} page larger than 16 MiB", target=self.name)
+            what = f"{key} list of {self.name}"
             try:
-                doc = json.loads(raw)
-            except ValueError:
-                raise RegistryError(f"{key} list is not JSON", target=self.name) from None
+                page = self.client.fetch_document(
+                    url, scopes=scopes, max_bytes=MAX_TAGS_PAGE_BYTES, what=what
+                )
+            except BodyTooLarge:
+                raise RegistryError(f"{key} page larger than 16 MiB", target=self.name) from None
+            link = page.headers.get("Link", "")
+            try:
+                doc = boundedjson.loads(page.body, what=what, max_bytes=MAX_TAGS_PAGE_BYTES)
+            except DocumentError as exc:
+                raise RegistryError(f"{key} list unusable: {exc.reason}", target=self.name) from None
             items = doc.get(key) if isinstance(doc, dict) else None
-            for item in items or []:
+            for item in items if isinstance(items, list) else []:
                 if isinstance(item, str):
                     yield item
             m = _LINK_RE.search(link)

@@ -8,6 +8,12 @@ sent are re-read and hashed locally (never re-sent), so the client still verifie
 the blob it commits. A session the registry no longer knows (or that it cancelled: distribution
 2.8 cancels one whose stored size disagrees with the last acknowledged offset, which happens when
 a PATCH was cut mid-body) restarts that blob from zero.
+
+Within one run the same holds for a cut: a POST, PATCH or PUT that dies with the connection (or
+gets a proxy's 502/503/504) is not blindly re-sent, since it is not idempotent; the uploader
+asks the registry whether the blob is already committed (the answer to a final PUT can be lost
+after it landed), else where the session stands, and continues from that offset or restarts only
+this blob, within the client's retry budget (``--retry-for``).
 """
 
 from __future__ import annotations
@@ -20,17 +26,29 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 from urllib.parse import urlencode
 
 import requests
 
-from modelpack.errors import DigestMismatchError, RegistryError, SizeMismatchError, UploadError
+from modelpack import boundedjson
+from modelpack.errors import (
+    DigestMismatchError,
+    DocumentError,
+    RegistryConnectionError,
+    RegistryError,
+    RegistryTLSError,
+    SizeMismatchError,
+    UploadError,
+)
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest, VerifyingReader
 from modelpack.targets.base import BlobSource
+from modelpack.targets.registry.client import RETRY_STATUSES
 from modelpack.targets.registry.repository import RepositoryAPI
+from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
@@ -102,6 +120,26 @@ class _SizeCheckedReader:
 _Reader = VerifyingReader | _SizeCheckedReader
 
 
+@dataclass
+class _Attempt:
+    """Where one try at a blob stands: the session, the bytes the registry acknowledged, and
+    whether the final PUT was sent (its answer may be lost while the blob is committed)."""
+
+    location: str | None
+    offset: int = 0
+    committing: bool = False
+
+
+def _transient(exc: RegistryError) -> bool:
+    """A cut or a "not now" from the registry (worth asking where the upload stands), as opposed
+    to a refusal (bad digest, denied, TLS)."""
+    if isinstance(exc, RegistryTLSError):
+        return False
+    if isinstance(exc, RegistryConnectionError):
+        return True
+    return type(exc) is RegistryError and exc.status in RETRY_STATUSES
+
+
 class BlobUploader:
     """Uploads into one repository; each blob's resumable session is saved under ``upload_state_dir``."""
 
@@ -134,14 +172,15 @@ class BlobUploader:
             os.unlink(self._state_path(digest))
 
     def _load_state(self, digest: str) -> tuple[str, int] | None:
+        path = self._state_path(digest)
         try:
-            with open(self._state_path(digest), "rb") as f:
-                doc = json.loads(f.read(64 * 1024))
-            location, offset = doc["location"], int(doc["offset"])
-            if not isinstance(location, str) or offset < 0:
+            with open(path, "rb") as f:
+                doc = boundedjson.loads_object(f.read(64 * 1024 + 1), what=path, max_bytes=64 * 1024)
+            location, offset = doc["location"], doc["offset"]
+            if not isinstance(location, str) or not isinstance(offset, int) or offset < 0:
                 return None
             return location, offset
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, DocumentError, KeyError):
             return None
 
     def start(self) -> str:
@@ -158,8 +197,9 @@ class BlobUploader:
             raise UploadError("upload started without a Location", status=202, target=self._repo.name)
         return self._repo.client.resolve_location(location)
 
-    def upload_status(self, location: str) -> tuple[str, int] | None:
-        """Ask the registry how much of an upload session it holds: (location, next offset)."""
+    def upload_status(self, location: str, budget: RetryBudget | None = None) -> tuple[str, int] | None:
+        """Ask the registry how much of an upload session it holds: (location, next offset);
+        None when it no longer knows the session."""
         resp = self._repo.client.request(
             "GET",
             location,
@@ -167,6 +207,7 @@ class BlobUploader:
             ok=(204,),
             allow=(200, 400, 404, 416),
             what="upload status",
+            budget=budget,
         )
         resp.close()
         if resp.status_code not in (200, 204):
@@ -205,28 +246,86 @@ class BlobUploader:
             source.descriptor.size <= self.monolithic_max
             and self._load_state(source.descriptor.digest) is None
         ):
-            self._upload_locked(source, persist=False)  # one PUT: nothing to resume
+            self._upload_retrying(source, persist=False)  # one PUT: nothing to save for later
             return
         with self._state_lock(source.descriptor.digest) as owned:
-            self._upload_locked(source, owned)
+            self._upload_retrying(source, owned)
 
-    def _upload_locked(self, source: BlobSource, persist: bool) -> None:
+    def _upload_retrying(self, source: BlobSource, persist: bool) -> None:
+        """Send the blob; after a cut (a registry restart, a dropped connection, a proxy's 503)
+        ask the registry where the session stands and continue from there, or restart only this
+        blob when the session is gone, until the retry budget is spent."""
         desc = source.descriptor
-        location: str | None = None
-        offset = 0
-        saved = self._load_state(desc.digest) if persist else None
-        if saved is not None:
-            status = self.upload_status(saved[0])
-            if status is not None and status[1] == saved[1] and status[1] <= desc.size:
-                location, offset = status
-                log.debug("resuming upload of %s at offset %d", desc.digest, offset)
-                self._repo.count("resumed")
-            else:
-                log.debug("saved upload of %s is gone or inconsistent; restarting it", desc.digest)
-            self._drop_state(desc.digest)
-        if location is None:
-            location = self.start()
-            offset = 0
+        session = self._saved_session(desc) if persist else None
+        budget = self._repo.client.budget()
+        while True:
+            attempt = _Attempt(*(session or (None, 0)))
+            try:
+                self._send(source, attempt, persist)
+                return
+            except RegistryError as exc:
+                if not _transient(exc) or not budget.wait():
+                    raise
+            self._repo.count("upload_retries")
+            self._repo.client.count_retry()
+            log.debug(
+                "upload of %s cut at byte %d (%s); asking the registry where it stands",
+                desc.digest,
+                attempt.offset,
+                "committing" if attempt.committing else "sending",
+            )
+            if self._committed(desc, budget):
+                self._drop_state(desc.digest)
+                return  # the commit landed; only its answer was lost
+            session = self.upload_status(attempt.location, budget) if attempt.location else None
+            if session is not None and session[1] > desc.size:
+                session = None
+            if session is None:
+                log.debug("upload session of %s is gone; restarting that blob", desc.digest)
+
+    def _saved_session(self, desc: Descriptor) -> tuple[str, int] | None:
+        """The session a killed push saved for this blob, if the registry still holds exactly the
+        bytes it acknowledged (anything else restarts the blob)."""
+        saved = self._load_state(desc.digest)
+        if saved is None:
+            return None
+        status = self.upload_status(saved[0])
+        self._drop_state(desc.digest)
+        if status is not None and status[1] == saved[1] and status[1] <= desc.size:
+            log.debug("resuming upload of %s at offset %d", desc.digest, status[1])
+            self._repo.count("resumed")
+            return status
+        log.debug("saved upload of %s is gone or inconsistent; restarting it", desc.digest)
+        return None
+
+    def _committed(self, desc: Descriptor, budget: RetryBudget) -> bool:
+        """Whether the registry has the whole blob (a HEAD, retried within ``budget``)."""
+        try:
+            resp = self._repo.client.request(
+                "HEAD",
+                self._repo.path("blobs", desc.digest),
+                scopes=self._repo.scopes(push=True),
+                allow=(404,),
+                what=f"check {desc.digest} in {self._repo.name}",
+                budget=budget,
+            )
+        except RegistryError as exc:
+            if _transient(exc):
+                return False
+            raise
+        resp.close()
+        length = resp.headers.get("Content-Length", "")
+        return resp.status_code == 200 and (not length.isdigit() or int(length) == desc.size)
+
+    def _send(self, source: BlobSource, attempt: _Attempt, persist: bool) -> None:
+        """One try at the blob from ``attempt``'s session and offset (a new session when it has
+        none); ``attempt`` follows the location and offset the registry acknowledged."""
+        desc = source.descriptor
+        if attempt.location is None:
+            attempt.location = self.start()
+            attempt.offset = 0
+        location: str = attempt.location
+        offset = attempt.offset
         chunked = offset > 0 or desc.size > self.monolithic_max
         reader: VerifyingReader | _SizeCheckedReader
         if source.verified and source.local_path:
@@ -248,15 +347,18 @@ class BlobUploader:
                         raise SizeMismatchError(desc.digest, desc.size, offset - left, source=self._repo.name)
                     left -= len(data)
             if not chunked:
+                attempt.committing = True
                 self._put_monolithic(location, reader, desc)
                 return
             while offset < desc.size:
                 n = min(self.chunk_size, desc.size - offset)
                 location = self._patch(location, reader, offset, n, desc)
                 offset += n
+                attempt.location, attempt.offset = location, offset
                 if persist:
                     self._save_state(desc.digest, location, offset)
             reader.read(1)  # end of stream: raises unless size and digest matched
+            attempt.committing = True
             self._commit(location, desc)
             self._drop_state(desc.digest)
         except (SizeMismatchError, DigestMismatchError):

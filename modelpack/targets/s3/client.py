@@ -4,17 +4,25 @@ boto3 and botocore are imported only inside these functions: importing ``modelpa
 node-cache hit by digest) must not pay for them. Endpoint, region and credentials come from
 boto3's chain (environment, shared profile, web identity / IRSA, instance metadata) plus
 ``TargetOptions.s3_endpoint`` / ``s3_region``. Errors name ``s3://bucket/key``, never credentials.
+
+An endpoint URL may carry an access key and secret (``http://KEY:SECRET@minio:9000``, the form
+S3 tools print for MinIO). They are taken off the URL before boto3 sees it, used as that
+endpoint's credentials, and shown as ``***`` wherever the endpoint is named: botocore puts the
+URL it was given into its connection errors, and those reach logs and terminals.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from modelpack.errors import ModelpackError, NotFoundError, S3Error
 
+_USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@\"'<>]*@")
 _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}
 _UNSUPPORTED_CODES = {"NotImplemented"}
 
@@ -26,6 +34,31 @@ def endpoint_from_env() -> str | None:
         or os.environ.get("AWS_ENDPOINT_URL")
         or None
     )
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the user and secret of every ``scheme://user:secret@host`` URL as ``***``."""
+    return _USERINFO_RE.sub(r"\1***@", text)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, tuple[str, str] | None]:
+    """``(endpoint without user info, (access key, secret) or None)``; the URL given to boto3
+    never holds a secret, so botocore cannot print one."""
+    try:
+        parts = urlsplit(endpoint)
+        netloc = parts.netloc
+    except ValueError:
+        raise S3Error(f"invalid S3 endpoint {redact_credentials(endpoint)!r}") from None
+    if "@" not in netloc:
+        return endpoint, None
+    userinfo, host = netloc.rsplit("@", 1)
+    user, _, secret = userinfo.partition(":")
+    clean = urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    if not user or not secret:
+        raise S3Error(
+            f"S3 endpoint {redact_credentials(endpoint)}: user info must be ACCESS_KEY:SECRET (or none)"
+        )
+    return clean, (unquote(user), unquote(secret))
 
 
 def _quiet_wire_loggers() -> None:
@@ -73,6 +106,9 @@ def make_client(endpoint: str | None = None, region: str | None = None, *, max_p
         raise S3Error("s3:// needs boto3: pip install 'modelpack[s3]'") from exc
     _quiet_wire_loggers()
     endpoint = endpoint or endpoint_from_env()
+    keys: tuple[str, str] | None = None
+    if endpoint:
+        endpoint, keys = split_endpoint(endpoint)
     session = boto3.session.Session(botocore_session=_botocore_session())
     region = region or session.region_name or "us-east-1"
     config = Config(
@@ -81,7 +117,15 @@ def make_client(endpoint: str | None = None, region: str | None = None, *, max_p
         s3={"addressing_style": "path"} if endpoint else {},
         user_agent_extra="modelpack",
     )
-    return session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+    extra: dict[str, Any] = {}
+    if keys is not None:  # the endpoint's own credentials, for that endpoint only
+        extra = {"aws_access_key_id": keys[0], "aws_secret_access_key": keys[1], "aws_session_token": None}
+    try:
+        return session.client("s3", endpoint_url=endpoint, region_name=region, config=config, **extra)
+    except ValueError as exc:  # botocore: "Invalid endpoint: …"
+        raise S3Error(
+            f"invalid S3 endpoint {redact_credentials(endpoint or '')!r}: {type(exc).__name__}"
+        ) from None
 
 
 def client_errors() -> tuple[type[BaseException], ...]:
@@ -134,7 +178,7 @@ def wrap_client_error(exc: BaseException, operation: str, where: str) -> Modelpa
             operation=operation,
             key=where,
         )
-    detail = f"{code} (HTTP {status})" if code else f"{name}: {exc}"
+    detail = f"{code} (HTTP {status})" if code else f"{name}: {redact_credentials(str(exc))}"
     return S3Error(
         f"{where}: S3 {operation} failed: {detail}", operation=operation, key=where, code=code, status=status
     )

@@ -12,7 +12,7 @@ import logging
 from typing import Any, BinaryIO
 
 from modelpack.errors import S3Error, SizeMismatchError
-from modelpack.targets.s3.client import client_errors, error_code, wrap_client_error
+from modelpack.targets.s3.client import client_errors, error_code, redact_credentials, wrap_client_error
 
 log = logging.getLogger("modelpack.targets.s3")
 
@@ -86,7 +86,10 @@ class S3ReadStream(io.RawIOBase):
                 data: bytes = self._body.read(n)
             except Exception as exc:  # urllib3 ProtocolError / ReadTimeout etc. mid-stream
                 if self._resumes >= READ_RESUMES:
-                    raise S3Error(f"{self._where}: read failed at byte {self._pos}: {exc}") from exc
+                    raise S3Error(
+                        f"{self._where}: read failed at byte {self._pos}: "
+                        f"{type(exc).__name__}: {redact_credentials(str(exc))}"
+                    ) from exc
                 self._resumes += 1
                 log.debug("%s: resuming read at byte %d after %s", self._where, self._pos, type(exc).__name__)
                 self._body.close()

@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
+from modelpack import boundedjson
 from modelpack.errors import (
+    DocumentError,
     ManifestError,
     NotFoundError,
     S3Error,
@@ -124,12 +126,11 @@ class S3Target:
         return {"schemaVersion": 2, "mediaType": MEDIA_TYPE_OCI_INDEX, "manifests": []}
 
     def _check_layout_bytes(self, raw: bytes) -> None:
+        where = self._where(self.key("oci-layout"))
         try:
-            version = json.loads(raw).get("imageLayoutVersion")
-        except (ValueError, AttributeError) as exc:
-            raise S3LayoutError(
-                f"{self._where(self.key('oci-layout'))}: unreadable oci-layout: {exc}"
-            ) from exc
+            version = boundedjson.loads_object(raw, what=where, max_bytes=4096).get("imageLayoutVersion")
+        except DocumentError as exc:
+            raise S3LayoutError(f"{where}: unreadable oci-layout: {exc.reason}") from None
         if version != "1.0.0":
             raise S3LayoutError(
                 f"{self._where(self.key('oci-layout'))}: unsupported imageLayoutVersion {version!r}"
@@ -156,10 +157,10 @@ class S3Target:
             return self._empty_index(), None
         raw, etag = got
         try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise S3LayoutError(f"{self._where(self._index_key)}: invalid index: {exc}") from exc
-        if not isinstance(doc, dict) or not isinstance(doc.get("manifests", []), list):
+            doc = boundedjson.loads_object(raw, what=self._where(self._index_key), max_bytes=MAX_INDEX_BYTES)
+        except DocumentError as exc:
+            raise S3LayoutError(f"{self._where(self._index_key)}: invalid index: {exc.reason}") from None
+        if not isinstance(doc.get("manifests", []), list):
             raise S3LayoutError(f"{self._where(self._index_key)}: invalid index")
         doc.setdefault("manifests", [])
         return doc, etag

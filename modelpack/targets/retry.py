@@ -1,0 +1,86 @@
+"""How long a transfer keeps retrying through an outage: a time budget, exponential backoff, jitter.
+
+A count of retries says nothing about time: four quick retries give up during a registry restart
+that takes 30 s, and a fixed count of long sleeps stalls a command that could have failed fast.
+So a budget is a duration (``--retry-for``, ``TargetOptions.retry_for``): the time one operation
+(a request, a blob download, an upload) may spend failing, from each failure until bytes flow
+again, added up. Progress restarts the backoff at its shortest delay but does not refill the
+budget, so a hop that cuts every connection after a few bytes ends in an error instead of a
+download that crawls forever, while a pull that meets one registry restart rides it out.
+
+Backoff doubles from 0.2 s up to 8 s with jitter (each delay is drawn from its upper half), so a
+fleet of nodes whose connections were cut at the same moment does not come back in lock step.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+#: Long enough to ride out a registry restart (~30 s) or a load balancer failing over.
+DEFAULT_RETRY_FOR = 60.0
+FIRST_DELAY_S = 0.2
+MAX_DELAY_S = 8.0
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``30s``, ``2m``, ``1.5h``, ``500ms`` → seconds; ``0`` turns retries off."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (examples: 30s, 2m, 1h, 0)")
+    return float(m.group(1)) * _UNIT_S[(m.group(2) or "s").lower()]
+
+
+class RetryBudget:
+    """One operation's retries: ``next_delay()`` until the budget is spent, ``progressed()``
+    when bytes flowed again (the outage's time is booked and the backoff starts over)."""
+
+    def __init__(self, retry_for: float | None = None) -> None:
+        self.retry_for = DEFAULT_RETRY_FOR if retry_for is None else max(0.0, float(retry_for))
+        self.attempts = 0  # failures since the last progress
+        self.retries = 0  # failures retried over the whole operation (reported by callers)
+        self._since: float | None = None
+        self._spent = 0.0  # seconds of earlier outages of this operation
+
+    def progressed(self) -> None:
+        if self._since is not None:
+            self._spent += time.monotonic() - self._since
+        self.attempts = 0
+        self._since = None
+
+    def next_delay(self, hint: float | None = None) -> float | None:
+        """The pause before the next attempt, or None when the budget does not allow one.
+
+        ``hint`` is a server's ``Retry-After``; it is honoured up to the backoff cap.
+        """
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        self.attempts += 1
+        if hint is not None:
+            delay = min(max(hint, 0.0), MAX_DELAY_S)
+        else:
+            ceiling = min(MAX_DELAY_S, FIRST_DELAY_S * (2 ** (self.attempts - 1)))
+            delay = ceiling * (0.5 + random.random() / 2)
+        left = self.retry_for - self._spent - (now - self._since)
+        if left <= 0:
+            return None
+        self.retries += 1
+        return min(delay, left)
+
+    def wait(self, hint: float | None = None) -> bool:
+        """Sleep before the next attempt; False (without sleeping) when the budget is spent."""
+        delay = self.next_delay(hint)
+        if delay is None:
+            return False
+        time.sleep(delay)
+        return True
+
+    @property
+    def spent_s(self) -> float:
+        """Seconds this operation has spent failing so far."""
+        return self._spent + (0.0 if self._since is None else time.monotonic() - self._since)
