@@ -31,9 +31,10 @@ if TYPE_CHECKING:  # the loader imports torch: only the functions that read a mo
 # identical hosts and are left out, or every replica would refuse every other one's cache.
 _X86_ISA = (
     "mmx", "sse*", "pni", "ssse3", "avx*", "amx*", "fma*", "f16c", "bmi*", "adx", "aes", "vaes",
-    "pclmulqdq", "vpclmulqdq", "gfni", "sha_ni", "popcnt", "abm", "lzcnt", "movbe", "cx16", "xsave*",
-    "rdrand", "rdseed", "clflushopt", "clwb", "movdir*", "serialize", "xop", "lm", "3dnowprefetch",
-    "rdpid", "fsgsbase", "cldemote", "waitpkg", "enqcmd", "hreset", "tsxldtrk", "uintr",
+    "pclmulqdq", "vpclmulqdq", "gfni", "sha_ni", "popcnt", "abm", "lzcnt", "movbe", "cx16", "xsave",
+    "xsavec", "xsaveopt", "xsaves", "rdrand", "rdseed", "clflushopt", "clwb", "movdir*", "serialize",
+    "xop", "lm", "3dnowprefetch", "rdpid", "fsgsbase", "cldemote", "waitpkg", "enqcmd", "hreset",
+    "tsxldtrk", "uintr",
 )  # fmt: skip
 
 _DTYPE_ALIASES = {

@@ -268,6 +268,7 @@ def pull_asset_from(
     existing = _check_destination(path)
     result = AssetPullResult("none", str(ref), str(model.digest), kind, running)
     common = {"reference": str(ref), "digest": str(model.digest), "kind": kind, "start_id": start_id}
+    events.emit("assets.pull_start", **common, fingerprint_digest=running.digest)
 
     def finish(state: str, **extra: Any) -> AssetPullResult:
         result.state = state

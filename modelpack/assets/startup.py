@@ -155,6 +155,7 @@ def compile_stage(
     start_id = start_id or os.environ.get(START_ID_ENV) or None
     before = _inductor_counters()
     info: dict[str, Any] = {}
+    events.emit("assets.compile_start", start_id=start_id, digest=digest, kind=kind, asset_state=asset_state)
     t0 = time.monotonic()
     try:
         yield info
