@@ -29,7 +29,7 @@ from modelpack.mount.store import Store
 
 from modelpack.errors import DigestMismatchError, ManifestError, UnsafePathError, UnsafeTarError
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.oci.digest import HASH_CHUNK
+from modelpack.oci.digest import HASH_CHUNK, sha256_file
 from modelpack.oci.image_config import MODELS_PREFIX, image_diff_ids
 from modelpack.transfer.untar import MAX_TAR_MEMBERS, open_layer_stream
 
@@ -151,6 +151,10 @@ def expected_files(
             files = [ExpectedFile(raw_layer_path(manifest, layer), str(layer.digest), layer.size, True)]
         else:
             path = store.blob_path(layer.digest)
+            # the blob first: a blob swapped for a bomb is refused before it is decompressed
+            actual, size = sha256_file(path)
+            if actual != layer.digest or size != layer.size:
+                raise DigestMismatchError(layer.digest, actual, what=f"layer blob {path}")
             with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as blob:
                 if not stat.S_ISREG(os.fstat(blob.fileno()).st_mode):
                     raise ManifestError(f"{path}: not a regular file")

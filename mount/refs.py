@@ -69,7 +69,7 @@ class RefRecords:
 
     def all(self) -> list[dict[str, Any]]:
         """Every readable record, each with its file under ``_path``."""
-        out = []
+        out: list[dict[str, Any]] = []
         if not os.path.isdir(self.dir):
             return out
         for entry in os.scandir(self.dir):
