@@ -403,3 +403,18 @@ def test_verify_reports_an_edited_marker(pulled: tuple[NodeCache, str, Manifest]
     Path(marker).write_text(json.dumps(doc))
     os.chmod(marker, 0o444)
     _verify_fails(cache, "config.json")
+
+
+def test_verify_holds_an_image_shaped_snapshot_to_its_tar_layers(checkpoint: Path, tmp_path: Path) -> None:
+    api.pack(str(checkpoint), f"oci:{tmp_path / 'img'}:v1", format="image", compression="zstd")
+    cache = NodeCache(str(tmp_path / "cache"))
+    res = cache.pull(f"oci:{tmp_path / 'img'}:v1")
+    reports = cache.verify(repair=False)
+    assert [r.ok for r in reports] == [True], reports[0].problems
+    assert reports[0].files == res.files > 0
+    marker = cache.snapshots.marker_path(res.digest)
+    doc = json.loads(Path(marker).read_bytes())
+    doc["files"][0]["size"] += 1  # an edited entry, the file itself untouched
+    os.chmod(marker, 0o644)
+    Path(marker).write_text(json.dumps(doc))
+    _verify_fails(cache, doc["files"][0]["path"], "the ready marker says")
