@@ -11,14 +11,14 @@ quietly serves a cache built for other weights). Every differing field is named 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from modelpack.errors import FingerprintFileError, FingerprintMismatchError
+from modelpack import boundedjson
+from modelpack.errors import DocumentError, FingerprintFileError, FingerprintMismatchError
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import canonical_json
 
@@ -76,9 +76,9 @@ class Fingerprint:
         if len(raw) > MAX_FINGERPRINT_BYTES:
             raise FingerprintFileError(f"{path}: larger than {MAX_FINGERPRINT_BYTES} bytes")
         try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise FingerprintFileError(f"{path}: not valid JSON: {exc}") from exc
+            doc = boundedjson.loads(raw, what=path, max_bytes=MAX_FINGERPRINT_BYTES)
+        except DocumentError as exc:
+            raise FingerprintFileError(f"{path}: not valid JSON: {exc.reason}") from exc
         if not isinstance(doc, dict) or not isinstance(doc.get("fingerprint"), dict):
             raise FingerprintFileError(f"{path}: expected {{'fingerprint': {{…}}, 'digest': …}}")
         fp = cls.from_dict(doc["fingerprint"], where=path)

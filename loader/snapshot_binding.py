@@ -24,11 +24,20 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from modelpack.mediatypes.annotations import layer_filepath
 
-from modelpack.errors import DigestMismatchError, ManifestError, UnsafePathError, UnverifiedSourceError
+from modelpack import boundedjson
+from modelpack.errors import (
+    DigestMismatchError,
+    DocumentError,
+    ManifestError,
+    UnsafePathError,
+    UnverifiedSourceError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest, verify_bytes
 
@@ -148,6 +157,30 @@ def check_marker(
             + "; ".join(problems[:10])
             + ". Run 'modelpack cache verify' and pull again"
         )
+
+
+def verified_by(c: SnapshotClaim, keys: Sequence[Any]) -> bool:
+    """Whether the cache recorded that one of ``keys`` verified this digest's signature.
+
+    The record (``snapshots/<hex>.trust.json``, written by the cache after a pull under a policy)
+    counts only as root's or this user's read-only-to-others file: whoever owns a copied or fake
+    cache could write any record into it."""
+    from modelpack.mount.modes import read_trusted
+    from modelpack.mount.trust import MAX_TRUST_BYTES
+
+    path = c.path + ".trust.json"
+    try:
+        raw = read_trusted(path, os.geteuid(), MAX_TRUST_BYTES)
+        if raw is None or len(raw) > MAX_TRUST_BYTES:
+            return False
+        doc = boundedjson.loads_object(raw, what=path, max_bytes=MAX_TRUST_BYTES)
+    except (OSError, DocumentError):
+        return False
+    recorded = doc.get("key_ids")
+    if doc.get("digest") != c.digest or not isinstance(recorded, list):
+        return False
+    wanted = {getattr(k, "key_id", None) for k in keys} - {None}
+    return bool(wanted & {str(k) for k in recorded})
 
 
 def _dir_reason(path: str, uids: frozenset[int]) -> str:

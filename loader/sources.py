@@ -22,7 +22,6 @@ pair, a ``(ReadableTarget, reference)`` pair, or a reference string (``oci:…``
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +32,9 @@ from modelpack.loader.readers import FileReader, RangeReader, TargetReader
 from modelpack.mediatypes import parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 
+from modelpack import boundedjson
 from modelpack.errors import (
+    DocumentError,
     ExpectedDigestError,
     ManifestError,
     ModelpackError,
@@ -87,8 +88,8 @@ def _quantization_from_hf_config(raw: bytes | None) -> str:
     if not raw:
         return "none"
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = boundedjson.loads(raw, what="config.json", max_bytes=MAX_CONFIG_BYTES)
+    except DocumentError:
         return "none"
     qc = doc.get("quantization_config") if isinstance(doc, dict) else None
     if not isinstance(qc, dict):
@@ -129,10 +130,16 @@ def _config_json_layer(manifest: Manifest) -> Descriptor | None:
 
 # --------------------------------------------------------------------------- snapshots
 def open_snapshot(
-    path: str, *, expected_digest: str | None, allow_unverified: bool, direct: bool = False
+    path: str,
+    *,
+    expected_digest: str | None,
+    allow_unverified: bool,
+    direct: bool = False,
+    trusted_keys: Sequence[Any] | None = None,
 ) -> ResolvedSource:
     """A snapshot directory bound to its manifest (see ``snapshot_binding``), or, if the caller
-    allowed it, a plain directory."""
+    allowed it, a plain directory. With ``trusted_keys`` the cache must have recorded that one of
+    them verified the snapshot's signature (a key is never silently ignored)."""
     real = os.path.realpath(path)
     found = snapshot_binding.claim(real)
     if found is not None:
@@ -144,7 +151,7 @@ def open_snapshot(
             if not allow_unverified or expected_digest:
                 raise
         else:
-            return _open_bound_snapshot(found, direct)
+            return _open_bound_snapshot(found, direct, trusted_keys)
     if not allow_unverified:
         raise UnverifiedSourceError(
             f"{real}: not a node-cache snapshot (no ready marker next to it); its bytes cannot be tied to a "
@@ -177,7 +184,9 @@ def open_snapshot(
     return ResolvedSource(real, None, None, files, False, _quantization_from_hf_config(hf), "local", [])
 
 
-def _open_bound_snapshot(found: snapshot_binding.SnapshotClaim, direct: bool) -> ResolvedSource:
+def _open_bound_snapshot(
+    found: snapshot_binding.SnapshotClaim, direct: bool, trusted_keys: Sequence[Any] | None
+) -> ResolvedSource:
     """Lease the snapshot, then tie its marker and files to the manifest in the cache's store."""
     from modelpack.mount.snapshots import Snapshots
     from modelpack.mount.store import Store
@@ -185,7 +194,7 @@ def _open_bound_snapshot(found: snapshot_binding.SnapshotClaim, direct: bool) ->
     real, digest = found.path, found.digest
     # the cache's reader lease (shared flock) for the whole load: GC cannot delete the files,
     # and the marker is re-read under it (GC removes the marker first, then the files)
-    lease = Snapshots(Store(found.root)).lease(digest)
+    lease = Snapshots(Store(found.root, create=False)).lease(digest)
     try:
         info = lease.__enter__()
     except NotFoundError as exc:
@@ -200,6 +209,14 @@ def _open_bound_snapshot(found: snapshot_binding.SnapshotClaim, direct: bool) ->
 
     try:
         manifest = snapshot_binding.pinned_manifest(found)
+        if trusted_keys and not snapshot_binding.verified_by(found, trusted_keys):
+            raise UnsignedSourceError(
+                f"{real}: no record that a --trusted-key verified the signature of {digest} on this node "
+                "(the cache pulled it without a policy trusting those keys, or the record is not root's or "
+                f"this user's). Pull it with 'modelpack pull --cache {found.root} --policy FILE "
+                f"REF@{digest}', or load it without --trusted-key",
+                [f.path for f in info.files if f.path.endswith(".safetensors")],
+            )
         snapshot_binding.check_marker(
             found, [(f.path, f.digest, f.size, f.linked) for f in info.files], manifest
         )
@@ -416,7 +433,9 @@ def resolve_source(
     if isinstance(source, tuple) and len(source) == 2:
         first, ref = source
         if hasattr(first, "open_snapshot"):
-            return _open_cache_pair(first, ref, expected_digest=expected_digest, direct=direct)
+            return _open_cache_pair(
+                first, ref, expected_digest=expected_digest, direct=direct, trusted_keys=trusted_keys
+            )
         if isinstance(first, ReadableTarget):
             return open_target_source(
                 first,
@@ -433,7 +452,11 @@ def resolve_source(
         if not os.path.isdir(path):
             raise SourceError(f"{path}: not a directory")
         return open_snapshot(
-            path, expected_digest=expected_digest, allow_unverified=allow_unverified, direct=direct
+            path,
+            expected_digest=expected_digest,
+            allow_unverified=allow_unverified,
+            direct=direct,
+            trusted_keys=trusted_keys,
         )
     if isinstance(source, str):
         try:
@@ -456,7 +479,12 @@ def resolve_source(
 
 
 def _open_cache_pair(
-    cache: Any, reference: Any, *, expected_digest: str | None, direct: bool
+    cache: Any,
+    reference: Any,
+    *,
+    expected_digest: str | None,
+    direct: bool,
+    trusted_keys: Sequence[Any] | None,
 ) -> ResolvedSource:
     """``(NodeCache, reference)``: hold the cache's reader lease for the whole load."""
     # the cache resolves the reference locally (tags were resolved once, at pull time); a pin that
@@ -466,7 +494,11 @@ def _open_cache_pair(
     try:
         path = getattr(info, "path", info)
         src = open_snapshot(
-            os.fspath(path), expected_digest=expected_digest, allow_unverified=False, direct=direct
+            os.fspath(path),
+            expected_digest=expected_digest,
+            allow_unverified=False,
+            direct=direct,
+            trusted_keys=trusted_keys,
         )
     except BaseException:
         ctx.__exit__(None, None, None)

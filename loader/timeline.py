@@ -24,13 +24,13 @@ Percentiles use the nearest-rank method on the starts that reached the stage.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import TimelineError
+from modelpack import boundedjson
+from modelpack.errors import DocumentError, TimelineError
 
 STAGES = ("t2", "t3", "t4", "t5", "t6", "t8", "t9")
 STAGE_NAMES = {
@@ -67,9 +67,9 @@ def read_event_file(path: str) -> list[dict[str, Any]]:
                 if not line:
                     continue
                 try:
-                    doc = json.loads(line)
-                except ValueError as exc:
-                    raise TimelineError(f"{path}:{n}: not a JSON line: {exc}") from exc
+                    doc = boundedjson.loads(line, what=f"{path}:{n}", max_bytes=MAX_LINE_BYTES)
+                except DocumentError as exc:
+                    raise TimelineError(f"{path}:{n}: not a JSON line: {exc.reason}") from exc
                 if isinstance(doc, dict) and isinstance(doc.get("event"), str):
                     out.append(doc)
     except OSError as exc:

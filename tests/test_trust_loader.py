@@ -447,3 +447,58 @@ def test_cache_pair_goes_through_the_same_checks(cache: tuple[Any, str, str], tm
         load_state_dict((nc, digest), expected_digest=digest, events=log)
     ev = _events(tmp_path / "ev.jsonl")
     assert any(e["event"] == "loader.rehashing" for e in ev), ev
+
+
+# --------------------------------------------------------------------------- JSON from outside
+def test_deeply_nested_json_in_loader_inputs_is_a_typed_refusal(ckpt: Path, tmp_path: Path) -> None:
+    """config.json, a recorded fingerprint and an event log are read from outside: 5000 levels of
+    nesting must not crash the loader with RecursionError."""
+    from modelpack.loader import Fingerprint
+    from modelpack.loader.timeline import read_event_file
+
+    from modelpack.errors import FingerprintFileError, TimelineError
+
+    deep = "[" * 5000 + "]" * 5000
+    plain = tmp_path / "plain"
+    shutil.copytree(ckpt, plain)
+    (plain / "config.json").write_text('{"quantization_config": ' + deep + "}")
+    stats = LoadStats()
+    assert load_state_dict(str(plain), allow_unverified=True, stats=stats)
+    assert stats.fingerprint is not None and stats.fingerprint.quantization == "none"
+    fp_file = tmp_path / "fp.json"
+    fp_file.write_text('{"fingerprint": ' + deep + "}")
+    with pytest.raises(FingerprintFileError, match="nested deeper"):
+        Fingerprint.read(str(fp_file))
+    log = tmp_path / "ev.jsonl"
+    log.write_text('{"event": "loader.read_start", "x": ' + deep + "}\n")
+    with pytest.raises(TimelineError, match="nested deeper"):
+        read_event_file(str(log))
+
+
+def test_trusted_keys_on_a_snapshot_need_the_cache_to_have_verified_them(
+    ckpt: Path, tmp_path: Path, ref: dict[str, torch.Tensor]
+) -> None:
+    """A key passed with a snapshot is not ignored: the cache must have recorded that this key
+    verified the digest's signature (a pull under a policy trusting it)."""
+    from modelpack.mount.cache import NodeCache
+    from modelpack.signing import sign_artifact
+
+    from tests.loader_helpers import pack_layout
+
+    lay = pack_layout(ckpt, tmp_path / "layout")
+    key = generate_key()
+    sign_artifact(lay.target, lay.desc, key, chunk_table=False, directory_signature=False)
+    pinned = f"oci:{lay.path}@{lay.digest}"
+    unsigned_cache = NodeCache(str(tmp_path / "c1"))
+    snap = unsigned_cache.pull(pinned).path  # no policy: nothing verified the signature
+    with pytest.raises(UnsignedSourceError, match="--trusted-key"):
+        load_state_dict(snap, expected_digest=lay.digest, trusted_keys=[key.public])
+    with pytest.raises(UnsignedSourceError):
+        load_state_dict((unsigned_cache, pinned), trusted_keys=[key.public])
+    assert load_state_dict(snap, expected_digest=lay.digest)  # without keys: a plain hit
+    signed_cache = NodeCache(str(tmp_path / "c2"))
+    snap2 = signed_cache.pull(pinned, policy=[key.public]).path
+    sd = load_state_dict(snap2, expected_digest=lay.digest, trusted_keys=[key.public])
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    with pytest.raises(UnsignedSourceError):  # another key: not what the cache verified
+        load_state_dict(snap2, expected_digest=lay.digest, trusted_keys=[generate_key().public])
