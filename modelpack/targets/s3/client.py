@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from modelpack.errors import ModelpackError, NotFoundError, S3Error
 
 _USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@\"'<>]*@")
+_BARE_USERINFO_RE = re.compile(r"(?<![\w/.:-])[^\s/@:\"'<>]+:[^\s/@\"'<>]*@")
 _CONFLICT_CODES = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey"}
 _UNSUPPORTED_CODES = {"NotImplemented"}
 
@@ -37,8 +38,9 @@ def endpoint_from_env() -> str | None:
 
 
 def redact_credentials(text: str) -> str:
-    """``text`` with the user and secret of every ``scheme://user:secret@host`` URL as ``***``."""
-    return _USERINFO_RE.sub(r"\1***@", text)
+    """``text`` with the user and secret of every ``scheme://user:secret@host`` URL (and of a
+    scheme-less ``user:secret@host``) as ``***``."""
+    return _BARE_USERINFO_RE.sub("***@", _USERINFO_RE.sub(r"\1***@", text))
 
 
 def split_endpoint(endpoint: str) -> tuple[str, tuple[str, str] | None]:
@@ -49,6 +51,8 @@ def split_endpoint(endpoint: str) -> tuple[str, tuple[str, str] | None]:
         netloc = parts.netloc
     except ValueError:
         raise S3Error(f"invalid S3 endpoint {redact_credentials(endpoint)!r}") from None
+    if "://" not in endpoint or not netloc:
+        raise S3Error(f"invalid S3 endpoint {redact_credentials(endpoint)!r}: expected http[s]://HOST[:PORT]")
     if "@" not in netloc:
         return endpoint, None
     userinfo, host = netloc.rsplit("@", 1)
