@@ -100,7 +100,7 @@ def shard_bounds(n: int, tp_size: int, tp_rank: int, *, uneven: str, what: str) 
         begin = min(n, tp_rank * size)
         return begin, min(n, begin + size)
     raise PlanError(
-        f"{what}: dimension of {n} is not divisible by tp_size={tp_size}; "
+        f"{what}: dimension of {n} is not divisible by --tp-size {tp_size}; "
         "pad the model, replicate the tensor with a rule, or pass --uneven chunk (a torch.chunk split)"
     )
 

@@ -112,7 +112,7 @@ def test_dim0_is_one_contiguous_range_and_neighbours_coalesce() -> None:
 
 def test_uneven_split_refused_by_default_and_torch_chunk_compatible_on_request() -> None:
     hdr = header([("x.q_proj.weight", "F32", (10, 3)), ("y.o_proj.weight", "F32", (2, 5))])
-    with pytest.raises(PlanError, match=r"x.q_proj.weight.*not divisible by tp_size=4"):
+    with pytest.raises(PlanError, match=r"x.q_proj.weight.*not divisible by --tp-size 4"):
         ReadPlan.build({"m.safetensors": hdr}, 4, 0)
     rows = [ReadPlan.build({"m.safetensors": hdr}, 4, r, uneven="chunk") for r in range(4)]
     q = [next(t for t in p.tensors if t.name == "x.q_proj.weight").shape for p in rows]
