@@ -398,3 +398,13 @@ def test_s3_endpoint_secrets_are_redacted_everywhere(
     logs = "\n".join(f"{rec.name} {rec.getMessage()}" for rec in caplog.records)
     for text in [*outputs, logs]:
         assert S3_SECRET not in text
+
+
+def test_a_command_naming_two_registries_refuses_a_single_user_name() -> None:
+    r = CliRunner().invoke(
+        main,
+        ["diff", "127.0.0.1:1/a/m:v1", "127.0.0.2:1/a/m:v2", "-u", CI_USER, "--password-stdin"],
+        input=f"{CI_PASSWORD}\n",
+    )
+    assert r.exit_code == 2 and "one registry" in r.output, r.output
+    assert CI_PASSWORD not in r.output

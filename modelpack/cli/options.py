@@ -306,15 +306,15 @@ def _command_registry_host(credentials_given: bool) -> str | None:
             host = _registry_host(item) if isinstance(item, str) else None
             if host:
                 hosts.setdefault(canonical_host(host), host)
-    if len(hosts) > 1 and (credentials_given or os.environ.get("MODELPACK_REGISTRY_USERNAME")):
-        if not credentials_given and os.environ.get("MODELPACK_REGISTRY_HOST"):
-            return None  # the environment names its registry itself
-        names = ", ".join(sorted(hosts))
-        raise click.UsageError(
-            f"registry credentials apply to one registry, and this command names {names}: store them "
-            "per host with 'modelpack login HOST' (or set MODELPACK_REGISTRY_HOST for "
-            "MODELPACK_REGISTRY_USERNAME/PASSWORD)"
-        )
+    if len(hosts) > 1:
+        if credentials_given:
+            names = ", ".join(sorted(hosts))
+            raise click.UsageError(
+                f"-u/--password-stdin apply to one registry, and this command names {names}: store "
+                "credentials per host with 'modelpack login HOST' instead"
+            )
+        # environment credentials then belong to MODELPACK_REGISTRY_HOST, or to none of them
+        return None
     return next(iter(hosts.values()), None)
 
 

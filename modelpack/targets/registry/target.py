@@ -205,6 +205,7 @@ class RegistryTarget:
             params={"mount": str(descriptor.digest), "from": src.repository},
             ok=(201,),
             allow=(202,),
+            idempotent=True,  # mounting twice is harmless; an unknown 202 session only lingers
             what=f"mount {descriptor.digest} from {src.repository}",
         )
         if resp.status_code == 201:
