@@ -26,7 +26,9 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import TargetOptions
+from modelpack.targets.registry.hosts import same_registry
 
 
 def chunk_size_option(fn: Any) -> Any:
@@ -114,7 +116,7 @@ def push_cmd(
     artifact_format = kwargs.pop("artifact_format", "artifact")
     compression = kwargs.pop("compression", None)
     popts = pack_options_from(kwargs, progress)
-    topts = _with_chunk_size(build_target_options(kwargs), chunk_size)
+    topts = _with_chunk_size(build_target_options(kwargs, registry=destination), chunk_size)
     key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
     result = transfer.push(
         source,
@@ -142,11 +144,75 @@ def push_cmd(
     click.echo(result.digest)
 
 
+def cp_credentials_options(fn: Any) -> Any:
+    """skopeo's ``--src-creds``/``--dest-creds``: each set of credentials for one side only."""
+    opts = [
+        click.option(
+            "--src-creds",
+            metavar="USER[:PASSWORD]",
+            envvar="MODELPACK_SRC_CREDS",
+            help="Credentials for the SOURCE registry only (no PASSWORD: read a line of stdin).",
+        ),
+        click.option(
+            "--dest-creds",
+            metavar="USER[:PASSWORD]",
+            envvar="MODELPACK_DEST_CREDS",
+            help="Credentials for the DESTINATION registry only (same as -u/--password-stdin).",
+        ),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _registry_location(reference: str, flag: str) -> str:
+    ref = parse_reference(reference)
+    if ref.scheme != "registry":
+        raise click.UsageError(f"{flag} applies to a registry, and {reference} is not one")
+    return ref.location
+
+
+def _split_creds(value: str, flag: str) -> tuple[str, str]:
+    user, sep, password = value.partition(":")
+    if not user:
+        raise click.UsageError(f"{flag} needs USER[:PASSWORD]")
+    if not sep:
+        password = sys.stdin.readline().rstrip("\n")
+        if not password:
+            raise click.UsageError(f"{flag} {user}: no password on stdin")
+    return user, password
+
+
+def cp_target_options(
+    kwargs: dict[str, Any], source: str, destination: str, src_creds: str | None, dest_creds: str | None
+) -> TargetOptions:
+    """Connection options for ``cp``: -u/--password-stdin and the environment's credentials
+    belong to DESTINATION; ``--src-creds`` to SOURCE alone; nothing is shared between them."""
+    if dest_creds and kwargs.get("username"):
+        raise click.UsageError("give --dest-creds or -u/--password-stdin, not both")
+    topts = build_target_options(kwargs, registry=destination)
+    creds: dict[str, tuple[str, str]] = {}
+    if src_creds:
+        src_host = _registry_location(source, "--src-creds")
+        creds[src_host] = _split_creds(src_creds, "--src-creds")
+    if dest_creds:
+        dst_host = _registry_location(destination, "--dest-creds")
+        pair = _split_creds(dest_creds, "--dest-creds")
+        if any(same_registry(h, dst_host) and c != pair for h, c in creds.items()):
+            raise click.UsageError(
+                f"SOURCE and DESTINATION are both on {dst_host}: one set of credentials serves both"
+            )
+        creds[dst_host] = pair
+    topts.registry_credentials = creds
+    return topts
+
+
 @click.command("cp")
 @click.argument("source")
 @click.argument("destination")
 @click.option("--referrers", is_flag=True, help="Also copy manifests that refer to it (signatures…).")
 @target_options
+@cp_credentials_options
 @chunk_size_option
 @jobs_option
 @progress_option
@@ -156,6 +222,8 @@ def cp_cmd(
     source: str,
     destination: str,
     referrers: bool,
+    src_creds: str | None,
+    dest_creds: str | None,
     chunk_size: int | None,
     jobs: int,
     progress: str,
@@ -165,11 +233,21 @@ def cp_cmd(
     """Copy an artifact between any two places (registry, oci:DIR, s3://…), digests unchanged.
 
     Within one registry, blobs are mounted across repositories instead of re-uploaded.
+    Credentials belong to one side: -u/--password-stdin (and MODELPACK_REGISTRY_USERNAME/PASSWORD)
+    to DESTINATION, --src-creds to SOURCE; each registry also gets its own 'modelpack login' entry.
+
+    \b
+    Examples:
+      modelpack cp reg-a.example/models/llama:v1 reg-b.example/models/llama:v1 --referrers
+      echo "$CI_TOKEN" | modelpack cp mirror.example/m:v1 reg.example/m:v1 -u ci --password-stdin
+      modelpack cp 127.0.0.1:5000/models/llama:v1 oci:./layout:v1 --retry-for 5m
     """
     result = transfer.cp(
         source,
         destination,
-        target_options=_with_chunk_size(build_target_options(kwargs), chunk_size),
+        target_options=_with_chunk_size(
+            cp_target_options(kwargs, source, destination, src_creds, dest_creds), chunk_size
+        ),
         jobs=jobs,
         referrers=referrers,
         progress=progress,
@@ -192,8 +270,14 @@ def cp_cmd(
 @json_option
 @handle_errors
 def tag_cmd(reference: str, new_tag: str, as_json: bool, **kwargs: Any) -> None:
-    """Point NEW_TAG (same repository) at the manifest REFERENCE names."""
-    digest = transfer.tag(reference, new_tag, target_options=build_target_options(kwargs))
+    """Point NEW_TAG (same repository) at the manifest REFERENCE names.
+
+    \b
+    Examples:
+      modelpack tag registry.example.com/models/llama:v1 stable
+      modelpack tag registry.example.com/models/llama@sha256:<digest> v1.1
+    """
+    digest = transfer.tag(reference, new_tag, target_options=build_target_options(kwargs, registry=reference))
     if as_json:
         emit_json({"tag": new_tag, "digest": digest})
         return
@@ -214,6 +298,12 @@ def login_cmd(
 
     Passwords are read from stdin only, never from the command line (it ends up in shell
     history and process lists). A credsStore/credHelpers entry in config.json is honoured.
+    The entry is keyed by REGISTRY and used for that host only.
+
+    \b
+    Examples:
+      echo "$TOKEN" | modelpack login registry.example.com -u ci-bot --password-stdin
+      modelpack login 127.0.0.1:5000 -u admin --password-stdin < password.txt
     """
     if not password_stdin:
         raise click.UsageError("pass the password on stdin with --password-stdin")
@@ -229,7 +319,12 @@ def login_cmd(
 @click.argument("registry")
 @handle_errors
 def logout_cmd(registry: str) -> None:
-    """Remove stored credentials for REGISTRY."""
+    """Remove stored credentials for REGISTRY.
+
+    \b
+    Examples:
+      modelpack logout registry.example.com
+    """
     if transfer.logout(registry):
         click.echo(f"removed credentials for {registry}")
     else:
