@@ -408,14 +408,25 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def _big_checkpoint(tmp: Path) -> Path:
     ckpt = tmp / "big"
     ckpt.mkdir()
-    header = {"w": {"dtype": "U8", "shape": [3 * 1024 * 1024], "data_offsets": [0, 3 * 1024 * 1024]}}
-    (ckpt / "model.safetensors").write_bytes(safetensors_bytes(header, os.urandom(3 * 1024 * 1024)))
+    n = 3 * 1024 * 1024 // 2  # two tensors, so --max-file-size can split them
+    header = {
+        "a": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]},
+        "b": {"dtype": "U8", "shape": [n], "data_offsets": [n, 2 * n]},
+    }
+    (ckpt / "model.safetensors").write_bytes(safetensors_bytes(header, os.urandom(2 * n)))
     return ckpt
 
 
-def test_full_disk_while_packing_into_a_layout(small_tmpfs: Path, tmp_path: Path) -> None:
-    proc = run_cli("pack", str(_big_checkpoint(tmp_path)), f"oci:{small_tmpfs / 'layout'}:v1")
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--max-file-size", "2MiB"], ["--format", "image"]],
+    ids=["blobs", "re-sharded files", "image tar layers"],
+)
+def test_full_disk_while_packing_into_a_layout(small_tmpfs: Path, tmp_path: Path, extra: list[str]) -> None:
+    """Blobs, re-sharded files and tar layers are all written beside the layout (same filesystem)."""
+    proc = run_cli("pack", str(_big_checkpoint(tmp_path)), f"oci:{small_tmpfs / 'layout'}:v1", *extra)
     assert_refused(proc, str(small_tmpfs), "No space left on device")
+    assert not [p for p in (small_tmpfs / "layout").rglob("*") if p.is_file() and p.name.startswith(".")]
 
 
 @pytest.mark.xfail(

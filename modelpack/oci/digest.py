@@ -51,13 +51,19 @@ def sha256_file(path: str | os.PathLike[str], *, chunk: int = HASH_CHUNK) -> tup
     buf = bytearray(chunk)
     view = memoryview(buf)
     size = 0
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                h.update(view[:n])
+                size += n
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        # a read error (EIO, a vanished network mount) carries no path: give it the file's
+        raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from exc
     return Digest.from_hex(h.hexdigest()), size
 
 

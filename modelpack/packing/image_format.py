@@ -38,6 +38,7 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.image_config import MODELS_PREFIX
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.packer import build_artifact
+from modelpack.packing.reshard import staging_write_error
 
 MAX_LAYERS = 100
 LABEL_PREFIX = "org.cncf.model."
@@ -125,6 +126,17 @@ def write_layer_tar(
     if compression not in COMPRESSIONS:
         raise PackError(f"unsupported layer compression {compression!r}; use zstd or none")
     members = sorted(members, key=lambda m: m[0].split("/"))
+    try:
+        return _write_tar(members, out_path, compression)
+    except OSError as exc:
+        if exc.filename is not None and exc.filename != out_path:
+            raise  # a source file: its own path is already named
+        raise staging_write_error(out_path, exc) from exc
+
+
+def _write_tar(
+    members: list[tuple[str, str]], out_path: str, compression: str | None
+) -> tuple[Digest, Digest, int]:
     with open(out_path, "wb") as raw_out:
         digesting = _DigestingFile(raw_out)
         compressor: Any = None

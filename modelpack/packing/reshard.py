@@ -6,6 +6,7 @@ safetensors file with the same tensor bytes, so loaders need nothing but the reg
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any, BinaryIO
@@ -93,26 +94,39 @@ def reshard(
                     ((t.name, t.dtype, t.shape, t.nbytes) for t in group), hdr.metadata or None
                 )
                 out_path = os.path.join(staging, shard_rel)
-                os.makedirs(os.path.dirname(out_path), exist_ok=True)
-                with open(out_path, "wb") as dst:
-                    dst.write(prefix)
-                    dst.flush()
-                    # tensors are contiguous in offset order, so each group is one range
-                    first, last = group[0], group[-1]
-                    _copy_range(src, dst, hdr.data_start + first.begin, last.end - first.begin)
+                try:
+                    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+                    with open(out_path, "wb") as dst:
+                        dst.write(prefix)
+                        dst.flush()
+                        # tensors are contiguous in offset order, so each group is one range
+                        first, last = group[0], group[-1]
+                        _copy_range(src, dst, hdr.data_start + first.begin, last.end - first.begin)
+                except OSError as exc:
+                    raise staging_write_error(out_path, exc) from exc
                 for t in group:
                     weight_map[t.name] = os.path.basename(shard_rel)
                 result.append((shard_rel, out_path))
     index_doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     index_rel = index_rel or "model.safetensors.index.json"
     index_path = os.path.join(staging, index_rel)
-    os.makedirs(os.path.dirname(index_path), exist_ok=True)
-    with open(index_path, "w") as f:
-        json.dump(index_doc, f, indent=2, sort_keys=True)
-        f.write("\n")
+    try:
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+        with open(index_path, "w") as f:
+            json.dump(index_doc, f, indent=2, sort_keys=True)
+            f.write("\n")
+    except OSError as exc:
+        raise staging_write_error(index_path, exc) from exc
     result.append((index_rel, index_path))
     result.sort(key=lambda x: x[0].split("/"))
     return result
 
 
-__all__ = ["reshard"]
+def staging_write_error(path: str, exc: OSError) -> PackError:
+    """A write into the staging directory failed: name the file (a full disk's ``write()`` error
+    carries no path) and say where the space is needed."""
+    hint = "; free space on that filesystem and pack again" if exc.errno == errno.ENOSPC else ""
+    return PackError(f"{path}: cannot write: {exc.strerror or exc}{hint}")
+
+
+__all__ = ["reshard", "staging_write_error"]
