@@ -25,3 +25,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s]" --config-settings editable_mode=strict
   touch "$stamp"
 fi
+[ "${MODELPACK_SKIP_VLLM:-}" = 1 ] || bash .ci/vllm-venv.sh  # vLLM (CPU) for tests/test_vllm.py, own venv

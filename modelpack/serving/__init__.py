@@ -1,0 +1,1 @@
+"""Serving engines reading weights through modelpack: the vLLM load format `modelpack`."""

@@ -1,0 +1,115 @@
+"""Full-shape CPU tensors in which only this tensor-parallel rank's slice was read and filled.
+
+vLLM's weight loaders take checkpoint-shaped tensors and ``narrow`` them to the rank's part
+(``ColumnParallelLinear``: output rows, ``RowParallelLinear``: input columns, vocab-parallel
+embeddings: rows); the merged q/k/v and gate/up parameters narrow each checkpoint tensor the same
+way. So a rank can read only its slice and still hand vLLM the shape it expects: the rest of the
+tensor is allocated but never read, never written and never looked at.
+
+- ``dim0`` slices are rows ``[b, e)`` of a contiguous tensor, itself contiguous: the loader reads
+  straight into that view of the full tensor (its ``out=`` destinations), no copy;
+- ``dim1`` slices are strided: the loader gathers the rank's columns into a shard tensor, which is
+  copied into the full tensor's column slice (the only extra copy, 1/TP of those bytes);
+- replicated tensors are read whole and passed through.
+
+Tensors are allocated lazily, one file at a time as the loader reaches it, and this module keeps
+no reference once a tensor is handed over, so memory holds about one file's share at a time (the
+unread parts of a large allocation are untouched pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from modelpack.loader import ReadPlan, ShardRule, iter_tensors
+from modelpack.loader.dtypes import torch_dtype
+from modelpack.loader.plan import TensorRead, shard_bounds
+
+
+class RowSliceDestinations(Mapping[str, torch.Tensor]):
+    """The loader's ``out=`` mapping: for each sharded ``dim0`` tensor, rows ``[b, e)`` of a fresh
+    full-shape tensor, allocated when the loader first asks for it (that is, per file)."""
+
+    def __init__(self) -> None:
+        self._plan: ReadPlan | None = None
+        self._reads: dict[str, TensorRead] = {}
+        self.full: dict[str, torch.Tensor] = {}
+
+    def set_plan(self, plan: ReadPlan) -> None:
+        self._plan = plan
+        self._reads = {t.name: t for t in plan.tensors if t.rule is ShardRule.DIM0 and t.sharded}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._reads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._reads[name]
+        full = self.full.get(name)
+        if full is None:
+            full = torch.empty(t.full_shape, dtype=torch_dtype(t.dtype, where=f"{t.file}: {name}"))
+            self.full[name] = full
+        assert self._plan is not None
+        b, e = shard_bounds(
+            t.full_shape[0], self._plan.tp_size, self._plan.tp_rank, uneven=self._plan.uneven, what=name
+        )
+        return full[b:e]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._reads)
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """The full tensor behind a handed-over slice; forgotten here so its memory can go."""
+        self._reads.pop(name, None)
+        return self.full.pop(name, None)
+
+
+def iter_full_shape(
+    source: Any, *, tp_size: int, tp_rank: int, **kwargs: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_tensors`` for rank ``tp_rank``, yielding checkpoint-shaped CPU tensors.
+
+    Only the rank's slice of each sharded tensor holds data; ``kwargs`` go to ``iter_tensors``
+    (``rules``, ``presets``, ``expected_digest``, ``events``, ``stats``, …). A caller ``on_plan``
+    runs after the destinations learned the plan.
+    """
+    dests = RowSliceDestinations()
+    caller_on_plan = kwargs.pop("on_plan", None)
+    reads: dict[str, TensorRead] = {}
+
+    def on_plan(plan: ReadPlan) -> None:
+        dests.set_plan(plan)
+        reads.update((t.name, t) for t in plan.tensors)
+        if caller_on_plan is not None:
+            caller_on_plan(plan)
+
+    it = iter_tensors(source, "cpu", tp_size=tp_size, tp_rank=tp_rank, out=dests, on_plan=on_plan, **kwargs)
+    try:
+        for name, shard in it:
+            full = dests.take(name)
+            if full is not None:  # dim0: the loader filled the view of this full tensor in place
+                del shard
+                yield name, full
+                continue
+            t = reads[name]
+            if t.rule is ShardRule.DIM1 and t.sharded:
+                full = torch.empty(t.full_shape, dtype=shard.dtype)
+                b, e = shard_bounds(t.full_shape[1], tp_size, tp_rank, uneven=_uneven(kwargs), what=name)
+                full[:, b:e].copy_(shard)
+                del shard
+                yield name, full
+                continue
+            yield name, shard
+    finally:
+        it.close()
+        dests.full.clear()
+
+
+def _uneven(kwargs: Mapping[str, Any]) -> str:
+    opts = kwargs.get("options")
+    return str(getattr(opts, "uneven", "refuse")) if opts is not None else "refuse"

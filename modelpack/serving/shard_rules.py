@@ -1,0 +1,93 @@
+"""Which checkpoint tensors a vLLM tensor-parallel rank may read in part, and along which dimension.
+
+The `modelpack` load format hands vLLM full-shape tensors in which only this rank's slice was read
+(see ``full_shape.py``); vLLM's weight loaders then ``narrow`` that slice out. That is exact only
+where the slice read equals the slice vLLM narrows, so a rule here says ``dim0`` / ``dim1`` only
+where vLLM's parallel layers split a tensor evenly along that dimension, and ``replicate`` (read the
+whole tensor; vLLM narrows it as with its own loader) everywhere else. A wrong ``replicate`` costs
+bytes; a wrong ``dim0`` would serve garbage, so unknown architectures read everything.
+
+Known exceptions that force ``replicate`` on an otherwise sharded tensor:
+
+- k_proj / v_proj when the KV heads do not split over the ranks (vLLM replicates heads then, and a
+  rank narrows ``rank // replicas``, not ``rank``);
+- embed_tokens / lm_head when vLLM pads the vocabulary (its shard boundaries then sit on multiples
+  of the padded size, not of the vocabulary);
+- already fused checkpoint tensors (qkv_proj, gate_up_proj): vLLM splits them into q/k/v (gate/up)
+  parts first and narrows each part, which no single contiguous range describes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from modelpack.loader import ShardRule
+
+# vLLM pads vocabularies to a multiple of this (vllm.model_executor.layers.vocab_parallel_embedding)
+VLLM_VOCAB_PADDING = 64
+
+# Architectures whose vLLM model classes use the Llama layer layout: q/k/v and gate/up as
+# QKVParallelLinear / MergedColumnParallelLinear over separate checkpoint tensors, o_proj/down_proj
+# as RowParallelLinear, VocabParallelEmbedding / ParallelLMHead. Checked against vLLM 0.32.
+LLAMA_LAYOUT_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
+)
+
+_COLUMN = r"(^|\.)(q_proj|gate_proj|up_proj)\.weight$"
+_KV = r"(^|\.)(k_proj|v_proj)\.weight$"
+_ROW = r"(^|\.)(o_proj|down_proj)\.weight$"
+_VOCAB = r"(^|\.)(embed_tokens|lm_head)\.weight$"
+
+
+def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, ShardRule]], str]:
+    """(rules for ``ReadPlan.build(..., presets=False)``, why) for one model under vLLM TP.
+
+    ``hf_config`` is a transformers config object or its ``config.json`` as a mapping. With
+    ``tp_size == 1`` or an architecture not known here, every tensor is replicated.
+    """
+    cfg = _as_mapping(hf_config)
+    if tp_size <= 1:
+        return [], "tp_size 1: every tensor is read whole"
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in LLAMA_LAYOUT_ARCHITECTURES), None)
+    if arch is None:
+        return [], (
+            f"architecture {archs or 'unknown'} is not one whose vLLM sharding modelpack knows; "
+            "every tensor is read whole (pass shard_rules to read less)"
+        )
+    rules: list[tuple[str, ShardRule]] = [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
+    notes = [arch]
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = _int(cfg, "num_key_value_heads") or heads
+    if kv_heads and kv_heads % tp_size == 0:
+        rules.append((_KV, ShardRule.DIM0))
+    else:
+        notes.append(f"{kv_heads} KV heads do not split over {tp_size} ranks: k/v read whole")
+    vocab = _int(cfg, "vocab_size")
+    if vocab and vocab % VLLM_VOCAB_PADDING == 0 and vocab % tp_size == 0:
+        rules.append((_VOCAB, ShardRule.DIM0))
+    else:
+        notes.append(f"vocabulary {vocab} is padded by vLLM: embeddings read whole")
+    return rules, "; ".join(notes)
+
+
+def _as_mapping(hf_config: Any) -> Mapping[str, Any]:
+    if isinstance(hf_config, Mapping):
+        return hf_config
+    to_dict = getattr(hf_config, "to_dict", None)
+    if callable(to_dict):
+        doc = to_dict()
+        if isinstance(doc, Mapping):
+            return doc
+    return vars(hf_config) if hasattr(hf_config, "__dict__") else {}
+
+
+def _int(cfg: Mapping[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,61 @@
+"""The vLLM load format ``modelpack``: each rank's weights through modelpack's verified loader.
+
+``vllm serve DIR --load-format modelpack --model-loader-extra-config '{…}'`` (keys in
+``settings.py``). Registered with vLLM by ``vllm_plugin.register`` (entry point group
+``vllm.general_plugins``), which vLLM runs in every process, so the format exists wherever a
+worker resolves ``--load-format``. This module is the only place besides the plugin that imports
+vLLM; the checks and the streaming live in ``weights.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from modelpack.errors import ServingError
+from modelpack.serving.weights import open_rank_load
+
+LOAD_FORMAT = "modelpack"
+
+
+@register_model_loader(LOAD_FORMAT)
+class ModelpackModelLoader(BaseModelLoader):
+    """Reads only this TP rank's slice of each tensor, verified, and hands vLLM full shapes."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        extra = load_config.model_loader_extra_config
+        self.extra_config: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download ahead: the weights are read (and verified) in ``load_weights``."""
+
+    @torch.no_grad()
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        tp_rank = get_tensor_model_parallel_rank()
+        rank = open_rank_load(self.extra_config, model_config.model, model_config.hf_config, tp_size, tp_rank)
+        try:
+            loaded = model.load_weights(rank.tensors())
+        except BaseException as exc:
+            rank.events.emit(
+                "serving.failed",
+                start_id=rank.start_id,
+                tp_rank=tp_rank,
+                reason=f"{type(exc).__name__}: {exc}"[:2000],
+            )
+            raise
+        if model_config.quantization is None and loaded is not None:
+            missing = {name for name, _ in model.named_parameters()} - set(loaded)
+            if missing:
+                reason = f"parameters not in the checkpoint: {sorted(missing)[:20]}"
+                rank.events.emit("serving.failed", start_id=rank.start_id, tp_rank=tp_rank, reason=reason)
+                raise ServingError(f"{model_config.model}: {reason}")
+        rank.events.emit("serving.weights_loaded", **rank.summary())

@@ -1,0 +1,241 @@
+"""One vLLM rank's weights through modelpack: resolve and check the source, then stream full-shape tensors.
+
+Kept free of vLLM imports (``vllm_loader.py`` is the thin vLLM class around it) so the checks —
+pinning, signature policy, the model directory, the read plan — run and are tested without vLLM.
+
+Order matters for "refused before serving": everything that can refuse (extra-config keys, the
+pin, the policy, the model directory, the fingerprint, the manifest digest) runs before the first
+weight byte is read, and each refusal is written to the event log before it is raised; vLLM then
+fails its start instead of serving.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from modelpack.errors import ModelpackError
+from modelpack.events import EventLog, NullEventLog
+from modelpack.loader import LoadStats, ReadPlan
+from modelpack.oci.reference import parse_reference
+from modelpack.serving.full_shape import iter_full_shape
+from modelpack.serving.model_dir import check_model_dir
+from modelpack.serving.settings import ServingSettings
+from modelpack.serving.shard_rules import vllm_shard_rules
+
+
+@dataclass
+class RankLoad:
+    """What one rank is about to read; ``tensors()`` streams it, ``stats`` fills in as it goes."""
+
+    settings: ServingSettings
+    model_dir: str
+    tp_size: int
+    tp_rank: int
+    events: EventLog
+    start_id: str
+    source: Any
+    state: str
+    rules: list[tuple[str, str]]
+    rules_reason: str
+    stats: LoadStats = field(default_factory=LoadStats)
+    plan: ReadPlan | None = None
+    _keys: list[Any] = field(default_factory=list)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint-named, checkpoint-shaped CPU tensors; only this rank's slices hold data."""
+
+        def on_plan(plan: ReadPlan) -> None:
+            self.plan = plan
+
+        s = self.settings
+        yield from iter_full_shape(
+            self.source,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+            rules=self.rules,
+            presets=False,
+            expected_digest=None if s.trust == "runtime" else s.pinned_digest,
+            fingerprint=s.fingerprint,
+            trusted_keys=self._keys or None,
+            allow_unverified=s.trust == "runtime",
+            events=self.events,
+            start_id=self.start_id,
+            state=self.state,
+            stats=self.stats,
+            on_plan=on_plan,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Per-rank bytes for the ``serving.weights_loaded`` event (and the TP test)."""
+        plan = self.plan
+        return {
+            "start_id": self.start_id,
+            "state": self.stats.state or self.state,
+            "digest": self.stats.digest,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "bytes_read": self.stats.bytes_read,
+            "bytes_to_read": self.stats.bytes_to_read,
+            "model_bytes": plan.total_bytes if plan else None,
+            "replicated_bytes": plan.replicated_bytes if plan else None,
+            "tensors": self.stats.tensors,
+            "rules": self.rules_reason,
+            "duration_ms": round(self.stats.seconds * 1000, 3),
+        }
+
+
+def process_start_time(pid: int | None = None) -> float:
+    """Unix time the process started (Linux /proc), or now where that cannot be read."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22 (starttime), counted after the ")" that ends comm
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return time.time()
+
+
+def start_time(environ: Mapping[str, str] | None = None) -> float:
+    """t0 of this start: ``$MODELPACK_T0`` (pod creation, or the first vLLM process), else now."""
+    env = os.environ if environ is None else environ
+    raw = env.get("MODELPACK_T0")
+    try:
+        return float(raw) if raw else time.time()
+    except ValueError:
+        return time.time()
+
+
+def open_rank_load(
+    extra_config: Mapping[str, Any] | None,
+    model_dir: str,
+    hf_config: Any,
+    tp_size: int,
+    tp_rank: int,
+    *,
+    environ: Mapping[str, str] | None = None,
+    target_factory: Callable[[Any, Any], Any] | None = None,
+) -> RankLoad:
+    """Check everything that can refuse this start, then return the rank's load (nothing read yet).
+
+    Writes t0 (``serving.start``) first, so even a refused start shows in ``modelpack timeline``.
+    """
+    env = os.environ if environ is None else environ
+    sid_default = env.get("MODELPACK_START_ID") or uuid.uuid4().hex
+    events: EventLog = NullEventLog()
+    start_id = sid_default
+    try:
+        settings = ServingSettings.from_extra_config(extra_config, env)
+    except ModelpackError as exc:
+        # no settings means no event path from them; $MODELPACK_EVENTS still records the refusal
+        if env.get("MODELPACK_EVENTS"):
+            EventLog(env["MODELPACK_EVENTS"]).emit(
+                "serving.refused", start_id=start_id, tp_rank=tp_rank, reason=f"{type(exc).__name__}: {exc}"
+            )
+        raise
+    if settings.events:
+        events = EventLog(settings.events)
+    start_id = settings.start_id or sid_default
+    events.emit(
+        "serving.start",
+        ts=start_time(env),
+        stage="t0",
+        start_id=start_id,
+        engine="vllm",
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        model=model_dir,
+        reference=settings.source,
+        digest=settings.pinned_digest,
+    )
+    try:
+        return _resolve(settings, model_dir, hf_config, tp_size, tp_rank, events, start_id, target_factory)
+    except ModelpackError as exc:
+        events.emit(
+            "serving.refused",
+            start_id=start_id,
+            tp_rank=tp_rank,
+            reference=settings.source or model_dir,
+            digest=settings.pinned_digest,
+            reason=f"{type(exc).__name__}: {exc}"[:2000],
+        )
+        raise
+
+
+def _resolve(
+    settings: ServingSettings,
+    model_dir: str,
+    hf_config: Any,
+    tp_size: int,
+    tp_rank: int,
+    events: EventLog,
+    start_id: str,
+    target_factory: Callable[[Any, Any], Any] | None,
+) -> RankLoad:
+    from modelpack.signing.keys import load_public_key
+
+    keys = [load_public_key(k) for k in settings.trusted_keys]
+    vllm_rules, reason = vllm_shard_rules(hf_config, tp_size)
+    rules: list[tuple[str, str]] = list(settings.shard_rules.items())
+    rules += [(pattern, rule.value) for pattern, rule in vllm_rules]
+    if settings.shard_rules:
+        reason = f"caller rules {sorted(settings.shard_rules)} first; " + reason
+    if settings.source is None:
+        source: Any = model_dir
+        state = "image-volume" if settings.trust == "runtime" else "hit"
+    else:
+        source, state = _remote_source(settings, model_dir, keys, events, target_factory)
+    return RankLoad(
+        settings,
+        model_dir,
+        tp_size,
+        tp_rank,
+        events,
+        start_id,
+        source,
+        state,
+        rules,
+        reason,
+        _keys=keys,
+    )
+
+
+def _remote_source(
+    settings: ServingSettings,
+    model_dir: str,
+    keys: list[Any],
+    events: EventLog,
+    target_factory: Callable[[Any, Any], Any] | None,
+) -> tuple[Any, str]:
+    """(``(target, digest)`` for the loader, state): policy checked, model directory matched."""
+    from modelpack.errors import ExpectedDigestError
+    from modelpack.targets.fetch import fetch_manifest
+    from modelpack.targets.opener import TargetOptions, open_readable
+
+    assert settings.source is not None
+    ref = parse_reference(settings.source)
+    pinned = settings.pinned_digest
+    assert pinned is not None  # settings refuse an unpinned source
+    if ref.digest and str(ref.digest) != pinned:
+        raise ExpectedDigestError(pinned, str(ref.digest), source=settings.source)
+    options = TargetOptions(plain_http=settings.plain_http, ca_file=settings.ca_file)
+    target = (target_factory or open_readable)(ref, options)
+    manifest, digest = fetch_manifest(target, pinned)
+    if digest != pinned:  # pragma: no cover - fetch_manifest resolves by the pin itself
+        raise ExpectedDigestError(pinned, digest, source=settings.source)
+    if settings.policy:
+        from modelpack.signing.policy import TrustPolicy
+        from modelpack.signing.verify import verify_artifact
+
+        verify_artifact(target, ref, target.resolve(pinned), TrustPolicy.load(settings.policy), events=events)
+    check_model_dir(model_dir, manifest, where=str(ref.with_digest(pinned)))
+    # a tag named beside the pin is handed on: the loader refuses it if it moved off the pin
+    return (target, ref.tag if ref.tag and not ref.digest else pinned), "streamed"
