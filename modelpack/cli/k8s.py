@@ -28,6 +28,33 @@ def _resolve_if_asked(reference: str, resolve: bool, kwargs: dict[str, Any]) -> 
     return str(ref.with_tag(None).with_digest(desc.digest))
 
 
+def vllm_options(f: Any) -> Any:
+    """``--vllm`` (the serving container runs vLLM with the ``modelpack`` load format) and its TP size."""
+    f = click.option(
+        "--tensor-parallel-size",
+        "tp_size",
+        type=click.IntRange(1, 1024),
+        default=1,
+        show_default=True,
+        help="vLLM tensor parallelism (with --vllm); each rank reads only its share.",
+    )(f)
+    return click.option(
+        "--vllm",
+        is_flag=True,
+        help="Run vLLM in the serving container, weights through the 'modelpack' load format (pinned digest).",
+    )(f)
+
+
+def _as_vllm(
+    obj: dict[str, Any], notes: list[str], model_dir: str, annotations: dict[str, str], trust: str, tp: int
+) -> tuple[dict[str, Any], list[str]]:
+    from modelpack.serving.k8s_vllm import VLLM_POD_NOTES, vllm_server_pod
+
+    digest = annotations["modelpack.dev/model-digest"]
+    pod = vllm_server_pod(obj, model_dir=model_dir, digest=digest, trust=trust, tp_size=tp)
+    return pod, [*notes, *VLLM_POD_NOTES]
+
+
 def _emit(obj: dict[str, Any], notes: list[str], as_json: bool) -> None:
     k8s.validate(obj)
     if as_json:
@@ -53,6 +80,7 @@ def k8s_group() -> None:
 @click.option("--name", default=None, help="Pod name (default: from the repository).")
 @click.option("--namespace", default=None)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@vllm_options
 @target_options
 @json_option
 @handle_errors
@@ -64,6 +92,8 @@ def k8s_pod(
     name: str | None,
     namespace: str | None,
     resolve: bool,
+    vllm: bool,
+    tp_size: int,
     as_json: bool,
     **kwargs: Any,
 ) -> None:
@@ -77,7 +107,10 @@ def k8s_pod(
     obj = k8s.image_volume_pod(
         ref, mount_path=mount_path, pull_policy=pull_policy, image=image, name=name, namespace=namespace
     )
-    _emit(obj, k8s.IMAGE_VOLUME_NOTES, as_json)
+    notes = list(k8s.IMAGE_VOLUME_NOTES)
+    if vllm:
+        obj, notes = _as_vllm(obj, notes, mount_path, obj["metadata"]["annotations"], "runtime", tp_size)
+    _emit(obj, notes, as_json)
 
 
 @k8s_group.command("init-container")
@@ -104,10 +137,13 @@ def k8s_pod(
 @click.option("--name", default=None)
 @click.option("--namespace", default=None)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@vllm_options
 @target_options
 @json_option
 @handle_errors
-def k8s_init_container(reference: str, resolve: bool, as_json: bool, **kwargs: Any) -> None:
+def k8s_init_container(
+    reference: str, resolve: bool, vllm: bool, tp_size: int, as_json: bool, **kwargs: Any
+) -> None:
     """A Pod whose init container runs 'modelpack pull --cache' (verified, signature-checked)."""
     opts = {
         k: kwargs.pop(k)
@@ -131,6 +167,10 @@ def k8s_init_container(reference: str, resolve: bool, as_json: bool, **kwargs: A
         "Init container: pulls, verifies digests (and signatures with --policy-secret), publishes a snapshot.",
         "The serving container reads $MODELPACK_MODEL_DIR (read-only); hostPath caches are shared per node.",
     ]
+    if vllm:
+        server_env = obj["spec"]["containers"][0]["env"]
+        snapshot = next(e["value"] for e in server_env if e["name"] == "MODELPACK_MODEL_DIR")
+        obj, notes = _as_vllm(obj, notes, snapshot, obj["metadata"]["annotations"], "snapshot", tp_size)
     _emit(obj, notes, as_json)
 
 
