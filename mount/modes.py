@@ -132,7 +132,7 @@ def ensure_root(root: str) -> int:
     the cache owner's uid. An existing root keeps its mode, except that write access for group
     and others is removed when the process may change it (and refused when it may not)."""
     make_dirs(root, DIR_MODE)
-    st = os.lstat(root)
+    st = os.stat(root)  # the root may be a symlink an administrator made (to an NVMe mount)
     if not stat.S_ISDIR(st.st_mode):
         raise StoreError(f"{root}: not a directory; use another --cache")
     mode = stat.S_IMODE(st.st_mode)
@@ -140,7 +140,7 @@ def ensure_root(root: str) -> int:
         if _may_chmod(st):
             with contextlib.suppress(OSError):
                 os.chmod(root, mode & ~_WRITABLE_BY_OTHERS)
-        if stat.S_IMODE(os.lstat(root).st_mode) & _WRITABLE_BY_OTHERS:
+        if stat.S_IMODE(os.stat(root).st_mode) & _WRITABLE_BY_OTHERS:
             raise StoreError(
                 f"{root}: the node cache root is writable by group or others (mode {mode:04o}); "
                 f"another user could replace its contents. Run 'chmod go-w {root}' or use another --cache"

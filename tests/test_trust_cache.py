@@ -195,6 +195,17 @@ print("planted")
     _files_match_manifest(res.path, manifest_a)
 
 
+def test_a_world_writable_root_is_repaired_and_a_symlinked_root_still_works(tmp_path: Path) -> None:
+    ref_a, manifest_a = _pack(tmp_path, "a", 1)
+    real = tmp_path / "nvme" / "cache"
+    real.mkdir(parents=True)
+    os.chmod(real, 0o777)  # made by hand under umask 000
+    (tmp_path / "link").symlink_to(real)
+    res = NodeCache(str(tmp_path / "link")).pull(ref_a)
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o755
+    _files_match_manifest(res.path, manifest_a)
+
+
 # ----------------------------------------------------------------------------------- 11.5 locks
 def test_lock_files_are_not_lockable_by_another_uid(shared_root: Path, tmp_path: Path) -> None:
     ref_a, manifest_a = _pack(tmp_path, "a", 1)
