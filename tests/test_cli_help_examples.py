@@ -31,7 +31,7 @@ def _walk(group: click.Group, ctx: click.Context, prefix: tuple[str, ...]) -> li
 
 
 ROOT = click.Context(main, info_name="modelpack")
-ALL_COMMANDS = [()] + _walk(main, ROOT, ())
+ALL_COMMANDS = [(), *_walk(main, ROOT, ())]
 
 
 def _resolve(path: tuple[str, ...]) -> tuple[click.Command, click.Context]:
