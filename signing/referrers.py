@@ -190,9 +190,9 @@ def confirm_referrers(
     (which merges them into the current fallback index) and read back again, waiting a little
     longer each round.
 
-    The first read waits about as long as the writes took (at least 50 ms), so a concurrent
-    signer whose read-modify-write of the fallback index started before ours has finished by
-    then. Raises ``SigningError`` naming the target and digest when a referrer is still not
+    The first read waits one to two times ``write_seconds`` (how long one referrer write took,
+    at least 50 ms), so a concurrent signer whose read-modify-write of the fallback index started
+    before ours has finished by then. Raises ``SigningError`` naming the target and digest when a referrer is still not
     discoverable.
     """
     events = events or NullEventLog()

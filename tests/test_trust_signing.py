@@ -158,6 +158,7 @@ def test_concurrent_signers_both_discoverable(registry: Any, checkpoint: Path, t
     assert _run("push", str(checkpoint), ref0).exit_code == 0
     digest = str(open_target(parse_reference(ref0)).resolve("v1").digest)
     fallback = "sha256-" + digest[7:]
+    events_path = tmp_path / "events.jsonl"
     proxy = FaultProxy(registry.host)
     # a slow registry: reading the fallback index takes a while, so read-modify-writes overlap
     proxy.add(Fault(match=manifest_get(fallback), rewrite=_slow_reads(0.1), times=None))
@@ -180,7 +181,14 @@ def test_concurrent_signers_both_discoverable(registry: Any, checkpoint: Path, t
                     target = open_target(parse_reference(ref), for_write=True)
                     desc = target.resolve("v1")
                     barrier.wait()
-                    sign_artifact(target, desc, key, chunk_table=False, directory_signature=False)
+                    sign_artifact(
+                        target,
+                        desc,
+                        key,
+                        chunk_table=False,
+                        directory_signature=False,
+                        events=EventLog(str(events_path)),
+                    )
                 except BaseException as exc:  # reported below
                     errors.append(exc)
 
@@ -197,6 +205,8 @@ def test_concurrent_signers_both_discoverable(registry: Any, checkpoint: Path, t
                 assert result.verified, f"round {round_}: signer {k.key_id[:12]} lost its signature"
     finally:
         proxy.close()
+    # the race did happen (an entry was overwritten) and was repaired, not merely avoided
+    assert any(e["event"] == "signing.referrer_lost" for e in read_events(str(events_path)))
 
 
 def test_signer_fails_when_signature_stays_undiscoverable(
