@@ -17,6 +17,10 @@ ANNOTATION_TITLE = "org.opencontainers.image.title"
 ANNOTATION_CREATED = "org.opencontainers.image.created"
 
 _LEGACY_FILEPATH = "org.cnai.model.filepath"
+
+#: Linux's NAME_MAX and PATH_MAX: a longer name fails at write time, deep inside a pull.
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
 _LEGACY_FILE_METADATA = "org.cnai.model.file.metadata+json"
 
 
@@ -46,16 +50,24 @@ def safe_relative_path(path: str, *, what: str = "layer path") -> str:
     Fails closed: absolute paths, ``..`` components, backslashes, NUL and empty names are refused,
     because annotations come from untrusted manifests and name files we create.
     """
+    shown = repr(path if len(path) <= 200 else path[:200] + "…")
     if not path or "\x00" in path or "\\" in path:
-        raise UnsafePathError(f"{what} {path!r} is empty or contains NUL/backslash")
+        raise UnsafePathError(f"{what} {shown} is empty or contains NUL/backslash")
     if path.startswith("/"):
-        raise UnsafePathError(f"{what} {path!r} is absolute")
+        raise UnsafePathError(f"{what} {shown} is absolute")
     parts = path.split("/")
     if any(p in ("..",) for p in parts):
-        raise UnsafePathError(f"{what} {path!r} escapes the destination with '..'")
+        raise UnsafePathError(f"{what} {shown} escapes the destination with '..'")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES or any(
+        len(p.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for p in parts
+    ):
+        raise UnsafePathError(
+            f"{what} {shown} is longer than a file system allows "
+            f"({MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} a path)"
+        )
     norm = posixpath.normpath(path)
     if norm in (".", "") or norm.startswith("../"):
-        raise UnsafePathError(f"{what} {path!r} does not name a file")
+        raise UnsafePathError(f"{what} {shown} does not name a file")
     return norm
 
 

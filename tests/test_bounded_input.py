@@ -329,3 +329,15 @@ def test_header_length_over_the_limit_in_a_large_file(tmp_path: Path) -> None:
         out.truncate(8 + 100_000_001 + 16)  # sparse: no 100 MB written
     with pytest.raises(SafetensorsError, match="exceeds the 100 MB limit"):
         read_header(f)
+
+
+def test_file_paths_longer_than_a_file_system_allows_are_refused() -> None:
+    from modelpack.errors import UnsafePathError
+    from modelpack.mediatypes.annotations import safe_relative_path
+
+    assert safe_relative_path("a/" + "b" * 255) == "a/" + "b" * 255
+    with pytest.raises(UnsafePathError, match="longer than") as info:
+        safe_relative_path("a/" + "b" * 256)
+    assert len(str(info.value)) < 400  # the message stays one readable line
+    with pytest.raises(UnsafePathError, match="longer than"):
+        safe_relative_path("/".join(["d" * 200] * 30))
