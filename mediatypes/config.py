@@ -68,6 +68,12 @@ _CAPABILITY_FIELDS = {
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 
 
+def _clip(value: Any, limit: int = 80) -> str:
+    """A config value as it appears in a refusal: one line, however large the value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def is_rfc3339(text: str) -> bool:
     """Whether ``text`` is the date-time form ``createdAt`` takes (``2025-01-02T00:00:00Z``)."""
     return bool(_RFC3339.match(text))
@@ -85,15 +91,15 @@ def _check_object(obj: Any, path: str, fields: dict[str, Any]) -> dict[str, Any]
 def _check_type(value: Any, expected: Any, path: str) -> None:
     if isinstance(expected, tuple):
         if value not in expected:
-            raise ConfigError(path, f"must be one of {', '.join(expected)}, got {value!r}")
+            raise ConfigError(path, f"must be one of {', '.join(expected)}, got {_clip(value)}")
         return
     if expected is int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(path, f"must be an integer >= 1, got {value!r}")
+            raise ConfigError(path, f"must be an integer >= 1, got {_clip(value)}")
         return
     if expected is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"must be a boolean, got {value!r}")
+            raise ConfigError(path, f"must be a boolean, got {_clip(value)}")
         return
     if not isinstance(value, expected):
         raise ConfigError(path, f"must be {expected.__name__}, got {type(value).__name__}")
@@ -114,7 +120,7 @@ def validate_config_dict(doc: Any) -> None:
         raise ConfigError("$.descriptor.name", "must not be empty")
     if "createdAt" in desc and not _RFC3339.match(desc["createdAt"]):
         raise ConfigError(
-            "$.descriptor.createdAt", f"must be an RFC 3339 date-time, got {desc['createdAt']!r}"
+            "$.descriptor.createdAt", f"must be an RFC 3339 date-time, got {_clip(desc['createdAt'])}"
         )
     cfg = _check_object(doc["config"], "$.config", _CONFIG_FIELDS)
     for key, value in cfg.items():
@@ -134,17 +140,17 @@ def validate_config_dict(doc: Any) -> None:
                 for item in value:
                     if not re.fullmatch(r"[a-z]{2}", item):
                         raise ConfigError(
-                            f"$.config.capabilities.{key}[]", f"{item!r} is not an ISO 639-1 code"
+                            f"$.config.capabilities.{key}[]", f"{_clip(item)} is not an ISO 639-1 code"
                         )
     fs = _check_object(doc["modelfs"], "$.modelfs", {"type": 0, "diffIds": 0})
     if fs.get("type") != "layers":
-        raise ConfigError("$.modelfs.type", f"must be 'layers', got {fs.get('type')!r}")
+        raise ConfigError("$.modelfs.type", f"must be 'layers', got {_clip(fs.get('type'))}")
     diff_ids = fs.get("diffIds")
     if not isinstance(diff_ids, list) or not diff_ids:
         raise ConfigError("$.modelfs.diffIds", "must be a non-empty array")
     for i, d in enumerate(diff_ids):
         if not isinstance(d, str) or not _DIGEST_RE.match(d):
-            raise ConfigError(f"$.modelfs.diffIds[{i}]", f"{d!r} is not a sha256 digest")
+            raise ConfigError(f"$.modelfs.diffIds[{i}]", f"{_clip(d)} is not a sha256 digest")
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
