@@ -49,6 +49,7 @@ class DeterministicCheck:
                 raise ReadinessError(f"{where}: {name} must be a non-empty list of token ids")
         if not _is_int(max_tokens) or max_tokens < 0:
             raise ReadinessError(f"{where}: max_tokens must be a non-negative integer")
+        assert isinstance(prompt, list) and isinstance(expected, list)
         return cls(list(prompt), list(expected), max_tokens)
 
     @classmethod

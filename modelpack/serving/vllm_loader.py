@@ -9,7 +9,7 @@ vLLM; the checks and the streaming live in ``weights.py``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +43,8 @@ class ModelpackModelLoader(BaseModelLoader):
         tp_rank = get_tensor_model_parallel_rank()
         rank = open_rank_load(self.extra_config, model_config.model, model_config.hf_config, tp_size, tp_rank)
         try:
-            loaded = model.load_weights(rank.tensors())
+            # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names
+            loaded = cast(Any, model).load_weights(rank.tensors())
         except BaseException as exc:
             rank.events.emit(
                 "serving.failed",
