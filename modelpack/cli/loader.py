@@ -29,7 +29,9 @@ def timeline_cmd(event_logs: tuple[str, ...], as_json: bool) -> None:
 
     \b
     Stages: t2 version confirmed → t3 read start → t4 read done → t5 device load done
-            → t9 check passed. Events are grouped by start_id across all files given;
+            → t8 engine healthy → t9 check passed, plus the spans t4−t3, t5−t3, t8−t0 and
+            t9−t0 (t0: a start's first event, or its serving engine's process start).
+            Events are grouped by start_id across all files given;
     states: cold (downloaded), hit (node cache), streamed (range reads, no cache).
 
     \b
