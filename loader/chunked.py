@@ -17,8 +17,8 @@ from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.plan import FilePlan
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.sources import WeightFile
 from modelpack.loader.staging import Slot
+from modelpack.loader.weight_files import WeightFile
 
 
 def read_chunked(

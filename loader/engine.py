@@ -25,8 +25,8 @@ from modelpack.loader.headers import VerifiedChunks
 from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import FilePlan, ReadPlan, TensorRead
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.sources import ResolvedSource
 from modelpack.loader.staging import Slot, StagingRing
+from modelpack.loader.weight_files import ResolvedSource
 
 from modelpack.errors import LoaderError, PlanError
 from modelpack.events import EventLog

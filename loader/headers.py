@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.sources import WeightFile
+from modelpack.loader.weight_files import WeightFile
 
 from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 

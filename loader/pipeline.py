@@ -32,7 +32,8 @@ from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.sources import ResolvedSource, resolve_source
+from modelpack.loader.sources import resolve_source
+from modelpack.loader.weight_files import ResolvedSource
 
 from modelpack.errors import LoaderError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog

@@ -1,6 +1,6 @@
 """Which read path each weight file takes, chosen by how far its bytes can be trusted and the device.
 
-``sources.WeightFile.mode`` says what vouches for a file's bytes:
+``weight_files.WeightFile.mode`` says what vouches for a file's bytes:
 
 - ``trusted`` (node-cache snapshot, verified when it was filled): ``trusted.read_trusted_direct``
   on CPU, ``trusted.read_trusted_staged`` on CUDA or with ``direct_io``;

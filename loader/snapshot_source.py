@@ -1,0 +1,173 @@
+"""Opening a snapshot directory (or, when the caller allows it, a plain directory) for a load.
+
+A snapshot is leased from its node cache for the whole load and bound to the manifest whose
+digest names it (``snapshot_binding``): files that are the store's committed blobs are served as
+``trusted``, anything else is hashed against its layer digest. A plain directory has no digest:
+it is served only with ``--allow-unverified``, and then a pin or a fingerprint fails closed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from modelpack.loader import snapshot_binding
+from modelpack.loader.weight_files import (
+    ResolvedSource,
+    WeightFile,
+    config_json_layer,
+    file_opener,
+    quantization_from_hf_config,
+    read_small,
+    weight_layers,
+)
+
+from modelpack.errors import (
+    ExpectedDigestError,
+    NotFoundError,
+    SourceError,
+    UnsafePathError,
+    UnsignedSourceError,
+    UnverifiedSourceError,
+)
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.digest import Digest, verify_bytes
+
+
+def open_snapshot(
+    path: str,
+    *,
+    expected_digest: str | None,
+    allow_unverified: bool,
+    direct: bool = False,
+    trusted_keys: Sequence[Any] | None = None,
+) -> ResolvedSource:
+    """A snapshot directory bound to its manifest (see ``snapshot_binding``), or, if the caller
+    allowed it, a plain directory. With ``trusted_keys`` the cache must have recorded that one of
+    them verified the snapshot's signature (a key is never silently ignored)."""
+    real = os.path.realpath(path)
+    found = snapshot_binding.claim(real)
+    if found is not None:
+        if expected_digest and Digest(expected_digest) != found.digest:
+            raise ExpectedDigestError(expected_digest, found.digest, source=real)
+        try:
+            snapshot_binding.require_store(found)
+        except UnverifiedSourceError:
+            if not allow_unverified or expected_digest:
+                raise
+        else:
+            return _open_bound_snapshot(found, direct, trusted_keys)
+    if not allow_unverified:
+        raise UnverifiedSourceError(
+            f"{real}: not a node-cache snapshot (no ready marker next to it); its bytes cannot be tied to a "
+            "manifest digest. Load the path printed by 'modelpack pull --cache DIR REF', a pinned reference "
+            "(REF@sha256:…), or pass --allow-unverified for a plain directory"
+        )
+    if expected_digest:
+        raise UnverifiedSourceError(
+            f"{real}: a plain directory has no manifest digest to compare with --expected-digest {expected_digest}"
+        )
+    files = []
+    for dirpath, dirnames, filenames in os.walk(real):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fname in sorted(filenames):
+            if fname.endswith(".safetensors") and not fname.startswith("."):
+                full = os.path.join(dirpath, fname)
+                rel = os.path.relpath(full, real).replace(os.sep, "/")
+                files.append(
+                    WeightFile(
+                        rel,
+                        os.path.getsize(full),
+                        file_opener(full, None, direct),
+                        "trusted",
+                        verification="unverified",
+                    )
+                )
+    if not files:
+        raise SourceError(f"{real}: no .safetensors files")
+    hf = read_small(os.path.join(real, "config.json"))
+    return ResolvedSource(real, None, None, files, False, quantization_from_hf_config(hf), "local", [])
+
+
+def _open_bound_snapshot(
+    found: snapshot_binding.SnapshotClaim, direct: bool, trusted_keys: Sequence[Any] | None
+) -> ResolvedSource:
+    """Lease the snapshot, then tie its marker and files to the manifest in the cache's store."""
+    from modelpack.mount.snapshots import Snapshots
+    from modelpack.mount.store import Store
+
+    real, digest = found.path, found.digest
+    # the cache's reader lease (shared flock) for the whole load: GC cannot delete the files,
+    # and the marker is re-read under it (GC removes the marker first, then the files)
+    lease = Snapshots(Store(found.root, create=False)).lease(digest)
+    try:
+        info = lease.__enter__()
+    except NotFoundError as exc:
+        raise UnverifiedSourceError(
+            f"{real}: not ready in its cache (no ready marker the cache owner wrote and nobody else can "
+            f"write, or it was removed while opening it); pull it again with 'modelpack pull --cache "
+            f"{found.root} REF@{digest}'"
+        ) from exc
+
+    def release() -> None:
+        lease.__exit__(None, None, None)
+
+    try:
+        manifest = snapshot_binding.pinned_manifest(found)
+        if trusted_keys and not snapshot_binding.verified_by(found, trusted_keys):
+            raise UnsignedSourceError(
+                f"{real}: no record that a --trusted-key verified the signature of {digest} on this node "
+                "(the cache pulled it without a policy trusting those keys, or the record is not root's or "
+                f"this user's). Pull it with 'modelpack pull --cache {found.root} --policy FILE "
+                f"REF@{digest}', or load it without --trusted-key",
+                [f.path for f in info.files if f.path.endswith(".safetensors")],
+            )
+        snapshot_binding.check_marker(
+            found, [(f.path, f.digest, f.size, f.linked) for f in info.files], manifest
+        )
+        bound = snapshot_binding.bind_files(found, weight_layers(manifest, real))
+        files = []
+        for b in bound:
+            if b.trusted:
+                opener = file_opener(b.path, b.layer.size, direct, identity=b.identity)
+                files.append(WeightFile(b.relpath, b.layer.size, opener, "trusted", descriptor=b.layer))
+            else:
+                opener = file_opener(b.path, b.layer.size, direct)
+                files.append(
+                    WeightFile(
+                        b.relpath, b.layer.size, opener, "whole", descriptor=b.layer, verification="hashed"
+                    )
+                )
+        notices: list[tuple[str, dict[str, Any]]] = []
+        rehash = [b for b in bound if not b.trusted]
+        if rehash:
+            notices.append(
+                (
+                    "loader.rehashing",
+                    {
+                        "files": [b.relpath for b in rehash],
+                        "reason": "; ".join(dict.fromkeys(b.reason for b in rehash))[:2000],
+                    },
+                )
+            )
+        quant = quantization_from_hf_config(_verified_snapshot_config(real, manifest))
+    except UnsafePathError as exc:
+        release()
+        raise SourceError(str(exc)) from exc
+    except BaseException:
+        release()
+        raise
+    return ResolvedSource(real, digest, manifest, files, False, quant, "hit", [release], notices)
+
+
+def _verified_snapshot_config(real: str, manifest: Manifest) -> bytes | None:
+    """config.json as the manifest has it (it decides the fingerprint's quantization field)."""
+    layer = config_json_layer(manifest)
+    if layer is None:
+        return None
+    data = read_small(os.path.join(real, "config.json"))
+    if data is None:
+        raise UnverifiedSourceError(f"{real}/config.json: missing from the snapshot")
+    verify_bytes(data, layer.digest, layer.size, what="config.json", source=real)
+    return data

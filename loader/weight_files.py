@@ -1,0 +1,137 @@
+"""A load's source as the read paths see it: weight files, each with what vouches for its bytes.
+
+Three ways a weight file is served (``WeightFile.mode``):
+
+- ``trusted``: a node-cache snapshot file that ``snapshot_binding`` tied to the manifest whose
+  digest names the snapshot: the store's committed, read-only blob (the cache checked its size
+  and sha256 before committing it), so it is read as it is (no hashing on the hot path). A plain
+  directory is served this way only with ``allow_unverified=True`` (``--allow-unverified``); its
+  manifest digest is then unknown, so a pinned digest or fingerprint check fails.
+- ``chunks``: a blob read by ranges with a signed chunk table: each chunk is hashed and checked
+  BEFORE any of its bytes are copied towards a tensor.
+- ``whole``: a blob with no chunk table (only when none was asked for, or the caller accepted the
+  downgrade), or a snapshot file that is not the store's blob: the whole layer is read and
+  hashed, header included, and none of its tensors is handed out before the layer's sha256
+  matches the manifest.
+
+The helpers here are shared by the snapshot and target openers (``snapshot_source``,
+``target_source``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelpack.loader.readers import FileReader, RangeReader
+from modelpack.mediatypes import parse_layer_media_type
+from modelpack.mediatypes.annotations import layer_filepath
+
+from modelpack import boundedjson
+from modelpack.errors import DocumentError, ManifestError, SourceError, UnsafePathError, UnverifiedSourceError
+from modelpack.oci.descriptor import Descriptor, Manifest
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class WeightFile:
+    relpath: str
+    size: int
+    open: Callable[[], RangeReader]
+    mode: str  # read path: trusted | chunks | whole
+    descriptor: Descriptor | None = None
+    chunks: Any = None  # a modelpack.signing.chunks.ChunkTable covering this layer (mode chunks)
+    verification: str = ""  # what vouches for the bytes (LoadStats.verification); defaults to mode
+
+
+@dataclass
+class ResolvedSource:
+    name: str
+    digest: str | None
+    manifest: Manifest | None
+    files: list[WeightFile]
+    remote: bool
+    quantization: str
+    state: str  # event state: hit (node cache) | streamed | local
+    _cleanup: list[Callable[[], None]] = field(default_factory=list)
+    # (event, fields) the load records once it starts: downgrades and re-hashing, with the reason
+    notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self._cleanup:
+            with contextlib.suppress(Exception):
+                self._cleanup.pop()()
+
+
+def quantization_from_hf_config(raw: bytes | None) -> str:
+    """The packer's spelling (``method-Nbit``) or ``none``; never empty (fingerprint fails closed)."""
+    if not raw:
+        return "none"
+    try:
+        doc = boundedjson.loads(raw, what="config.json", max_bytes=MAX_CONFIG_BYTES)
+    except DocumentError:
+        return "none"
+    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
+    if not isinstance(qc, dict):
+        return "none"
+    method = qc.get("quant_method") or qc.get("quantization_method")
+    quant = str(method) if method else "unknown"
+    if qc.get("bits"):
+        quant += f"-{qc['bits']}bit"
+    return quant
+
+
+def weight_layers(manifest: Manifest, where: str) -> list[tuple[str, Descriptor]]:
+    """(relative path, descriptor) of every safetensors weight layer, refusing unsafe paths."""
+    out = []
+    for layer in manifest.layers:
+        try:
+            rel = layer_filepath(layer.annotations)
+        except UnsafePathError as exc:
+            raise ManifestError(f"{where}: layer {layer.digest}: {exc}") from exc
+        if not rel or not rel.endswith(".safetensors"):
+            continue
+        lt = parse_layer_media_type(layer.media_type)
+        if lt is not None and not lt.is_raw:
+            raise SourceError(
+                f"{where}: layer {layer.digest} ({rel}) is {layer.media_type}; range reads need .raw layers"
+            )
+        out.append((rel, layer))
+    return out
+
+
+def config_json_layer(manifest: Manifest) -> Descriptor | None:
+    for layer in manifest.layers:
+        with contextlib.suppress(UnsafePathError):
+            if layer_filepath(layer.annotations) == "config.json" and layer.size <= MAX_CONFIG_BYTES:
+                return layer
+    return None
+
+
+def read_small(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError:
+        return None
+    return data if len(data) <= MAX_CONFIG_BYTES else None
+
+
+def file_opener(
+    path: str, size: int | None, direct: bool, *, identity: tuple[int, int] | None = None
+) -> Callable[[], RangeReader]:
+    def opener() -> RangeReader:
+        reader = FileReader(path, size if size is not None and size >= 0 else None, direct=direct)
+        if identity is not None:
+            st = reader.fstat()
+            if (st.st_dev, st.st_ino) != identity:
+                reader.close()
+                raise UnverifiedSourceError(
+                    f"{path}: replaced after it was checked against the cache's store; refusing the load"
+                )
+        return reader
+
+    return opener
