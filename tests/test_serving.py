@@ -341,3 +341,46 @@ def test_k8s_vllm_pod_refuses_an_unpinned_model() -> None:
         main, ["k8s", "pod", "--image-volume", "127.0.0.1:5000/models/llama:v1", "--vllm"]
     )
     assert res.exit_code != 0 and "pinned" in res.output
+
+
+# --------------------------------------------------------------------------- refusals before any weight byte
+def test_signature_policy_refuses_an_unsigned_source_before_reading(
+    packed_layout: tuple[Path, Any, str], tmp_path: Path
+) -> None:
+    from modelpack.signing.keys import generate_key, write_keypair
+
+    from modelpack.errors import SignatureRefused
+
+    ckpt, _, digest = packed_layout
+    layout = ckpt.parent / "layout"
+    write_keypair(str(tmp_path / "ci"), generate_key())
+    (tmp_path / "policy.yaml").write_text(
+        "version: 1\ndefault:\n  require_signature: true\n  keys:\n    - path: ci.pub\n"
+    )
+    events = tmp_path / "ev.jsonl"
+    extra = {
+        "source": f"oci:{layout}@{digest}",
+        "policy": str(tmp_path / "policy.yaml"),
+        "events": str(events),
+    }
+    with pytest.raises(SignatureRefused):
+        open_rank_load(extra, str(ckpt), {}, 1, 0, environ={})
+    names = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert "signing.refused" in names and names[-1] == "serving.refused"
+    assert "loader.read_start" not in names
+
+
+def test_a_fingerprint_mismatch_refuses_before_any_tensor(
+    packed_layout: tuple[Path, Any, str], tmp_path: Path
+) -> None:
+    from modelpack.errors import FingerprintMismatchError
+
+    ckpt, _, digest = packed_layout
+    layout = ckpt.parent / "layout"
+    events = tmp_path / "ev.jsonl"
+    extra = {"source": f"oci:{layout}@{digest}", "fingerprint": "sha256:" + "0" * 64, "events": str(events)}
+    rank = open_rank_load(extra, str(ckpt), {}, 1, 0, environ={})
+    with pytest.raises(FingerprintMismatchError):
+        next(iter(rank.tensors()))
+    names = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert "loader.refused" in names and "loader.read_start" not in names
