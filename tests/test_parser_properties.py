@@ -174,12 +174,27 @@ MANIFEST_DOC = st.fixed_dictionaries(
 MEDIA_TYPE_HINTS = st.one_of(st.none(), st.sampled_from(["application/vnd.oci.image.index.v1+json", "x/y"]))
 
 
+def _well_typed(d: Descriptor) -> None:
+    """What a parser accepted has the types its callers rely on (else they crash later)."""
+    assert isinstance(d.media_type, str) and isinstance(d.size, int) and 0 <= d.size < 2**63
+    assert d.annotations is None or all(isinstance(v, str) for v in d.annotations.values())
+    assert d.artifact_type is None or isinstance(d.artifact_type, str)
+    assert d.platform is None or isinstance(d.platform, dict)
+    assert d.data is None or isinstance(d.data, str)
+    assert d.urls is None or all(isinstance(u, str) for u in d.urls)
+
+
 def _parse_manifest(raw: bytes, media_type: str | None) -> None:
     for parse in (Manifest.parse, Index.parse, parse_manifest_or_index):
         try:
-            parse(raw, media_type=media_type)
+            parsed = parse(raw, media_type=media_type)
         except ManifestError:
-            pass
+            continue
+        descriptors = [parsed.config, *parsed.layers] if isinstance(parsed, Manifest) else [*parsed.manifests]
+        for d in [*descriptors, *([parsed.subject] if parsed.subject else [])]:
+            _well_typed(d)
+        assert parsed.annotations is None or all(isinstance(v, str) for v in parsed.annotations.values())
+        assert parsed.artifact_type is None or isinstance(parsed.artifact_type, str)
 
 
 @PROPS
@@ -202,6 +217,7 @@ def test_descriptor_from_any_json_value(value: Any) -> None:
         d = Descriptor.from_dict(value, where="prop")
     except ManifestError:
         return
+    _well_typed(d)
     Descriptor.from_dict(d.to_dict())  # what we parsed, we can write back and read again
 
 
