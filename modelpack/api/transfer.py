@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpack.api import pack
-from modelpack.errors import InvalidReferenceError
+from modelpack.errors import InvalidReferenceError, ModelpackError, SigningError
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.packing.packer import PackOptions
@@ -133,7 +133,13 @@ def _sign_then_tag(
     desc = target.resolve(str(digest))
     # hashed from the files just uploaded when they are the layers (no second download)
     table = chunk_table_from_directory(source, manifest) if os.path.isdir(source) else None
-    signed = sign_artifact(target, desc, key, chunk_table=table or True, reference=dst.with_tag(tag))
+    try:
+        signed = sign_artifact(target, desc, key, chunk_table=table or True, reference=dst.with_tag(tag))
+    except ModelpackError as exc:
+        raise SigningError(
+            f"{dst.with_tag(tag)}: signing failed, so the tag was not written (the model is stored "
+            f"untagged as {digest}; run the push again): {exc}"
+        ) from exc
     target.tag(desc, tag)
     return signed.to_json()
 
