@@ -34,7 +34,7 @@ class TargetOptions:
     registry_credentials: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
     #: how long to keep retrying through an outage, in seconds (None: the default, 60 s)
     retry_for: float | None = None
-    s3_endpoint: str | None = None
+    s3_endpoint: str | None = field(default=None, repr=False)  # may carry KEY:SECRET@
     s3_region: str | None = None
     create: bool = True
     link: str = "auto"

@@ -193,10 +193,11 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
     if offset < 0 or offset + length > descriptor.size:
         raise SizeMismatchError(descriptor.digest, descriptor.size, offset + length, source=repo.name)
     budget = repo.client.budget()
-    got = bytearray()
+    parts: list[bytes] = []  # one part unless the range was cut: then joined once at the end
+    have = 0
     what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
-    while len(got) < length:
-        start = offset + len(got)
+    while have < length:
+        start = offset + have
         resp = repo.client.request(
             "GET",
             repo.path("blobs", descriptor.digest),
@@ -217,22 +218,28 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
                     _check_content_range(repo, resp, descriptor, start)
                 else:
                     _skip(resp, start)
-                before = len(got)
-                _read_into(resp, got, length)
-                if len(got) == before:
+                before = have
+                while have < length:
+                    # a cut returns what arrived first, then raises on the next read
+                    data = resp.raw.read(length - have, decode_content=False)
+                    if not data:
+                        break
+                    parts.append(data)
+                    have += len(data)
+                if have == before:
                     break  # the registry has no more bytes: the size check below says so
                 budget.progressed()
         except TRANSPORT_ERRORS as exc:
             if not is_transport_error(exc):
                 raise
-            log.debug("%s: cut at byte %d (%s); resuming", what, start, type(exc).__name__)
+            log.debug("%s: cut at byte %d (%s); resuming", what, offset + have, type(exc).__name__)
             if not budget.wait():
                 raise repo.client.connection_error(what, exc, budget) from None
             repo.client.count_retry()
             repo.count("read_resumes")
-    if len(got) != length:
-        raise SizeMismatchError(descriptor.digest, length, len(got), source=f"{repo.name} range {offset}")
-    return bytes(got)
+    if have != length:
+        raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _skip(resp: requests.Response, n: int) -> None:
@@ -243,15 +250,6 @@ def _skip(resp: requests.Response, n: int) -> None:
         if not chunk:
             return
         left -= len(chunk)
-
-
-def _read_into(resp: requests.Response, got: bytearray, length: int) -> None:
-    """Append the response's bytes to ``got`` up to ``length`` in all (bytes kept on a cut)."""
-    while len(got) < length:
-        data = resp.raw.read(min(length - len(got), _SKIP_CHUNK), decode_content=False)
-        if not data:
-            return
-        got += data
 
 
 def _check_content_range(
