@@ -15,8 +15,34 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
+from modelpack.errors import DiskFullError, FileWriteError
+
 TEMP_PREFIX = ".tmp-modelpack-"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _FICLONE = 0x40049409
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _NO_SPACE
+
+
+def write_error(path: str, exc: OSError, *, kept: str = "") -> FileWriteError:
+    """The typed error for an OS error while writing ``path``: the path a person has to look at,
+    what is in the way, and (``kept``) what was kept for a resume."""
+    if exc.errno in _NO_SPACE:
+        what = "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        return DiskFullError(path, f"{what}; {kept or 'nothing was written at the final path'}")
+    if exc.errno == errno.EISDIR or (exc.errno == errno.EEXIST and os.path.isdir(path)):
+        return FileWriteError(path, "a directory is where a file goes; move it away (it is never removed)")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return FileWriteError(path, "a file is where a directory goes; move it away (it is never removed)")
+    return FileWriteError(path, exc.strerror or str(exc))
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

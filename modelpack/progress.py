@@ -1,4 +1,10 @@
-"""Progress bars on a terminal, silence in CI: ``--progress auto|on|off``."""
+"""Progress bars on a terminal, silence in CI: ``--progress auto|on|off``.
+
+Bars are drawn from worker threads, so a reader that goes away (``| head -c 300``, a closed
+terminal) must not leave a thread dead inside tqdm's lock: every write goes through a stream that
+never raises, and the next progress update raises ``OutputClosedError`` so the transfer stops
+the way a process stops on SIGPIPE (its temp files removed on the way out).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import os
 import sys
 import threading
 from typing import Any, BinaryIO
+
+from modelpack.errors import OutputClosedError
 
 
 def progress_enabled(mode: str = "auto") -> bool:
@@ -18,6 +26,33 @@ def progress_enabled(mode: str = "auto") -> bool:
     return sys.stderr.isatty()
 
 
+class _GuardedStream:
+    """stderr as tqdm sees it: a write to a reader that went away (EPIPE, EIO, closed) marks the
+    stream ``broken`` and is dropped instead of raising inside tqdm's lock."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self._raw.write(text)
+            except (OSError, ValueError):
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._raw.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 class Progress:
     """A total bar plus one bar per transfer; a no-op when disabled (no tqdm import either)."""
 
@@ -26,6 +61,7 @@ class Progress:
         self._lock = threading.Lock()
         self._bar: Any = None
         self._positions: set[int] = set()
+        self._out = _GuardedStream(sys.stderr)
         if self.enabled:
             from tqdm import tqdm
 
@@ -38,13 +74,19 @@ class Progress:
                 unit_divisor=1024,
                 position=0,
                 leave=True,
-                file=sys.stderr,
+                file=self._out,
             )
 
     def update(self, n: int) -> None:
         if self._bar is not None:
+            self.check_output()
             with self._lock:
                 self._bar.update(n)
+
+    def check_output(self) -> None:
+        """Raise ``OutputClosedError`` once stderr is gone (the transfer should stop, like on SIGPIPE)."""
+        if self._out.broken:
+            raise OutputClosedError("stderr was closed while progress was being drawn")
 
     def transfer(self, total: int, desc: str) -> TransferBar:
         if not self.enabled:
@@ -62,7 +104,7 @@ class Progress:
                 unit_divisor=1024,
                 position=pos,
                 leave=False,
-                file=sys.stderr,
+                file=self._out,
             )
         return TransferBar(self, bar, pos)
 

@@ -197,12 +197,30 @@ def pull(
     exclude: tuple[str, ...] = (),
     jobs: int = 4,
     progress: str = "auto",
+    force: bool = False,
+    delete: bool = False,
+    max_bytes: int | None = None,
 ) -> PullResult:
-    """Files of the artifact at ``reference`` into ``dest_dir``, each verified before it appears."""
+    """Files of the artifact at ``reference`` into ``dest_dir``, each verified before it appears.
+
+    A file at the destination that differs from the artifact's raises ``DestinationConflictError``
+    unless ``force``; files the artifact does not contain are reported in ``extra_files`` and
+    removed only with ``delete``. What is written (tar layers as they expand) is capped by the
+    free space, or by ``max_bytes``.
+    """
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
     return pull_to_directory(
-        target, ref.identifier, dest_dir, include=include, exclude=exclude, jobs=jobs, progress=progress
+        target,
+        ref.identifier,
+        dest_dir,
+        include=include,
+        exclude=exclude,
+        jobs=jobs,
+        progress=progress,
+        force=force,
+        delete=delete,
+        max_bytes=max_bytes,
     )
 
 

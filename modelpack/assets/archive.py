@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from modelpack.assets.format import MAX_ASSET_BYTES, MAX_ASSET_FILES
 from modelpack.assets.kinds import AssetKind
-from modelpack.errors import AssetError, UnsafeTarError
+from modelpack.errors import AssetError, LayerFormatError, UnsafeTarError
 from modelpack.files import TEMP_PREFIX
 from modelpack.oci.digest import HASH_CHUNK, Digest, VerifyingReader
 from modelpack.transfer.untar import extract_tar_layer
@@ -132,7 +132,7 @@ def unpack_layer(
     try:
         try:
             files = extract_tar_layer(reader, dest_dir, "", media_type=media_type, where=where)  # type: ignore[arg-type]
-        except (gzip.BadGzipFile, EOFError, zlib.error, tarfile.TarError) as exc:
+        except (LayerFormatError, gzip.BadGzipFile, EOFError, zlib.error, tarfile.TarError) as exc:
             # damaged bytes usually break gzip or tar before the digest is known: finish reading
             # so the refusal names the digest mismatch when that is what it is
             while reader.read(HASH_CHUNK):

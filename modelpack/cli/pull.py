@@ -8,7 +8,11 @@ cache, the transfer API, signing) when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -28,6 +32,7 @@ from modelpack.cli.options import (
 
 if TYPE_CHECKING:
     from modelpack.targets.opener import TargetOptions
+    from modelpack.transfer.materialize import PullResult
 
 
 def pull_trust_options(fn: Any) -> Any:
@@ -150,6 +155,45 @@ def _hold_option(fn: Any) -> Any:
     )(fn)
 
 
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP (a pod stopped, a terminal closed) end the pull like Ctrl-C does: the
+    transfers stop within one chunk and remove their temp files before the process exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from modelpack.errors import TransferInterrupted
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=128 + signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def report_pull(result: PullResult) -> None:
+    """The summary on stderr: counts, replaced files, and what the artifact does not contain."""
+    replaced = f", {len(result.replaced)} replaced (--force)" if result.replaced else ""
+    resumed = f", {human_size(result.resumed_bytes)} resumed" if result.resumed_bytes else ""
+    click.echo(
+        f"pulled {len(result.files)} files to {result.dest_dir}: {result.downloaded} downloaded "
+        f"({human_size(result.bytes_downloaded)}{resumed}), {result.present} already present{replaced}",
+        err=True,
+    )
+    for what, names in (
+        ("not part of this artifact (kept; --delete removes them)", result.extra_files),
+        ("not part of this artifact deleted (--delete)", result.deleted),
+    ):
+        if names:
+            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            click.echo(f"{len(names)} file(s) in {result.dest_dir} {what}: {shown}", err=True)
+
+
 @click.command("pull")
 @click.argument("reference")
 @click.argument("dest_dir", type=click.Path(file_okay=False), required=False)
@@ -166,6 +210,20 @@ def _hold_option(fn: Any) -> Any:
 @_hold_option
 @click.option("--include", multiple=True, metavar="GLOB", help="Only files matching GLOB (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
+@click.option(
+    "--force", is_flag=True, help="Replace files in DEST_DIR that differ from the artifact's (else: refuse)."
+)
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="Remove files in DEST_DIR that the artifact does not contain (else: list them), like rsync --delete.",
+)
+@click.option(
+    "--max-bytes",
+    type=SIZE,
+    default=None,
+    help="Write at most SIZE into DEST_DIR, tar layers counted as they expand (default: its free space).",
+)
 @target_options
 @pull_trust_options
 @jobs_option
@@ -185,22 +243,33 @@ def pull_cmd(
     """Materialise the model at REFERENCE as files under DEST_DIR, each verified before it appears.
 
     Files are written to temp names and renamed only after their size and sha256 match the
-    manifest; a failure leaves no partial file. Files already present and correct are kept.
+    manifest. Files already present and correct are kept; a file that differs is refused
+    unless --force; files the artifact does not contain are listed (removed with --delete).
+    A download cut short by a full disk or a lost connection is kept and resumed next time.
 
     \b
     Examples:
       modelpack pull registry.example.com/models/llama:v1 ./model
       modelpack pull reg.example/m@sha256:… ./model --include '*.json'
+      modelpack pull reg.example/m:v2 ./model --force --delete
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --hold 10m
     """
     cache_dir = kwargs.pop("cache_dir", None)
     max_cache_bytes = kwargs.pop("max_cache_bytes", None)
     hold = kwargs.pop("hold", None)
+    force = kwargs.pop("force", False)
+    delete = kwargs.pop("delete", False)
+    max_bytes = kwargs.pop("max_bytes", None)
     if cache_dir is not None:
         if dest_dir is not None or include or exclude:
             raise click.UsageError(
                 "--cache pulls the whole model into the cache: drop DEST_DIR/--include/--exclude"
+            )
+        if force or delete or max_bytes is not None:
+            raise click.UsageError(
+                "--force/--delete/--max-bytes apply to DEST_DIR; the cache never overwrites "
+                "(cap it with --max-cache-bytes)"
             )
         pull_into_cache(
             reference,
@@ -221,22 +290,22 @@ def pull_cmd(
 
     topts = build_target_options(kwargs)
     reference, trust = verify_before_pull(reference, kwargs, topts)
-    result = transfer.pull(
-        reference,
-        dest_dir,
-        target_options=topts,
-        include=include,
-        exclude=exclude,
-        jobs=jobs,
-        progress=progress,
-    )
+    with signals_interrupt():
+        result = transfer.pull(
+            reference,
+            dest_dir,
+            target_options=topts,
+            include=include,
+            exclude=exclude,
+            jobs=jobs,
+            progress=progress,
+            force=force,
+            delete=delete,
+            max_bytes=max_bytes,
+        )
     after_pull(reference, result.digest, trust, topts)
     if as_json:
         emit_json(result.to_json())
         return
-    click.echo(
-        f"pulled {len(result.files)} files to {result.dest_dir}: {result.downloaded} downloaded "
-        f"({human_size(result.bytes_downloaded)}), {result.present} already present",
-        err=True,
-    )
+    report_pull(result)
     click.echo(result.digest)

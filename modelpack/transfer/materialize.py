@@ -1,31 +1,41 @@
-"""Materialise an artifact from any target as files at their paths, verified.
+"""Materialise an artifact from any target as files at their paths in a directory, verified.
 
-Each file is downloaded to a temp name in its destination directory, checked for size and digest
-as it streams, fsynced, and only then renamed to its final path: nothing unverified is ever at a
-final path, and a failure leaves no partial file (a file already at the path is left untouched).
-
-How a layer becomes files depends on its format: ``.raw`` layers are handled here, tar layers
-(the image-shaped variant's, under ``models/``, and ModelPack ``tar`` / ``tar+gzip`` /
-``tar+zstd``) by ``modelpack.transfer.untar``. The choice is a fixed table, so what pull
-supports does not depend on which modules happen to be imported; a layer whose format has no
-materializer is refused with ``UnsupportedLayerError`` (never skipped silently).
+Nothing unverified is ever at a final path, and nothing a person had there is lost: a raw layer
+is downloaded to a resumable ``.partial`` next to its path and renamed once its digest matched
+(``download``); a tar layer (the image-shaped variant's, under ``models/``, and ModelPack ``tar`` /
+``tar+gzip`` / ``tar+zstd``) is extracted into a locked staging directory with every member
+checked, counted and claimed (``untar``), and its files are renamed into place only after the
+whole blob matched. Files that differ from what is at the destination are refused unless
+``force``; files the artifact does not contain are reported, removed only with ``delete``
+(``destination``). What is written is capped by the free space (or ``max_bytes``) and counted
+as tar layers expand. Layers go in two phases, tar layers first, so that a conflict found inside
+a tar layer is refused before any file is written. The first failure, a signal or a closed
+output cancels the other transfers within one chunk; each removes its temp files on the way out
+(only a partial download kept for a resume stays, and the error names it), and a later pull
+resumes or sweeps what a killed one left (``staging``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import os
 import posixpath
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from modelpack.errors import PullError, UnsafePathError, UnsupportedLayerError
-from modelpack.files import TEMP_PREFIX, fsync_dir
+from modelpack.errors import (
+    DestinationConflictError,
+    DiskFullError,
+    FileWriteError,
+    LayerFormatError,
+    PullError,
+    TransferCancelled,
+    UnsupportedLayerError,
+)
+from modelpack.files import free_bytes, write_error
 from modelpack.mediatypes import (
     MEDIA_TYPE_IMAGE_LAYER_TAR,
     MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
@@ -34,114 +44,64 @@ from modelpack.mediatypes import (
 )
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
-from modelpack.progress import CountingReader, Progress, TransferBar
+from modelpack.oci.digest import HASH_CHUNK, VerifyingReader
+from modelpack.oci.image_config import MODELS_PREFIX
+from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
-from modelpack.transfer.untar import materialize_tar_layer
+from modelpack.transfer import destination
+from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
+from modelpack.transfer.staging import StagingDir, partial_path, sweep
+from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_layer
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# How each layer format becomes files: "raw" is one file at its annotated path; a tar format is
+# extracted, its members under the prefix given here (a fixed table: what pull supports does not
+# depend on which modules happen to be imported).
+_TAR_PREFIX: dict[str, str] = {
+    "tar": "",
+    "tar+gzip": "",
+    "tar+zstd": "",
+    MEDIA_TYPE_IMAGE_LAYER_TAR: MODELS_PREFIX,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: MODELS_PREFIX,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: MODELS_PREFIX,
+}
+
+
+def layer_format(media_type: str) -> str:
+    """``raw`` or the tar format key of ``_TAR_PREFIX``; ``UnsupportedLayerError`` otherwise."""
+    if media_type in _TAR_PREFIX:
+        return media_type
+    lt = parse_layer_media_type(media_type)
+    if lt is not None and (lt.format == "raw" or lt.format in _TAR_PREFIX):
+        return lt.format
+    raise UnsupportedLayerError(
+        f"layer media type {media_type!r}: no materializer for this format "
+        f"(supported: {', '.join(sorted(['raw', *_TAR_PREFIX]))})"
+    )
 
 
 @dataclass(frozen=True)
 class LayerJob:
-    """One layer to materialise: the descriptor, its declared relative path, and where it goes."""
+    """One layer to materialise: raw layers name their file; tar layers hold theirs inside."""
 
     descriptor: Descriptor
-    relpath: str
+    relpath: str | None
     dest_dir: str
 
     @property
     def final_path(self) -> str:
+        assert self.relpath is not None
         return os.path.join(self.dest_dir, *self.relpath.split("/"))
 
 
-# (target, job, progress bar or None) -> "downloaded" | "present"
-Materializer = Callable[[ReadableTarget, LayerJob, TransferBar | None], str]
-
-
-def _file_matches(desc: Descriptor, digest: str, size: int, path: str) -> bool:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    if st.st_size != size:
-        return False
-    got, _ = sha256_file(path)
-    return got == digest
-
-
-def materialize_raw(target: ReadableTarget, job: LayerJob, bar: TransferBar | None) -> str:
-    """Stream a raw blob into a temp file next to its final path; rename after verification."""
-    desc = job.descriptor
-    final = job.final_path
-    directory = os.path.dirname(final)
-    os.makedirs(directory, exist_ok=True)
-    real_dest = os.path.realpath(job.dest_dir)
-    if os.path.commonpath([os.path.realpath(directory), real_dest]) != real_dest:
-        raise UnsafePathError(f"{job.relpath}: its directory leaves {job.dest_dir} (symlink?)")
-    if os.path.islink(final):
-        raise UnsafePathError(f"{final} is a symlink; refusing to write through it")
-    if _file_matches(desc, desc.digest, desc.size, final):
-        if bar is not None:
-            bar.update(desc.size)
-        return "present"
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            raw = target.fetch_blob(desc)
-            src: Any = CountingReader(raw, bar) if bar is not None else raw
-            reader = VerifyingReader(src, desc.digest, desc.size, source=f"{target.name} ({job.relpath})")
-            try:
-                while True:
-                    chunk = reader.read(HASH_CHUNK)
-                    if not chunk:
-                        break
-                    out.write(chunk)
-            finally:
-                reader.close()
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-        fsync_dir(directory)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return "downloaded"
-
-
-def materialize_image_layer(target: ReadableTarget, job: LayerJob, bar: TransferBar | None) -> str:
-    """An image-shaped variant's layer: a tar holding the files under ``models/``."""
-    return materialize_tar_layer(target, job.descriptor, job.dest_dir, bar)
-
-
-def materialize_modelpack_tar(target: ReadableTarget, job: LayerJob, bar: TransferBar | None) -> str:
-    """A ModelPack ``tar`` / ``tar+gzip`` / ``tar+zstd`` layer: a tar holding files at their own paths."""
-    return materialize_tar_layer(target, job.descriptor, job.dest_dir, bar, strip="")
-
-
-# Keyed by ModelPack layer format, or by exact media type for the image-shaped variant's layers.
-_MATERIALIZERS: dict[str, Materializer] = {
-    "raw": materialize_raw,
-    "tar": materialize_modelpack_tar,
-    "tar+gzip": materialize_modelpack_tar,
-    "tar+zstd": materialize_modelpack_tar,
-    MEDIA_TYPE_IMAGE_LAYER_TAR: materialize_image_layer,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: materialize_image_layer,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: materialize_image_layer,
-}
-
-
-def materializer_for(media_type: str) -> Materializer:
-    if media_type in _MATERIALIZERS:
-        return _MATERIALIZERS[media_type]
-    lt = parse_layer_media_type(media_type)
-    if lt is not None and lt.format in _MATERIALIZERS:
-        return _MATERIALIZERS[lt.format]
-    raise UnsupportedLayerError(
-        f"layer media type {media_type!r}: no materializer for this format "
-        f"(supported: {', '.join(sorted(_MATERIALIZERS))})"
-    )
+@dataclass
+class PullPlan:
+    raw: list[LayerJob]  # raw files selected by include/exclude
+    tar: list[LayerJob]  # every tar layer (the filters apply to the files inside)
+    raw_paths: dict[str, str]  # every raw file of the artifact → its layer digest
 
 
 def _matches(relpath: str, patterns: Sequence[str]) -> bool:
@@ -149,14 +109,57 @@ def _matches(relpath: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def file_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[str], bool] | None:
+    """Whether a file path (relative, ``/``-separated) is pulled; None when everything is."""
+    if not include and not exclude:
+        return None
+
+    def selected(relpath: str) -> bool:
+        if include and not _matches(relpath, include):
+            return False
+        return not (exclude and _matches(relpath, exclude))
+
+    return selected
+
+
+def plan_layers(
+    manifest: Manifest, dest_dir: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> PullPlan:
+    """Which layers go where; refuses raw layers without a path, unsafe paths, two raw layers with
+    different content at one path, and formats pull cannot write (before downloading anything)."""
+    select = file_selector(include, exclude)
+    plan = PullPlan([], [], {})
+    for i, layer in enumerate(manifest.layers):
+        if layer_format(layer.media_type) != "raw":
+            plan.tar.append(LayerJob(layer, None, dest_dir))
+            continue
+        relpath = layer_filepath(layer.annotations)
+        if relpath is None:
+            raise PullError(f"layer {i} ({layer.digest}) has no file path annotation")
+        seen = plan.raw_paths.get(relpath)
+        if seen is not None and seen != layer.digest:
+            raise PullError(f"two layers claim {relpath!r}: {seen} and {layer.digest}")
+        if seen is not None:
+            continue
+        plan.raw_paths[relpath] = str(layer.digest)
+        if select is None or select(relpath):
+            plan.raw.append(LayerJob(layer, relpath, dest_dir))
+    return plan
+
+
 @dataclass
 class PullResult:
     digest: str
     dest_dir: str
-    files: list[str] = field(default_factory=list)
-    downloaded: int = 0
-    present: int = 0
-    bytes_downloaded: int = 0
+    files: list[str] = field(default_factory=list)  # the artifact's files now at the destination
+    downloaded: int = 0  # files written by this pull
+    present: int = 0  # files that were already there, identical
+    replaced: list[str] = field(default_factory=list)  # differing files overwritten (force)
+    bytes_downloaded: int = 0  # bytes fetched from the source
+    resumed_bytes: int = 0  # bytes of kept partial downloads reused instead
+    extra_files: list[str] = field(default_factory=list)  # at the destination, not in the artifact
+    deleted: list[str] = field(default_factory=list)  # removed by delete
+    swept: list[str] = field(default_factory=list)  # temp entries of dead pulls removed
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -166,33 +169,154 @@ class PullResult:
             "files": self.files,
             "downloaded": self.downloaded,
             "present": self.present,
+            "replaced": self.replaced,
             "bytesDownloaded": self.bytes_downloaded,
+            "resumedBytes": self.resumed_bytes,
+            "extraFiles": self.extra_files,
+            "deleted": self.deleted,
             "seconds": round(self.seconds, 3),
         }
 
 
-def plan_layers(
-    manifest: Manifest, dest_dir: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
-) -> list[LayerJob]:
-    """Which layers go where; refuses layers without a path, unsafe paths and duplicate paths."""
-    jobs: list[LayerJob] = []
-    seen: dict[str, str] = {}
-    for i, layer in enumerate(manifest.layers):
-        relpath = layer_filepath(layer.annotations)
-        if relpath is None:
-            raise PullError(f"layer {i} ({layer.digest}) has no file path annotation")
-        if include and not _matches(relpath, include):
+def run_all(items: Sequence[T], fn: Callable[[T], R], jobs: int, cancel: Cancel) -> list[R]:
+    """``fn`` over ``items`` on up to ``jobs`` threads. The first failure (or a signal in this
+    thread) cancels the rest; returns only once every worker has stopped and cleaned up, then
+    raises the failure that came first (not a sibling's cancellation)."""
+    if not items:
+        return []
+    with ThreadPoolExecutor(max(1, min(jobs, len(items))), thread_name_prefix="modelpack-pull") as pool:
+        futures: list[Future[R]] = [pool.submit(fn, it) for it in items]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
+        if failed:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
+            first = next((e for e in errors if not _is_cancellation(e)), errors[0])
+            assert first is not None
+            raise first
+        return [f.result() for f in futures]
+
+
+def _is_cancellation(exc: BaseException | None) -> bool:
+    return isinstance(exc, TransferCancelled)
+
+
+def _budget(dest: str, max_bytes: int | None, raw_bytes: int) -> ExpansionBudget:
+    """What this pull may write: the free space of the destination's filesystem, or less with
+    ``max_bytes``. Raw files (sizes known) are charged now; tar layers as they expand."""
+    try:
+        free: int | None = free_bytes(dest)
+    except OSError:
+        free = None
+    if max_bytes is not None and (free is None or max_bytes <= free):
+        limit, described = max_bytes, f"--max-bytes ({max_bytes} bytes)"
+        if raw_bytes > limit:
+            raise PullError(f"{dest}: the files to download take {raw_bytes} bytes, more than {described}")
+    elif free is not None:
+        limit, described = free, f"the free space on {dest} ({free} bytes)"
+        if raw_bytes > limit:
+            raise DiskFullError(
+                dest,
+                f"the files to download take {raw_bytes} bytes but only {free} bytes are free; "
+                "free space, or pull fewer files with --include/--exclude",
+            )
+    else:
+        return ExpansionBudget(None)
+    return ExpansionBudget(limit - raw_bytes, described)
+
+
+@dataclass
+class _Staged:
+    dir: StagingDir
+    files: list[tuple[str, int, str]]  # (relpath, size, sha256) inside dir
+
+
+def _stage_tar(
+    target: ReadableTarget,
+    job: LayerJob,
+    claims: ClaimedPaths,
+    budget: ExpansionBudget,
+    select: Callable[[str], bool] | None,
+    prog: Progress,
+    cancel: Cancel,
+) -> _Staged:
+    """Extract one tar layer into a locked staging directory; the blob digest is checked to the
+    last byte before the files count as staged."""
+    desc = job.descriptor
+    where = f"layer {desc.digest}"
+    staging = StagingDir(job.dest_dir)
+    bar = prog.transfer(desc.size, where[6:25]) if prog.enabled else None
+    try:
+        src = CancellableReader(target.fetch_blob(desc), cancel, bar)
+        reader = VerifyingReader(src, desc.digest, desc.size, source=f"{target.name} ({where})")  # type: ignore[arg-type]
+        try:
+            try:
+                files = extract_tar_layer(
+                    reader,  # type: ignore[arg-type]
+                    staging.path,
+                    _TAR_PREFIX[layer_format(desc.media_type)],
+                    media_type=desc.media_type,
+                    where=where,
+                    existing=claims,
+                    budget=budget,
+                    select=select,
+                )
+            except LayerFormatError:
+                while reader.read(HASH_CHUNK):  # a corrupt download says so (digest) before "corrupt layer"
+                    pass
+                raise
+            while reader.read(HASH_CHUNK):  # the digest check happens at EOF
+                pass
+        finally:
+            reader.close()
+    except FileWriteError as exc:
+        staging.remove()
+        raise type(exc)(exc.path.replace(staging.path, job.dest_dir), exc.reason) from exc
+    except BaseException:
+        staging.remove()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return _Staged(staging, files)
+
+
+def _publish_staged(staged: list[_Staged], dest: str, force: bool, result: PullResult) -> dict[str, str]:
+    """Check staged files against the destination, then rename them into place; returns each
+    file's outcome. Conflicts are refused before any file moves."""
+    places = [
+        (s, rel, destination.placement(dest, rel, digest, size))
+        for s in staged
+        for rel, size, digest in s.files
+    ]
+    conflicts = [p.relpath for _, _, p in places if p.state == destination.DIFFERS]
+    if conflicts and not force:
+        raise DestinationConflictError(dest, sorted(conflicts))
+    outcome: dict[str, str] = {}
+    for s, rel, place in places:
+        if place.state == destination.SAME:
+            outcome[rel] = "present"
             continue
-        if exclude and _matches(relpath, exclude):
-            continue
-        if relpath in seen and seen[relpath] != layer.digest:
-            raise PullError(f"two layers claim {relpath!r}: {seen[relpath]} and {layer.digest}")
-        if relpath in seen:
-            continue
-        seen[relpath] = layer.digest
-        materializer_for(layer.media_type)  # refuse unknown formats before downloading anything
-        jobs.append(LayerJob(layer, relpath, dest_dir))
-    return jobs
+        destination.publish(os.path.join(s.dir.path, *rel.split("/")), dest, rel)
+        outcome[rel] = "replaced" if place.state == destination.DIFFERS else "downloaded"
+    return outcome
+
+
+def _ensure_dest(dest: str) -> None:
+    try:
+        os.makedirs(dest, exist_ok=True)
+    except OSError as exc:
+        raise write_error(dest, exc) from exc
 
 
 def pull_to_directory(
@@ -204,37 +328,107 @@ def pull_to_directory(
     exclude: Sequence[str] = (),
     jobs: int = 4,
     progress: str = "auto",
+    force: bool = False,
+    delete: bool = False,
+    max_bytes: int | None = None,
 ) -> PullResult:
     """Download the artifact ``identifier`` (tag or digest) from ``target`` into ``dest_dir``.
 
-    Files already present with the right digest are kept (a second pull downloads nothing).
+    Files already present with the right digest are kept (a second pull downloads nothing); a
+    file that differs is a ``DestinationConflictError`` unless ``force``; files the artifact does
+    not contain are listed in ``extra_files`` and removed only with ``delete``.
     """
     start = time.monotonic()
     manifest, digest = fetch_manifest(target, identifier)
     dest = os.path.abspath(dest_dir)
-    os.makedirs(dest, exist_ok=True)
+    _ensure_dest(dest)
     plan = plan_layers(manifest, dest, include, exclude)
-    result = PullResult(digest=digest, dest_dir=dest, files=[j.relpath for j in plan])
-    total = sum(j.descriptor.size for j in plan)
-    with Progress(total, f"pull {digest[7:19]}", progress) as prog:
+    select = file_selector(include, exclude)
+    claims = ClaimedPaths()
+    for rel, layer_digest in plan.raw_paths.items():
+        claims.claim(rel, f"layer {layer_digest}")
 
-        def run(job: LayerJob) -> str:
+    places = {
+        job.relpath: destination.placement(dest, job.relpath, job.descriptor.digest, job.descriptor.size)
+        for job in plan.raw
+        if job.relpath is not None
+    }
+    conflicts = sorted(rel for rel, p in places.items() if p.state == destination.DIFFERS)
+    if conflicts and not force:
+        raise DestinationConflictError(dest, conflicts)
+    fetch = [job for job in plan.raw if places[job.relpath].state != destination.SAME]  # type: ignore[index]
+    partials = {job.relpath: partial_path(job.final_path, job.descriptor.digest) for job in fetch}
+    result = PullResult(digest=digest, dest_dir=dest)
+    result.swept = sweep(dest, keep=partials.values())
+    raw_bytes = sum(job.descriptor.size - _size(partials[job.relpath]) for job in fetch)
+    budget = _budget(dest, max_bytes, raw_bytes)
+    cancel = Cancel()
+    outcome: dict[str, str] = {}
+    total = sum(j.descriptor.size for j in plan.tar) + sum(j.descriptor.size for j in fetch)
+    with Progress(total, f"pull {digest[7:19]}", progress) as prog:
+        staged = run_all(
+            plan.tar, lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel), jobs, cancel
+        )
+        try:
+            outcome.update(_publish_staged(staged, dest, force, result))
+        finally:
+            for s in staged:
+                s.dir.remove()
+        result.bytes_downloaded += sum(j.descriptor.size for j in plan.tar)
+
+        def download(job: LayerJob) -> Downloaded:
+            assert job.relpath is not None
+            destination.make_parents(dest, job.relpath)
             bar = prog.transfer(job.descriptor.size, job.relpath) if prog.enabled else None
             try:
-                return materializer_for(job.descriptor.media_type)(target, job, bar)
+                return download_raw(
+                    target, job.descriptor, job.final_path, partials[job.relpath], cancel=cancel, bar=bar
+                )
             finally:
                 if bar is not None:
                     bar.close()
 
-        if plan:
-            with ThreadPoolExecutor(
-                max(1, min(jobs, len(plan))), thread_name_prefix="modelpack-pull"
-            ) as pool:
-                for job, outcome in zip(plan, pool.map(run, plan), strict=True):
-                    if outcome == "present":
-                        result.present += 1
-                    else:
-                        result.downloaded += 1
-                        result.bytes_downloaded += job.descriptor.size
+        for got in run_all(fetch, download, jobs, cancel):
+            result.bytes_downloaded += got.fetched
+            result.resumed_bytes += got.resumed
+    for job in plan.raw:
+        assert job.relpath is not None
+        state = places[job.relpath].state
+        outcome[job.relpath] = {"same": "present", "differs": "replaced"}.get(state, "downloaded")
+    order = [j.relpath for j in plan.raw if j.relpath] + [rel for s in staged for rel, _, _ in s.files]
+    result.files = order
+    for rel in order:
+        kind = outcome[rel]
+        if kind == "present":
+            result.present += 1
+        else:
+            result.downloaded += 1
+            if kind == "replaced":
+                result.replaced.append(rel)
+    result.replaced.sort()
+    artifact_files = claims.files()
+    result.extra_files = destination.extra_files(dest, artifact_files)
+    if delete and result.extra_files:
+        result.deleted = destination.delete_extra(dest, result.extra_files, artifact_files)
+        result.extra_files = []
     result.seconds = time.monotonic() - start
     return result
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+__all__ = [
+    "LayerJob",
+    "PullPlan",
+    "PullResult",
+    "file_selector",
+    "layer_format",
+    "plan_layers",
+    "pull_to_directory",
+    "run_all",
+]

@@ -1,48 +1,151 @@
-"""Extract tar layers into directories, refusing anything that could write outside them.
+"""Extract tar layers into directories, refusing anything that could write outside them or without bound.
 
-Pull-to-directory (``materialize``) and the node cache (``modelpack.mount``) both turn tar layers
-into files: the image-shaped variant's layers (files under ``models/``) and ModelPack ``tar`` /
-``tar+gzip`` / ``tar+zstd`` layers (files at their own paths). The tar comes from a registry, so
-every member is checked before a byte is written, and nothing lands at a final path unverified.
+Pull-to-directory (``materialize``), the node cache (``modelpack.mount``) and runtime assets turn
+tar layers into files: the image-shaped variant's layers (files under ``models/``) and ModelPack
+``tar`` / ``tar+gzip`` / ``tar+zstd`` layers (files at their own paths). The tar comes from a
+registry, and a blob's digest only proves that it is the publisher's, not that it is harmless: a
+32 KB zstd stream expands to 1 GiB of zeros, a sparse member declares a terabyte of holes, a PAX
+header can be as large as the stream. So every member is checked before a byte is written, what
+is written is counted against a budget the caller sets (``max_bytes``: the free space, the cache
+quota, ``--max-bytes``), header and trailer sizes are bounded, and sparse members are refused in
+every encoding. A corrupt stream is a ``LayerFormatError``, a write the OS refuses a
+``FileWriteError`` naming the path; nothing is ever left half-checked at a final path.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
-import shutil
+import sys
 import tarfile
-import tempfile
+import threading
+import zlib
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from modelpack.errors import DigestMismatchError, ManifestError, UnsafePathError, UnsafeTarError
-from modelpack.files import TEMP_PREFIX, fsync_dir
+from modelpack.errors import (
+    DigestMismatchError,
+    ExpansionLimitError,
+    LayerFormatError,
+    ManifestError,
+    UnsafePathError,
+    UnsafeTarError,
+)
+from modelpack.files import write_error
 from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
 from modelpack.mediatypes.annotations import safe_relative_path
-from modelpack.oci.descriptor import Descriptor
-from modelpack.oci.digest import HASH_CHUNK, VerifyingReader
+from modelpack.oci.digest import HASH_CHUNK
 from modelpack.oci.image_config import MODELS_PREFIX
-from modelpack.progress import CountingReader, TransferBar
-from modelpack.targets.base import ReadableTarget
 
 MAX_TAR_MEMBERS = 1_000_000
+#: a PAX extended header or a GNU long name/link: real ones hold a path (≤ 4 KiB) and a few fields
+MAX_HEADER_BYTES = 1024 * 1024
+#: data read after the end-of-archive marker: tar pads to a record (10 KiB); more is not a tar
+MAX_TRAILER_BYTES = 1024 * 1024
 
 
-class _HashingReader:
-    def __init__(self, raw: Any) -> None:
+class ExpansionBudget:
+    """How many bytes the files extracted by one pull may still take, shared by layers extracted in
+    parallel. A member is charged its declared size before it is opened, so a bomb is refused
+    without being written; ``limit`` None counts without refusing."""
+
+    def __init__(self, limit: int | None, described: str = "the limit (max_bytes)") -> None:
+        self.limit = limit
+        self.described = described
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def left(self) -> int | None:
+        return None if self.limit is None else self.limit - self.used
+
+    def charge(self, n: int, *, where: str, member: str) -> None:
+        with self._lock:
+            if self.limit is not None and n > self.limit - self.used:
+                raise ExpansionLimitError(where, member, n, max(0, self.limit - self.used), self.described)
+            self.used += n
+
+
+class ClaimedPaths:
+    """The files one pull writes, by the layer that writes them (thread-safe). A second claim on a
+    path, or a path that one layer writes as a file and another needs as a directory, is refused:
+    otherwise the last writer wins, in whatever order the layers happened to finish."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, str] = {}
+        self._dirs: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, rel: str, owner: str) -> None:
+        with self._lock:
+            prev = self._files.get(rel)
+            if prev is not None:
+                also = "appears twice" if prev == owner else f"is also written by {prev}"
+                raise UnsafeTarError(f"{owner}: {rel!r} {also}")
+            if rel in self._dirs:
+                raise UnsafeTarError(f"{owner}: {rel!r} is a file here but a directory in {self._dirs[rel]}")
+            parts = rel.split("/")
+            parents = ["/".join(parts[:i]) for i in range(1, len(parts))]
+            for p in parents:
+                if p in self._files:
+                    raise UnsafeTarError(
+                        f"{owner}: {rel!r} needs the directory {p!r}, which {self._files[p]} writes as a file"
+                    )
+            for p in parents:
+                self._dirs.setdefault(p, owner)
+            self._files[rel] = owner
+
+    def __contains__(self, rel: object) -> bool:
+        with self._lock:
+            return rel in self._files
+
+    def files(self) -> set[str]:
+        with self._lock:
+            return set(self._files)
+
+
+def _claim(existing: ClaimedPaths | set[str], rel: str, where: str) -> None:
+    if isinstance(existing, ClaimedPaths):
+        existing.claim(rel, where)
+        return
+    if rel in existing:
+        raise UnsafeTarError(f"{where}: {rel!r} appears twice")
+    existing.add(rel)
+
+
+class _LayerReader:
+    """The decompressed layer as tarfile reads it: hashed (for the diff_id), counted, and with every
+    decompression failure turned into a ``LayerFormatError`` that names the layer."""
+
+    def __init__(self, raw: Any, where: str) -> None:
         self.raw = raw
+        self.where = where
         self.h = hashlib.sha256()
         self.n = 0
 
     def read(self, n: int = -1) -> bytes:
-        data: bytes = self.raw.read(n)
+        try:
+            data: bytes = self.raw.read(n)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise LayerFormatError(f"{self.where}: the compressed stream is corrupt: {exc}") from exc
+        except Exception as exc:
+            zstd = sys.modules.get("zstandard")  # imported only when a zstd layer is opened
+            if zstd is not None and isinstance(exc, zstd.ZstdError):
+                raise LayerFormatError(f"{self.where}: the zstd stream is corrupt: {exc}") from exc
+            raise
         self.h.update(data)
         self.n += len(data)
         return data
 
-    def drain(self) -> None:
+    def drain(self, limit: int) -> None:
+        """Read to the end, refusing more than ``limit`` bytes after the end-of-archive marker."""
+        start = self.n
         while self.read(HASH_CHUNK):
-            pass
+            if self.n - start > limit:
+                raise LayerFormatError(
+                    f"{self.where}: more than {limit} bytes of data after the end of the archive"
+                )
 
 
 def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
@@ -52,12 +155,64 @@ def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
 
         return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
     if media_type.endswith("+gzip"):
-        import gzip
-
         return gzip.GzipFile(fileobj=stream, mode="rb")
     if media_type.endswith("tar") or media_type in (MEDIA_TYPE_IMAGE_LAYER_TAR,):
         return stream
     raise ManifestError(f"unsupported layer media type {media_type!r}")
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's header parser with the reads it would do unbounded refused first: an extended
+    header or long name is read into memory whole, and a sparse map expands holes into zeros."""
+
+    def _proc_pax(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+        _check_header_size(self, "PAX extended header")
+        return super()._proc_pax(tarfile)  # type: ignore[misc]
+
+    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+        _check_header_size(self, "GNU long name header")
+        return super()._proc_gnulong(tarfile)  # type: ignore[misc]
+
+    def _proc_sparse(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+        raise _sparse(self.name, "GNU sparse type 'S'")
+
+    def _proc_gnusparse_00(self, *args: Any) -> Any:
+        raise _sparse(self.name, "PAX GNU.sparse 0.0 headers")
+
+    def _proc_gnusparse_01(self, *args: Any) -> Any:
+        raise _sparse(self.name, "PAX GNU.sparse 0.1 headers")
+
+    def _proc_gnusparse_10(self, *args: Any) -> Any:
+        raise _sparse(self.name, "PAX GNU.sparse 1.0 headers")
+
+
+def _check_header_size(info: tarfile.TarInfo, what: str) -> None:
+    if not 0 <= info.size <= MAX_HEADER_BYTES:
+        raise LayerFormatError(f"a {what} of {info.size} bytes (the limit is {MAX_HEADER_BYTES})")
+
+
+def _sparse(name: str, how: str) -> UnsafeTarError:
+    return UnsafeTarError(
+        f"member {name!r} is a sparse file ({how}); sparse members are refused (their holes expand "
+        "to data that was never sent)"
+    )
+
+
+def _is_sparse(member: tarfile.TarInfo) -> bool:
+    return (
+        member.type == tarfile.GNUTYPE_SPARSE
+        or getattr(member, "sparse", None) is not None
+        or any(k.startswith("GNU.sparse.") for k in member.pax_headers)
+    )
+
+
+def _located(exc: UnsafeTarError, where: str) -> UnsafeTarError:
+    """The same refusal, naming the layer (header checks run inside tarfile, which does not know it)."""
+    if str(exc).startswith(where):
+        return exc
+    if isinstance(exc, ExpansionLimitError):
+        return exc
+    return type(exc)(f"{where}: {exc}")
 
 
 def extract_tar_layer(
@@ -68,139 +223,154 @@ def extract_tar_layer(
     media_type: str = MEDIA_TYPE_IMAGE_LAYER_TAR,
     diff_id: str | None = None,
     where: str = "layer",
-    existing: set[str] | None = None,
+    existing: ClaimedPaths | set[str] | None = None,
+    max_bytes: int | None = None,
+    budget: ExpansionBudget | None = None,
+    select: Callable[[str], bool] | None = None,
 ) -> list[tuple[str, int, str]]:
     """Extract regular files of a layer tar under ``dest_dir``; returns (relpath, size, sha256).
 
-    Refuses (``UnsafeTarError``) symlinks, hard links, devices, FIFOs, absolute or ``..`` paths,
-    whiteouts, members outside ``strip`` and duplicates: the tar comes from a registry and must
-    not write anywhere else. Files are created with O_EXCL|O_NOFOLLOW and made read-only. When
-    ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last byte);
-    on any failure the caller discards ``dest_dir``.
+    Refuses (``UnsafeTarError``) symlinks, hard links, devices, FIFOs, sparse members, absolute
+    or ``..`` paths, whiteouts, members outside ``strip`` and duplicates (also across the layers
+    sharing ``existing``). ``max_bytes`` (or a ``budget`` shared by several layers) caps the bytes
+    written: each member's declared size is charged before it is opened and the bytes written are
+    checked against it (``ExpansionLimitError``). ``select`` picks which files to write; the others
+    are still checked and claimed. Files are created with O_EXCL|O_NOFOLLOW and made read-only.
+    When ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last
+    byte); on any failure the caller discards ``dest_dir``.
     """
-    hashing = _HashingReader(open_layer_stream(stream, media_type))
+    reader = _LayerReader(open_layer_stream(stream, media_type), where)
+    claims: ClaimedPaths | set[str] = existing if existing is not None else set()
+    spend = budget if budget is not None else ExpansionBudget(max_bytes)
     out: list[tuple[str, int, str]] = []
-    seen = existing if existing is not None else set()
-    dest_real = os.path.realpath(dest_dir)
-    count = 0
-    with tarfile.open(fileobj=hashing, mode="r|", encoding="utf-8") as tar:  # type: ignore[call-overload]
-        for member in tar:
-            count += 1
-            if count > MAX_TAR_MEMBERS:
-                raise UnsafeTarError(f"{where}: more than {MAX_TAR_MEMBERS} members")
-            name = member.name
-            if name.startswith("./"):
-                name = name[2:]
-            if member.isdir():
-                if (name.rstrip("/") + "/") == strip or not name.strip("/"):
-                    continue
-            if strip and not (name.startswith(strip) or (member.isdir() and name.rstrip("/") + "/" == strip)):
-                raise UnsafeTarError(f"{where}: member {member.name!r} is outside {strip!r}")
-            rel_raw = name[len(strip) :].rstrip("/") if strip else name.rstrip("/")
-            try:
-                rel = safe_relative_path(rel_raw, what=f"{where} member")
-            except UnsafePathError as exc:
-                raise UnsafeTarError(str(exc)) from exc
-            if any(p.startswith(".wh.") for p in rel.split("/")):
-                raise UnsafeTarError(
-                    f"{where}: whiteout entry {member.name!r} is not allowed in a model layer"
-                )
-            target = os.path.join(dest_dir, *rel.split("/"))
-            parent_real = os.path.realpath(os.path.dirname(target))
-            if os.path.commonpath([dest_real, parent_real]) != dest_real:
-                raise UnsafeTarError(f"{where}: member {member.name!r} would land outside the destination")
-            if member.isdir():
-                if os.path.lexists(target) and not os.path.isdir(target):
-                    raise UnsafeTarError(f"{where}: directory {member.name!r} collides with a file")
-                os.makedirs(target, mode=0o755, exist_ok=True)
-                continue
-            if not member.isreg():
-                kind = "link" if (member.issym() or member.islnk()) else "special file"
-                raise UnsafeTarError(
-                    f"{where}: member {member.name!r} is a {kind}; only regular files are allowed"
-                )
-            if rel in seen:
-                raise UnsafeTarError(f"{where}: {rel!r} appears twice")
-            seen.add(rel)
-            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-            src = tar.extractfile(member)
-            if src is None:  # pragma: no cover - regular files always have data
-                raise UnsafeTarError(f"{where}: member {member.name!r} has no data")
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            h = hashlib.sha256()
-            n = 0
-            with os.fdopen(fd, "wb") as f:
-                while True:
-                    chunk = src.read(HASH_CHUNK)
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    f.write(chunk)
-                    n += len(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-            if n != member.size:
-                raise UnsafeTarError(
-                    f"{where}: member {member.name!r} truncated ({n} of {member.size} bytes)"
-                )
-            os.chmod(target, 0o444)
-            out.append((rel, n, "sha256:" + h.hexdigest()))
-    hashing.drain()
+    try:
+        tar = tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", tarinfo=_BoundedTarInfo)  # type: ignore[call-overload]
+        with tar:
+            _extract_members(tar, reader, dest_dir, strip, where, claims, spend, select, out)
+        reader.drain(MAX_TRAILER_BYTES)
+    except UnsafeTarError as exc:
+        located = _located(exc, where)
+        if located is exc:
+            raise
+        raise located from exc
+    except tarfile.TarError as exc:
+        raise LayerFormatError(f"{where}: not a readable tar: {exc}") from exc
     if diff_id is not None:
-        actual = "sha256:" + hashing.h.hexdigest()
+        actual = "sha256:" + reader.h.hexdigest()
         if actual != diff_id:
             raise DigestMismatchError(diff_id, actual, what="uncompressed layer (diff_id)", source=where)
     return out
 
 
-def materialize_tar_layer(
-    target: ReadableTarget,
-    desc: Descriptor,
+def _extract_members(
+    tar: tarfile.TarFile,
+    reader: _LayerReader,
     dest_dir: str,
-    bar: TransferBar | None,
-    *,
-    strip: str = MODELS_PREFIX,
-) -> str:
-    """Extract the layer ``desc`` of ``target`` into ``dest_dir``: files land at final paths only verified.
-
-    The layer is extracted into a temp directory inside the destination while its blob digest is
-    checked as it streams; only after the last byte matched are the files renamed into place.
-    """
-    dest = os.path.abspath(dest_dir)
-    os.makedirs(dest, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=dest)
-    try:
-        raw = target.fetch_blob(desc)
-        src: Any = CountingReader(raw, bar) if bar is not None else raw
-        reader = VerifyingReader(src, desc.digest, desc.size, source=f"{target.name} (layer {desc.digest})")
+    strip: str,
+    where: str,
+    claims: ClaimedPaths | set[str],
+    budget: ExpansionBudget,
+    select: Callable[[str], bool] | None,
+    out: list[tuple[str, int, str]],
+) -> None:
+    dest_real = os.path.realpath(dest_dir)
+    count = 0
+    while True:
+        member = tar.next()
+        if member is None:
+            return
+        tar.members.clear()  # stream mode keeps every TarInfo otherwise: memory grows per member
+        count += 1
+        if count > MAX_TAR_MEMBERS:
+            raise UnsafeTarError(f"{where}: more than {MAX_TAR_MEMBERS} members")
+        name = member.name
+        if name.startswith("./"):
+            name = name[2:]
+        if member.isdir():
+            if (name.rstrip("/") + "/") == strip or not name.strip("/"):
+                continue
+        if strip and not (name.startswith(strip) or (member.isdir() and name.rstrip("/") + "/" == strip)):
+            raise UnsafeTarError(f"{where}: member {member.name!r} is outside {strip!r}")
+        rel_raw = name[len(strip) :].rstrip("/") if strip else name.rstrip("/")
         try:
-            files = extract_tar_layer(
-                reader,  # type: ignore[arg-type]
-                tmp,
-                strip,
-                media_type=desc.media_type,
-                where=f"layer {desc.digest}",
+            rel = safe_relative_path(rel_raw, what=f"{where} member")
+        except UnsafePathError as exc:
+            raise UnsafeTarError(str(exc)) from exc
+        if any(p.startswith(".wh.") for p in rel.split("/")):
+            raise UnsafeTarError(f"{where}: whiteout entry {member.name!r} is not allowed in a model layer")
+        if _is_sparse(member):
+            raise _sparse(member.name, "sparse headers")
+        target = os.path.join(dest_dir, *rel.split("/"))
+        parent_real = os.path.realpath(os.path.dirname(target))
+        if os.path.commonpath([dest_real, parent_real]) != dest_real:
+            raise UnsafeTarError(f"{where}: member {member.name!r} would land outside the destination")
+        if member.isdir():
+            if os.path.lexists(target) and not os.path.isdir(target):
+                raise UnsafeTarError(f"{where}: directory {member.name!r} collides with a file")
+            if select is None:
+                _makedirs(target)
+            continue
+        if not member.isreg():
+            kind = "link" if (member.issym() or member.islnk()) else "special file"
+            raise UnsafeTarError(
+                f"{where}: member {member.name!r} is a {kind}; only regular files are allowed"
             )
-            while reader.read(HASH_CHUNK):  # the digest check happens at EOF
-                pass
-        finally:
-            reader.close()
-        for rel, _, _ in files:
-            final = os.path.join(dest, *rel.split("/"))
-            parent = os.path.dirname(final)
-            os.makedirs(parent, exist_ok=True)
-            real_parent = os.path.realpath(parent)
-            if os.path.commonpath([real_parent, os.path.realpath(dest)]) != os.path.realpath(dest):
-                raise UnsafeTarError(f"{rel}: its directory leaves {dest} (symlink?)")
-            if os.path.islink(final):
-                raise UnsafeTarError(f"{final} is a symlink; refusing to write through it")
-            staged = os.path.join(tmp, *rel.split("/"))
-            os.chmod(staged, 0o644)
-            os.replace(staged, final)
-            fsync_dir(parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return "downloaded"
+        if member.size < 0:
+            raise LayerFormatError(f"{where}: member {member.name!r} declares a negative size")
+        _claim(claims, rel, where)
+        if os.path.lexists(target):
+            raise UnsafeTarError(f"{where}: file {member.name!r} collides with a directory of the same layer")
+        if select is not None and not select(rel):
+            continue  # tarfile skips its data; nothing is written, nothing charged
+        budget.charge(member.size, where=where, member=member.name)
+        src = tar.extractfile(member)
+        if src is None:  # pragma: no cover - regular files always have data
+            raise UnsafeTarError(f"{where}: member {member.name!r} has no data")
+        out.append((rel, *_write_member(src, target, member, where)))
 
 
-__all__ = ["MAX_TAR_MEMBERS", "extract_tar_layer", "materialize_tar_layer", "open_layer_stream"]
+def _makedirs(path: str) -> None:
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+
+
+def _write_member(src: Any, target: str, member: tarfile.TarInfo, where: str) -> tuple[int, str]:
+    """Write one member's data; returns (bytes, sha256). Never more than the declared size."""
+    _makedirs(os.path.dirname(target))
+    h = hashlib.sha256()
+    n = 0
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            while True:
+                chunk = src.read(min(HASH_CHUNK, member.size - n + 1))
+                if not chunk:
+                    break
+                n += len(chunk)
+                if n > member.size:
+                    raise LayerFormatError(
+                        f"{where}: member {member.name!r} holds more than its {member.size} bytes"
+                    )
+                h.update(chunk)
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(target, 0o444)
+    except OSError as exc:
+        raise write_error(target, exc) from exc
+    if n != member.size:
+        raise LayerFormatError(f"{where}: member {member.name!r} truncated ({n} of {member.size} bytes)")
+    return n, "sha256:" + h.hexdigest()
+
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "MAX_TAR_MEMBERS",
+    "MAX_TRAILER_BYTES",
+    "ClaimedPaths",
+    "ExpansionBudget",
+    "extract_tar_layer",
+    "open_layer_stream",
+]

@@ -1,0 +1,304 @@
+"""Pull into a directory loses nothing and leaves nothing behind (issue 12 items 4, 6, 8; issue 17 item 2).
+
+Against a real registry (and a fault-injecting hop in front of it): a differing local file is
+never overwritten without ``--force``; files the artifact does not contain are reported and
+removed only with ``--delete``; a directory where a file goes is a one-line error; a closed
+output pipe or SIGTERM ends the pull promptly without temp files; a SIGKILLed pull's leftovers
+are resumed or swept by the next pull; a full disk mid-download names the path, keeps the
+partial and the next pull resumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from modelpack.api import transfer
+from modelpack.cli import main
+from modelpack.errors import DestinationConflictError, DiskFullError, FileWriteError
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.reference import parse_reference
+from modelpack.targets.fetch import fetch_manifest
+from modelpack.targets.opener import TargetOptions, open_readable
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.fixtures.faultproxy import Fault, FaultProxy, blob_get
+from tests.fixtures.registry import RegistryServer
+from tests.pull_dir_helpers import MiB, raw_layer, small_tmpfs, temp_entries, write_artifact
+
+PLAIN = TargetOptions(plain_http=True)
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(main, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def _push(directory: Path, ref: str) -> str:
+    code, out, err = _run("push", str(directory), ref, "--progress", "off")
+    assert code == 0, err
+    return out.strip()
+
+
+def _manifest(ref: str) -> Manifest:
+    r = parse_reference(ref)
+    manifest, _ = fetch_manifest(open_readable(r, PLAIN), r.identifier)
+    return manifest
+
+
+def _largest_layer(ref: str):  # type: ignore[no-untyped-def]
+    return max(_manifest(ref).layers, key=lambda d: d.size)
+
+
+@pytest.fixture
+def versions(registry: RegistryServer, tmp_path: Path) -> tuple[str, str, Path, Path]:
+    """v1: one safetensors file; v2: two shards, and a config.json that differs from v1's."""
+    v1 = tmp_path / "v1"
+    v2 = tmp_path / "v2"
+    write_checkpoint(str(v1), SyntheticSpec(shards=1, seed=1))
+    write_checkpoint(str(v2), SyntheticSpec(shards=2, seed=2))
+    cfg = json.loads((v2 / "config.json").read_text())
+    cfg["rope_theta"] = 1234.0
+    (v2 / "config.json").write_text(json.dumps(cfg))
+    repo = f"pulldir/model-{tmp_path.name[-12:].lower()}"
+    r1, r2 = registry.ref(repo, "v1"), registry.ref(repo, "v2")
+    _push(v1, r1)
+    _push(v2, r2)
+    return r1, r2, v1, v2
+
+
+# --------------------------------------------------------------------------- 12.6: nothing overwritten
+def test_pull_v2_over_v1_refuses_differing_files_then_force_and_delete(
+    versions: tuple[str, str, Path, Path], tmp_path: Path
+) -> None:
+    r1, r2, v1, v2 = versions
+    dest = tmp_path / "model"
+    code, _, err = _run("pull", r1, str(dest), "--progress", "off")
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+
+    code, _, err = _run("pull", r2, str(dest), "--progress", "off")
+    assert code == 1, err
+    assert "config.json" in err and "--force" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before  # nothing written at all
+
+    code, out, err = _run("pull", r2, str(dest), "--force", "--json", "--progress", "off")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["replaced"] == ["config.json"]
+    assert doc["extraFiles"] == ["model.safetensors"] and doc["deleted"] == []
+    for p in v2.iterdir():
+        assert (dest / p.name).read_bytes() == p.read_bytes()
+    assert (dest / "model.safetensors").exists()  # kept: only --delete removes it
+
+    code, _, err = _run("pull", r2, str(dest), "--progress", "off")
+    assert code == 0, err
+    assert "model.safetensors" in err and "--delete" in err  # reported, with the way to remove it
+
+    code, out, err = _run("pull", r2, str(dest), "--delete", "--json", "--progress", "off")
+    assert code == 0, err
+    assert json.loads(out)["deleted"] == ["model.safetensors"]
+    assert sorted(os.listdir(dest)) == sorted(os.listdir(v2))
+    assert (v1 / "model.safetensors").exists()
+
+
+def test_library_pull_refuses_conflicts_with_a_typed_error(
+    versions: tuple[str, str, Path, Path], tmp_path: Path
+) -> None:
+    r1, r2, _, _ = versions
+    dest = tmp_path / "m"
+    transfer.pull(r1, str(dest), target_options=PLAIN, progress="off")
+    with pytest.raises(DestinationConflictError) as err:
+        transfer.pull(r2, str(dest), target_options=PLAIN, progress="off")
+    assert err.value.conflicts == ["config.json"]
+
+
+def test_a_directory_where_a_file_goes_is_one_line(
+    versions: tuple[str, str, Path, Path], tmp_path: Path
+) -> None:
+    r1, _, _, _ = versions
+    dest = tmp_path / "m"
+    (dest / "config.json").mkdir(parents=True)
+    (dest / "config.json" / "keep").write_text("mine")
+    for extra in ((), ("--force",)):
+        code, _, err = _run("pull", r1, str(dest), "--progress", "off", *extra)
+        assert code == 1, err
+        assert "Traceback" not in err and str(dest / "config.json") in err and "directory" in err
+    assert (dest / "config.json" / "keep").read_text() == "mine"
+
+
+def test_a_file_where_a_directory_goes_is_a_typed_error(tmp_path: Path) -> None:
+    layout = tmp_path / "layout"
+    write_artifact(layout, "v1", [raw_layer("sub/w.bin", b"weights")])
+    dest = tmp_path / "m"
+    dest.mkdir()
+    (dest / "sub").write_text("a file")
+    with pytest.raises(FileWriteError) as err:
+        transfer.pull(f"oci:{layout}:v1", str(dest), progress="off", force=True)
+    assert str(dest / "sub") in str(err.value)
+    assert (dest / "sub").read_text() == "a file"
+
+
+# --------------------------------------------------------------------------- 12.8: closed pipe, signals
+@pytest.fixture
+def slow_model(registry: RegistryServer, tmp_path: Path) -> tuple[str, FaultProxy]:
+    """A ~6 MiB model behind a proxy that relays 2 MiB/s: a pull takes a few seconds."""
+    ck = tmp_path / "ck"
+    write_checkpoint(str(ck), SyntheticSpec(hidden=512, intermediate=1376, layers=2, vocab=2048, shards=2))
+    ref = registry.ref(f"pulldir/slow-{tmp_path.name[-12:].lower()}", "v1")
+    _push(ck, ref)
+    proxy = FaultProxy(registry.host, rate=2 * MiB)
+    yield ref.replace(registry.host, proxy.host), proxy
+    proxy.close()
+
+
+def _pull_process(
+    ref: str, dest: Path, *extra: str, stdout: int | None = subprocess.PIPE
+) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "modelpack.cli", "pull", ref, str(dest), *extra],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+
+
+def test_closed_pipe_ends_the_pull_promptly_without_temp_files(
+    slow_model: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    ref, _ = slow_model
+    dest = tmp_path / "m"
+    proc = _pull_process(ref, dest, "--progress", "on")
+    assert proc.stdout is not None
+    got = b""
+    while len(got) < 300:  # `| head -c 300`
+        chunk = proc.stdout.read1(300 - len(got))
+        if not chunk:
+            break
+        got += chunk
+    proc.stdout.close()
+    closed = time.monotonic()
+    try:
+        rc = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("pull kept running after its output pipe was closed")
+    assert time.monotonic() - closed < 10
+    assert rc != 0
+    assert temp_entries(dest) == [] if dest.exists() else True
+
+
+def test_sigterm_removes_temp_files(slow_model: tuple[str, FaultProxy], tmp_path: Path) -> None:
+    ref, _ = slow_model
+    dest = tmp_path / "m"
+    proc = _pull_process(ref, dest, "--progress", "off", stdout=subprocess.DEVNULL)
+    _wait_for_temp_file(dest, proc)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=20)
+    assert rc == 128 + signal.SIGTERM
+    assert temp_entries(dest) == []
+
+
+def _wait_for_temp_file(dest: Path, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if dest.exists() and any(
+            p.stat().st_size > 64 * 1024 for p in dest.rglob(".tmp-modelpack-*") if p.is_file()
+        ):
+            return
+        assert proc.poll() is None, "pull ended before it wrote anything"
+        time.sleep(0.05)
+    pytest.fail("no temp file appeared")
+
+
+def test_a_later_pull_resumes_or_sweeps_what_a_killed_pull_left(
+    slow_model: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    ref, proxy = slow_model
+    dest = tmp_path / "m"
+    proc = _pull_process(ref, dest, "--progress", "off", "-j", "1", stdout=subprocess.DEVNULL)
+    _wait_for_temp_file(dest, proc)
+    proc.kill()
+    proc.wait()
+    proxy.settle()
+    left = temp_entries(dest)
+    assert left, "SIGKILL left nothing to clean up"
+    # a stale staging directory of a dead pull as well
+    stale = dest / ".tmp-modelpack-pull-deadbeef"
+    (stale / "models").mkdir(parents=True)
+    (stale / "models" / "x").write_bytes(b"stale")
+    proxy.rate = None
+    proxy.clear()
+    res = transfer.pull(ref, str(dest), target_options=PLAIN, progress="off")
+    assert temp_entries(dest) == []
+    assert res.resumed_bytes > 0
+    total = sum(layer.size for layer in _manifest(ref).layers)
+    proxy.settle()
+    assert sum(proxy.blob_bytes.values()) <= total - res.resumed_bytes
+
+
+# --------------------------------------------------------------------------- 17.2: ENOSPC mid-download
+def test_disk_full_mid_download_keeps_the_partial_and_resumes(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    layout = tmp_path / "layout"
+    weights = os.urandom(6 * MiB)
+    write_artifact(layout, "v1", [raw_layer("w.bin", weights), raw_layer("config.json", b"{}")])
+    ref = registry.ref(f"pulldir/full-{tmp_path.name[-12:].lower()}", "v1")
+    code, _, err = _run("cp", f"oci:{layout}:v1", ref, "--progress", "off")
+    assert code == 0, err
+    with small_tmpfs(tmp_path / "disk", "8m") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a tmpfs here")
+        filler = disk / "filler"
+        layer = next(d for d in _manifest(ref).layers if d.size == len(weights))
+
+        def fill_disk_then_relay(body: bytes, _range: str | None) -> bytes:
+            filler.write_bytes(bytes(5 * MiB))  # another process takes the space mid-pull
+            return body
+
+        proxy = FaultProxy(registry.host)
+        try:
+            proxy.add(Fault(match=blob_get(str(layer.digest)), rewrite=fill_disk_then_relay, times=1))
+            via = ref.replace(registry.host, proxy.host)
+            dest = disk / "model"
+            code, _, err = _run("pull", via, str(dest), "--progress", "off")
+            assert code == 1, err
+            assert "Traceback" not in err and str(dest / "w.bin") in err and "space" in err
+            assert not (dest / "w.bin").exists()
+            partials = [p for p in temp_entries(dest) if p.endswith(".partial")]
+            assert len(partials) == 1, temp_entries(dest)
+            kept = (dest / partials[0]).stat().st_size
+            assert kept > 0
+
+            filler.unlink()
+            proxy.clear()
+            res = transfer.pull(via, str(dest), target_options=PLAIN, progress="off")
+            assert (dest / "w.bin").read_bytes() == weights
+            assert res.resumed_bytes == kept
+            proxy.settle()
+            assert proxy.blob_bytes[str(layer.digest)] == len(weights) - kept
+            assert temp_entries(dest) == []
+        finally:
+            proxy.close()
+
+
+def test_library_raises_disk_full_as_a_typed_error(registry: RegistryServer, tmp_path: Path) -> None:
+    layout = tmp_path / "layout"
+    write_artifact(layout, "v1", [raw_layer("w.bin", os.urandom(3 * MiB))])
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a tmpfs here")
+        with pytest.raises(DiskFullError) as err:
+            transfer.pull(f"oci:{layout}:v1", str(disk / "m"), progress="off")
+        assert str(disk / "m") in str(err.value)
+        assert not (disk / "m" / "w.bin").exists()
