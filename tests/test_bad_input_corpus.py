@@ -52,6 +52,11 @@ def assert_refused(proc: subprocess.CompletedProcess[str], *culprits: str) -> No
     assert proc.returncode != 0, where
     assert "Traceback" not in proc.stderr, where
     assert "Exception ignored" not in proc.stderr, where
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    if proc.returncode == 2 and lines and lines[0].startswith("Usage:"):  # click's usage error
+        lines = [line for line in lines if line.startswith("Error:")]
+    assert len(lines) == 1, f"not one line\n{where}"
+    assert len(lines[0]) <= 1100, f"a line of {len(lines[0])} characters\n{where}"
     for culprit in culprits:
         assert culprit in proc.stderr, f"culprit {culprit!r} not named\n{where}"
 
@@ -161,6 +166,7 @@ for _name, _ref, _culprit in [
     ("bad tag", "localhost:5000/m:bad!tag", "bad!tag"),
     ("bad bucket", "s3://Bad_Bucket/x:v1", "Bad_Bucket"),
     ("huge reference", "localhost:5000/" + "a" * 5000 + ":v1", "invalid reference"),
+    ("huge tag", "localhost:5000/m:" + "t" * 50_000, "invalid reference"),
 ]:
 
     def _build(tmp: Path, ref: str = _ref, culprit: str = _culprit) -> Case:

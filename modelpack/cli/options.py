@@ -91,6 +91,16 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def one_line(text: str, limit: int = 1000) -> str:
+    """A message as one line of bounded length: a YAML or JSON parser's multi-line report joined,
+    a hostile input's megabyte value elided in the middle (the start names it, the end says
+    what to do)."""
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    if len(line) <= limit:
+        return line
+    return line[: limit * 2 // 3] + " … " + line[-(limit // 3) :]
+
+
 def _closed_pipe(exc: BaseException) -> bool:
     return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE)
 
@@ -139,10 +149,10 @@ def report_failure(exc: BaseException) -> NoReturn:
         except (OSError, ValueError):
             pass
     if isinstance(exc, ModelpackError):
-        _say(f"error: {exc}")
+        _say(f"error: {one_line(str(exc))}")
         sys.exit(exc.exit_code)
     if isinstance(exc, OSError) and (exc.filename is not None or exc.strerror):
-        _say(f"error: {describe_os_error(exc)}")
+        _say(f"error: {one_line(describe_os_error(exc))}")
         sys.exit(1)
     hint = "" if debug else "; run with --debug for details"
     _say(f"error: unexpected {type(exc).__name__}: {_first_line(str(exc))}{hint}")

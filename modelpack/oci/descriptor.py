@@ -131,14 +131,16 @@ def _subject(doc: dict[str, Any], where: str) -> Descriptor | None:
     return Descriptor.from_dict(value, where=f"{where} subject") if value is not None else None
 
 
-def _parse_json_document(raw: bytes, what: str) -> dict[str, Any]:
-    """The document as a JSON object, or a ManifestError naming it by digest (what was pinned)."""
+def _parse_json_document(raw: bytes, kind: str) -> tuple[dict[str, Any], str]:
+    """The document as a JSON object and its name for messages (``manifest sha256:…``: the digest
+    is what was pinned, signed and can be looked up), or a ManifestError with that name."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
-        raise ManifestError(f"{what}: expected bytes, got {type(raw).__name__}")
+        raise ManifestError(f"{kind}: expected bytes, got {type(raw).__name__}")
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{what} is {len(raw)} bytes; the limit is {MAX_MANIFEST_BYTES} (4 MiB)")
+        raise ManifestError(f"{kind} is {len(raw)} bytes; the limit is {MAX_MANIFEST_BYTES} (4 MiB)")
+    what = f"{kind} {Digest.from_bytes(bytes(raw))}"
     try:
-        return loads_object(raw, what=f"{what} {Digest.from_bytes(bytes(raw))}", max_depth=MAX_MANIFEST_DEPTH)
+        return loads_object(raw, what=what, max_depth=MAX_MANIFEST_DEPTH), what
     except DocumentError as exc:
         raise ManifestError(str(exc)) from None
 
@@ -178,30 +180,30 @@ class Manifest:
 
     @classmethod
     def parse(cls, raw: bytes, *, media_type: str | None = None) -> Manifest:
-        doc = _parse_json_document(raw, "manifest")
-        declared = _optional_str(doc, "mediaType", "manifest")
+        doc, what = _parse_json_document(raw, "manifest")
+        declared = _optional_str(doc, "mediaType", what)
         mt = declared or media_type or MEDIA_TYPE_OCI_MANIFEST
         if mt not in (MEDIA_TYPE_OCI_MANIFEST, MEDIA_TYPE_DOCKER_MANIFEST):
-            raise ManifestError(f"unsupported manifest media type {_clip(mt)}")
+            raise ManifestError(f"{what}: unsupported manifest media type {_clip(mt)}")
         if doc.get("schemaVersion") != 2:
-            raise ManifestError(f"manifest schemaVersion must be 2, got {_clip(doc.get('schemaVersion'))}")
+            raise ManifestError(f"{what}: schemaVersion must be 2, got {_clip(doc.get('schemaVersion'))}")
         if "config" not in doc:
-            raise ManifestError("manifest has no config descriptor")
+            raise ManifestError(f"{what}: no config descriptor")
         layers_doc = doc.get("layers", [])
         if not isinstance(layers_doc, list):
-            raise ManifestError("manifest layers must be an array")
+            raise ManifestError(f"{what}: layers must be an array")
         if len(layers_doc) > MAX_LAYERS:
-            raise ManifestError(f"manifest has {len(layers_doc)} layers; the limit is {MAX_LAYERS}")
-        config = Descriptor.from_dict(doc["config"], where="manifest config")
-        layers = tuple(Descriptor.from_dict(x, where=f"manifest layer {i}") for i, x in enumerate(layers_doc))
+            raise ManifestError(f"{what}: {len(layers_doc)} layers; the limit is {MAX_LAYERS}")
+        config = Descriptor.from_dict(doc["config"], where=f"{what} config")
+        layers = tuple(Descriptor.from_dict(x, where=f"{what} layer {i}") for i, x in enumerate(layers_doc))
         return cls(
             raw=raw,
             media_type=mt,
             config=config,
             layers=layers,
-            artifact_type=_optional_str(doc, "artifactType", "manifest"),
-            subject=_subject(doc, "manifest"),
-            annotations=_annotations(doc.get("annotations"), "manifest"),
+            artifact_type=_optional_str(doc, "artifactType", what),
+            subject=_subject(doc, what),
+            annotations=_annotations(doc.get("annotations"), what),
         )
 
     @classmethod
@@ -248,22 +250,24 @@ class Index:
 
     @classmethod
     def parse(cls, raw: bytes, *, media_type: str | None = None) -> Index:
-        doc = _parse_json_document(raw, "index")
-        mt = _optional_str(doc, "mediaType", "index") or media_type or MEDIA_TYPE_OCI_INDEX
+        doc, what = _parse_json_document(raw, "index")
+        mt = _optional_str(doc, "mediaType", what) or media_type or MEDIA_TYPE_OCI_INDEX
         if mt not in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST):
-            raise ManifestError(f"unsupported index media type {_clip(mt)}")
+            raise ManifestError(f"{what}: unsupported index media type {_clip(mt)}")
         entries = doc.get("manifests", [])
         if not isinstance(entries, list):
-            raise ManifestError("index manifests must be an array")
+            raise ManifestError(f"{what}: manifests must be an array")
         if len(entries) > MAX_LAYERS:
-            raise ManifestError(f"index has {len(entries)} entries; the limit is {MAX_LAYERS}")
+            raise ManifestError(f"{what}: {len(entries)} entries; the limit is {MAX_LAYERS}")
         return cls(
             raw=raw,
             media_type=mt,
-            manifests=tuple(Descriptor.from_dict(x, where=f"index entry {i}") for i, x in enumerate(entries)),
-            annotations=_annotations(doc.get("annotations"), "index"),
-            artifact_type=_optional_str(doc, "artifactType", "index"),
-            subject=_subject(doc, "index"),
+            manifests=tuple(
+                Descriptor.from_dict(x, where=f"{what} entry {i}") for i, x in enumerate(entries)
+            ),
+            annotations=_annotations(doc.get("annotations"), what),
+            artifact_type=_optional_str(doc, "artifactType", what),
+            subject=_subject(doc, what),
         )
 
     @classmethod
@@ -279,8 +283,8 @@ class Index:
 
 
 def parse_manifest_or_index(raw: bytes, media_type: str | None = None) -> Manifest | Index:
-    doc = _parse_json_document(raw, "manifest")
-    mt = _optional_str(doc, "mediaType", "manifest") or media_type
+    doc, what = _parse_json_document(raw, "manifest")
+    mt = _optional_str(doc, "mediaType", what) or media_type
     if mt in (MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_DOCKER_MANIFEST_LIST) or (mt is None and "manifests" in doc):
         return Index.parse(raw, media_type=mt)
     return Manifest.parse(raw, media_type=mt)
