@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from modelpack.transfer.staging import partial_path
 from tests.fixtures.faultproxy import Fault, FaultProxy, blob_get
 from tests.fixtures.registry import RegistryServer
 from tests.pull_dir_helpers import MiB, raw_layer, small_tmpfs, temp_entries, write_artifact
@@ -302,3 +305,64 @@ def test_library_raises_disk_full_as_a_typed_error(registry: RegistryServer, tmp
             transfer.pull(f"oci:{layout}:v1", str(disk / "m"), progress="off")
         assert str(disk / "m") in str(err.value)
         assert not (disk / "m" / "w.bin").exists()
+
+
+# --------------------------------------------------------------------------- a second user
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """A sticky, world-writable directory (like /tmp) that user nobody can reach."""
+    d = Path(tempfile.mkdtemp(prefix="modelpack-w6-", dir="/tmp"))
+    d.chmod(0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_a_partial_planted_by_another_user_is_never_written_into(shared_dir: Path, tmp_path: Path) -> None:
+    data = os.urandom(256 * 1024)
+    layout = tmp_path / "layout"
+    write_artifact(layout, "v1", [raw_layer("w.bin", data)])
+    dest = shared_dir / "model"
+    dest.mkdir()
+    dest.chmod(0o1777)
+    layer = _manifest_of(f"oci:{layout}:v1").layers[0]
+    planted = Path(partial_path(str(dest / "w.bin"), layer.digest))
+    foreign_temp = dest / ".tmp-modelpack-pull-foreign"
+    r = _as_nobody(
+        "sh", "-c", f"printf junk > '{planted}' && chmod 666 '{planted}' && mkdir '{foreign_temp}'"
+    )
+    assert r.returncode == 0, r.stderr
+    assert planted.stat().st_uid != os.geteuid()
+    res = transfer.pull(f"oci:{layout}:v1", str(dest), progress="off")
+    final = dest / "w.bin"
+    assert final.read_bytes() == data and res.downloaded == 1
+    st = final.stat()
+    assert st.st_uid == os.geteuid()  # our own file, not nobody's inode (nobody could edit it later)
+    assert foreign_temp.is_dir()  # another user's entry is not ours to sweep
+
+
+def test_pull_into_a_directory_it_cannot_write_is_one_line(shared_dir: Path, tmp_path: Path) -> None:
+    layout = shared_dir / "layout"
+    write_artifact(layout, "v1", [raw_layer("w.bin", b"weights")])
+    for p in [layout, *layout.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    dest = shared_dir / "root-owned"
+    dest.mkdir(mode=0o755)
+    r = _as_nobody(
+        sys.executable, "-m", "modelpack.cli", "pull", f"oci:{layout}:v1", str(dest), "--progress", "off"
+    )
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and str(dest) in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert os.listdir(dest) == []
+
+
+def _manifest_of(ref: str) -> Manifest:
+    r = parse_reference(ref)
+    manifest, _ = fetch_manifest(open_readable(r), r.identifier)
+    return manifest

@@ -30,7 +30,7 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import HASH_CHUNK
 from modelpack.progress import TransferBar
 from modelpack.targets.base import ReadableTarget
-from modelpack.transfer.staging import open_partial
+from modelpack.transfer.staging import PARTIAL_SUFFIX, open_partial
 
 READ_CHUNK = 1024 * 1024
 
@@ -124,7 +124,8 @@ def download_raw(
     bar: TransferBar | None = None,
 ) -> Downloaded:
     """Fetch ``desc`` from ``target`` into ``final`` by way of ``partial`` (resumed when present)."""
-    fd = open_partial(partial)
+    fd, partial = open_partial(partial)
+    resumable = partial.endswith(PARTIAL_SUFFIX)  # else a private temp file: its name is not found again
     got = Downloaded()
     try:
         for attempt in (0, 1):
@@ -134,7 +135,9 @@ def download_raw(
             os.ftruncate(fd, offset)
             if bar is not None and offset:
                 bar.update(offset)
-            n = _fetch_rest(target, desc, fd, offset, h, final, partial, cancel, bar, got)
+            n = _fetch_rest(
+                target, desc, fd, offset, h, final, partial if resumable else "", cancel, bar, got
+            )
             actual = "sha256:" + h.hexdigest()
             if n == desc.size and actual == desc.digest:
                 break
@@ -151,7 +154,7 @@ def download_raw(
         except OSError as exc:
             raise write_error(final, exc, kept=f"the verified download is kept in {partial}") from exc
     except BaseException as exc:
-        if not keeps_partial(exc):
+        if not (resumable and keeps_partial(exc)):
             try:
                 os.unlink(partial)
             except FileNotFoundError:
@@ -175,7 +178,8 @@ def _fetch_rest(
     got: Downloaded,
 ) -> int:
     """Append the blob from ``offset`` to the partial; returns its length (one byte past the
-    declared size counts: a source that sends more is lying about the size)."""
+    declared size counts: a source that sends more is lying about the size). ``partial`` is
+    named in a full-disk error only when it is kept for a resume."""
     n = offset
     if n >= desc.size:
         return n
@@ -191,8 +195,10 @@ def _fetch_rest(
             try:
                 _write_all(fd, chunk)
             except OSError as exc:
-                have = os.fstat(fd).st_size
-                kept = f"the {have} bytes downloaded so far are kept in {partial}; free space and pull again to resume"
+                kept = "nothing was written at the final path"
+                if partial:
+                    have = os.fstat(fd).st_size
+                    kept = f"the {have} bytes downloaded so far are kept in {partial}; free space and pull again to resume"
                 raise write_error(final, exc, kept=kept) from exc
             h.update(chunk)
             n += len(chunk)

@@ -11,10 +11,12 @@ timestamps or process ids, across containers sharing the directory as well.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -65,22 +67,54 @@ def _still_at(fd: int, path: str) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def open_partial(path: str) -> int:
-    """Open (creating) the partial download at ``path`` and lock it; returns the descriptor.
+def _private_file(st: os.stat_result) -> bool:
+    """This user's regular file, one link, not writable by anyone else: safe to write into and
+    to rename to a final path (no one else can change it after it was verified)."""
+    return (
+        stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 and not st.st_mode & 0o022
+    )
 
-    Raises ``PullError`` when another live pull holds it: two pulls into one directory would
-    otherwise write the same file at once.
+
+def _locked_temp(directory: str) -> tuple[int, str]:
+    try:
+        fd, path = tempfile.mkstemp(prefix=PULL_PREFIX, suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise write_error(directory, exc) from exc
+    _try_lock(fd)  # a fresh random name: no one else can hold it
+    return fd, path
+
+
+def open_partial(path: str) -> tuple[int, str]:
+    """Open (creating) the partial download at ``path`` and lock it; returns the descriptor and
+    the path it is at.
+
+    Something at that name that is not this user's private file (another user's, a hard link, a
+    symlink, writable by others) is never written into: it is removed when the directory allows,
+    else this run downloads to a fresh private temp file (not resumable). Raises ``PullError``
+    when another live pull holds the partial: two pulls would otherwise write one file at once.
     """
     for _ in range(3):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise write_error(path, exc) from exc
+            if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
+                raise write_error(path, exc) from exc
+            fd = -1
+        if fd < 0 or not _private_file(os.fstat(fd)):
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return _locked_temp(os.path.dirname(path))
+            continue
         if not _lock_within(fd, _LOCK_WAIT_S):
             os.close(fd)
             raise PullError(f"{path}: another pull is writing this file now; wait for it to finish")
         if _still_at(fd, path):
-            return fd
+            return fd, path
         os.close(fd)  # swept between open and lock: open the new one
     raise PullError(f"{path}: the partial download keeps disappearing (is something else sweeping it?)")
 
@@ -118,19 +152,22 @@ class StagingDir:
 
 
 def _remove_if_unlocked(path: str, is_dir: bool) -> bool:
+    """Remove a temp entry of this user that no live process holds; never another user's."""
     try:
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECTORY if is_dir else 0)
         fd = os.open(path, flags)
     except OSError:
         return False
     try:
-        if not _try_lock(fd) or not _still_at(fd, path):
+        if os.fstat(fd).st_uid != os.geteuid() or not _try_lock(fd) or not _still_at(fd, path):
             return False
         if is_dir:
             shutil.rmtree(path, ignore_errors=True)
         else:
             os.unlink(path)
         return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
@@ -138,8 +175,8 @@ def _remove_if_unlocked(path: str, is_dir: bool) -> bool:
 def sweep(dest: str, *, keep: Iterable[str] = ()) -> list[str]:
     """Remove what dead pulls left in ``dest`` (recursively); returns the removed paths.
 
-    Entries named by a pull are removed when no live process holds their lock, except the
-    partial downloads in ``keep`` (this pull resumes them). Other ``.tmp-modelpack-*`` entries
+    Entries named by a pull are removed when they are this user's and no live process holds
+    their lock, except the partial downloads in ``keep`` (this pull resumes them). Other ``.tmp-modelpack-*`` entries
     (an older version's, another tool's) go only when unlocked and unchanged for an hour.
     """
     kept = {os.path.abspath(p) for p in keep}
