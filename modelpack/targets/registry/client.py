@@ -44,7 +44,7 @@ from modelpack.errors import (
     RegistryTLSError,
 )
 from modelpack.targets.registry.auth import Authenticator, Credentials, unbound_environment_hint
-from modelpack.targets.registry.hosts import is_loopback_host
+from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
 from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
@@ -253,7 +253,7 @@ class RegistryClient:
 
     def _own_host(self, url: str) -> bool:
         """Whether ``url`` is on this registry's API host (the only host credentials go to)."""
-        return urlsplit(url).netloc.lower() == self.api_host.lower()
+        return canonical_host(urlsplit(url).netloc) == canonical_host(self.api_host)
 
     # ------------------------------------------------------------------ requests
     def request(
