@@ -366,3 +366,21 @@ def _manifest_of(ref: str) -> Manifest:
     r = parse_reference(ref)
     manifest, _ = fetch_manifest(open_readable(r), r.identifier)
     return manifest
+
+
+def test_a_matching_file_of_another_user_is_not_taken_as_present(shared_dir: Path, tmp_path: Path) -> None:
+    data = os.urandom(64 * 1024)
+    layout = tmp_path / "layout"
+    write_artifact(layout, "v1", [raw_layer("w.bin", data)])
+    (shared_dir / "src.bin").write_bytes(data)
+    (shared_dir / "src.bin").chmod(0o644)
+    dest = shared_dir / "model"
+    dest.mkdir()
+    dest.chmod(0o1777)
+    r = _as_nobody("cp", str(shared_dir / "src.bin"), str(dest / "w.bin"))
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(DestinationConflictError, match="owned by uid"):
+        transfer.pull(f"oci:{layout}:v1", str(dest), progress="off")
+    res = transfer.pull(f"oci:{layout}:v1", str(dest), progress="off", force=True)
+    assert res.replaced == ["w.bin"] and (dest / "w.bin").stat().st_uid == os.geteuid()
+    assert (dest / "w.bin").read_bytes() == data

@@ -32,6 +32,11 @@ class Placement:
     relpath: str
     final: str
     state: str
+    why: str = ""  # for ``differs`` when the bytes are not the reason
+
+    @property
+    def conflict(self) -> str:
+        return f"{self.relpath} ({self.why})" if self.why else self.relpath
 
 
 def check_parents(dest: str, relpath: str) -> None:
@@ -55,7 +60,8 @@ def check_parents(dest: str, relpath: str) -> None:
 
 
 def placement(dest: str, relpath: str, digest: str, size: int) -> Placement:
-    """Compare what is at ``relpath`` with the artifact's file (size first, then sha256)."""
+    """Compare what is at ``relpath`` with the artifact's file (size first, then sha256). A file
+    of another user (not root) never counts as the same: they could change it afterwards."""
     check_parents(dest, relpath)
     final = os.path.join(dest, *relpath.split("/"))
     try:
@@ -66,6 +72,9 @@ def placement(dest: str, relpath: str, digest: str, size: int) -> Placement:
         raise write_error(final, OSError(errno.EISDIR, "is a directory"))
     if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         return Placement(relpath, final, DIFFERS)  # a symlink is replaced, never written through
+    if st.st_uid not in (os.geteuid(), 0):
+        # right bytes today, but another user can change them after this pull vouched for them
+        return Placement(relpath, final, DIFFERS, f"owned by uid {st.st_uid}")
     got, _ = sha256_file(final)
     return Placement(relpath, final, SAME if got == digest else DIFFERS)
 

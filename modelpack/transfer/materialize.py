@@ -299,7 +299,7 @@ def _publish_staged(staged: list[_Staged], dest: str, force: bool, result: PullR
         for s in staged
         for rel, size, digest in s.files
     ]
-    conflicts = [p.relpath for _, _, p in places if p.state == destination.DIFFERS]
+    conflicts = [p.conflict for _, _, p in places if p.state == destination.DIFFERS]
     if conflicts and not force:
         raise DestinationConflictError(dest, sorted(conflicts))
     outcome: dict[str, str] = {}
@@ -353,7 +353,7 @@ def pull_to_directory(
         for job in plan.raw
         if job.relpath is not None
     }
-    conflicts = sorted(rel for rel, p in places.items() if p.state == destination.DIFFERS)
+    conflicts = sorted(p.conflict for p in places.values() if p.state == destination.DIFFERS)
     if conflicts and not force:
         raise DestinationConflictError(dest, conflicts)
     fetch = [job for job in plan.raw if places[job.relpath].state != destination.SAME]  # type: ignore[index]

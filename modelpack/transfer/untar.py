@@ -165,15 +165,15 @@ class _BoundedTarInfo(tarfile.TarInfo):
     """tarfile's header parser with the reads it would do unbounded refused first: an extended
     header or long name is read into memory whole, and a sparse map expands holes into zeros."""
 
-    def _proc_pax(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+    def _proc_pax(self, tarfile: tarfile.TarFile) -> Any:
         _check_header_size(self, "PAX extended header")
         return super()._proc_pax(tarfile)  # type: ignore[misc]
 
-    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> Any:
         _check_header_size(self, "GNU long name header")
         return super()._proc_gnulong(tarfile)  # type: ignore[misc]
 
-    def _proc_sparse(self, tarfile: tarfile.TarFile) -> Any:  # type: ignore[override]
+    def _proc_sparse(self, tarfile: tarfile.TarFile) -> Any:
         raise _sparse(self.name, "GNU sparse type 'S'")
 
     def _proc_gnusparse_00(self, *args: Any) -> Any:
@@ -279,7 +279,7 @@ def _extract_members(
         member = tar.next()
         if member is None:
             return
-        tar.members.clear()  # stream mode keeps every TarInfo otherwise: memory grows per member
+        tar.members.clear()  # type: ignore[attr-defined]  # stream mode keeps every TarInfo: memory grows
         count += 1
         if count > MAX_TAR_MEMBERS:
             raise UnsafeTarError(f"{where}: more than {MAX_TAR_MEMBERS} members")
