@@ -38,7 +38,7 @@ class _GuardedStream:
         if not self.broken:
             try:
                 self._raw.write(text)
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):  # AttributeError: no stderr at all
                 self.broken = True
         return len(text)
 
@@ -46,7 +46,7 @@ class _GuardedStream:
         if not self.broken:
             try:
                 self._raw.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):  # AttributeError: no stderr at all
                 self.broken = True
 
     def __getattr__(self, name: str) -> Any:
