@@ -28,7 +28,13 @@ from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords
 
-from modelpack.errors import CacheError, ManifestError
+from modelpack.errors import (
+    CacheError,
+    ExpansionLimitError,
+    InsufficientSpaceError,
+    ManifestError,
+    QuotaExceededError,
+)
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest, verify_bytes
@@ -337,9 +343,17 @@ class Puller:
         config_raw = None
         if manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG:
             config_raw = self.store.read_small(manifest.config.digest)
-        tmp = self.snapshots.build(
-            manifest, config_raw, extra={"reference": ref_text, "repository": ref.repo_name}
-        )
+        room = self._expansion_room(manifest)
+        try:
+            tmp = self.snapshots.build(
+                manifest,
+                config_raw,
+                extra={"reference": ref_text, "repository": ref.repo_name},
+                max_expanded=room[0] if room else None,
+                expansion_limit=_describe_room(room, self.store.root),
+            )
+        except ExpansionLimitError as exc:
+            raise self._expansion_refused(exc, room, ev, str(digest)) from exc
         info = self.snapshots.publish(tmp, digest)
         timings["snapshot"] = to_ms(time.monotonic() - t)
         timings["total"] = to_ms(time.monotonic() - t0)
@@ -357,6 +371,65 @@ class Puller:
             duration_ms=timings["total"],
             path=info.path,
         )
+
+    def _expansion_room(self, manifest: Manifest) -> tuple[int, str, int, int] | None:
+        """What tar layers may still write: (bytes, "quota"|"disk_full", used or free, limit or
+        reserve) for the tighter of the quota and the free space; None without tar layers."""
+        if (
+            all(_is_raw_layer(b) for b in manifest.layers)
+            and manifest.config.media_type != MEDIA_TYPE_IMAGE_CONFIG
+        ):
+            return None
+        st = os.statvfs(self.store.root)
+        free = st.f_bavail * st.f_frsize
+        rooms = [(max(0, free - self.reserve_bytes), "disk_full", free, self.reserve_bytes)]
+        if self.max_cache_bytes is not None:
+            used = self.usage()
+            rooms.append((max(0, self.max_cache_bytes - used), "quota", used, self.max_cache_bytes))
+        return min(rooms)
+
+    def _expansion_refused(
+        self,
+        exc: ExpansionLimitError,
+        room: tuple[int, str, int, int] | None,
+        ev: Callable[..., None],
+        digest: str,
+    ) -> CacheError:
+        """A tar layer expanding past the quota or the free space: the typed refusal, as if the
+        expanded size had been known before the download."""
+        if room is None:  # pragma: no cover - a cap is always given when tar layers are present
+            return CacheError(str(exc))
+        left, reason, have, limit = room
+        needed = left - exc.left + exc.declared  # expanded so far + the member that did not fit
+        if reason == "quota":
+            ev(
+                "cache.refused",
+                digest=digest,
+                reason="quota",
+                bytes=needed,
+                used=have,
+                quota=limit,
+                detail=str(exc),
+            )
+            return QuotaExceededError(self.store.root, needed, have, limit)
+        ev(
+            "cache.refused",
+            digest=digest,
+            reason="disk_full",
+            bytes=needed,
+            available=have,
+            reserve=limit,
+            detail=str(exc),
+        )
+        return InsufficientSpaceError(self.store.root, needed, have, limit)
+
+
+def _describe_room(room: tuple[int, str, int, int] | None, root: str) -> str:
+    if room is None:
+        return "the limit"
+    if room[1] == "quota":
+        return f"the node cache quota (--max-cache-bytes {room[3]}, {room[2]} bytes used)"
+    return f"the free space on {root} ({room[2]} bytes free, {room[3]} reserved)"
 
 
 def _unique_blobs(manifest: Manifest) -> list[Descriptor]:

@@ -236,15 +236,26 @@ class Snapshots:
 
     # ------------------------------------------------------------------ build & publish
     def build(
-        self, manifest: Manifest, config_raw: bytes | None, *, extra: dict[str, Any] | None = None
+        self,
+        manifest: Manifest,
+        config_raw: bytes | None,
+        *,
+        extra: dict[str, Any] | None = None,
+        max_expanded: int | None = None,
+        expansion_limit: str = "the limit",
     ) -> str:
-        """Materialise ``manifest`` from committed blobs into a fresh temp directory; returns it."""
+        """Materialise ``manifest`` from committed blobs into a fresh temp directory; returns it.
+
+        ``max_expanded`` caps the bytes all tar layers together may write (what is left of the
+        quota and the free space, described by ``expansion_limit``): a layer that would cross it
+        raises ``ExpansionLimitError`` before the member is written, and the temp directory is
+        removed."""
         tmp = os.path.join(
             self.dir, f"{TEMP_PREFIX}{manifest.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         os.mkdir(tmp, PRIVATE_DIR_MODE)  # private until published read-only
         try:
-            files = self._materialise(manifest, config_raw, tmp)
+            files = self._materialise(manifest, config_raw, tmp, max_expanded, expansion_limit)
             meta = {
                 **(extra or {}),
                 "version": MARKER_VERSION,
@@ -262,9 +273,16 @@ class Snapshots:
             remove_tree(tmp)
             raise
 
-    def _materialise(self, manifest: Manifest, config_raw: bytes | None, dest: str) -> list[SnapshotFile]:
+    def _materialise(
+        self,
+        manifest: Manifest,
+        config_raw: bytes | None,
+        dest: str,
+        max_expanded: int | None,
+        expansion_limit: str,
+    ) -> list[SnapshotFile]:
         from modelpack.oci.image_config import image_diff_ids
-        from modelpack.transfer.untar import extract_tar_layer
+        from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
         diff_ids: list[str] = []
         image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG
@@ -274,6 +292,8 @@ class Snapshots:
             diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
         files: list[SnapshotFile] = []
         seen: set[str] = set()
+        # one budget for all tar layers: the bytes they write together are capped
+        budget = ExpansionBudget(max_expanded, expansion_limit)
         for i, layer in enumerate(manifest.layers):
             lt = parse_layer_media_type(layer.media_type)
             is_tar = layer.media_type in IMAGE_LAYER_TYPES or (lt is not None and not lt.is_raw)
@@ -292,6 +312,7 @@ class Snapshots:
                         diff_id=diff_ids[i] if image_shaped else None,
                         where=f"layer {layer.digest}",
                         existing=seen,
+                        budget=budget,
                     )
                 for path, size, digest in extracted:
                     seen.add(path)
