@@ -7,6 +7,11 @@ gets the lock), fetches and verifies the manifest, checks signatures per policy,
 pull lease for GC, checks free space and quota, ingests missing blobs (resuming partial ones),
 stores the manifest, builds the snapshot in a temp directory and publishes it (rename, then the
 ready marker, in ``mount.snapshots``). Trust is recorded only once the snapshot is ready.
+
+Tar layers expand when the snapshot is built, by an amount only their headers tell: extraction
+gets what is left of the quota and the free space as one budget, and crossing it is the same
+typed refusal as a download that would not fit. With ``hold`` the snapshot is held for GC
+(``mount.leases``) before the pull's own lease ends, so the process it is handed to finds it.
 """
 
 from __future__ import annotations
