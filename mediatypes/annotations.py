@@ -16,6 +16,18 @@ ANNOTATION_FILE_MEDIATYPE_UNTESTED = "org.cncf.model.file.mediatype.untested"
 ANNOTATION_TITLE = "org.opencontainers.image.title"
 ANNOTATION_CREATED = "org.opencontainers.image.created"
 
+#: modelpack's own keys. The spec reserves ``org.cncf.model.*`` for the keys it defines; anything
+#: else modelpack records goes under the project's reverse-DNS prefix (as runtime assets do).
+PROJECT_PREFIX = "dev.modelpack."
+#: the Hugging Face class name (``config.json`` ``architectures[0]``, e.g. ``LlamaForCausalLM``):
+#: the spec's ``config.architecture`` is the kind of network ("transformer").
+ANNOTATION_HF_ARCHITECTURE = PROJECT_PREFIX + "hf.architecture"
+#: the transformer shape (layers, heads, attention and MLP type) as canonical JSON
+ANNOTATION_TRANSFORMER = PROJECT_PREFIX + "model.transformer+json"
+#: the image-shaped variant's config labels (model metadata, the ModelPack artifact it mirrors)
+LABEL_MODEL_PREFIX = PROJECT_PREFIX + "model."
+LABEL_ARTIFACT_DIGEST = PROJECT_PREFIX + "artifact.digest"
+
 _LEGACY_FILEPATH = "org.cnai.model.filepath"
 
 #: Linux's NAME_MAX and PATH_MAX: a longer name fails at write time, deep inside a pull.
@@ -26,10 +38,12 @@ _LEGACY_FILE_METADATA = "org.cnai.model.file.metadata+json"
 
 @dataclass(frozen=True)
 class FileMetadata:
-    """The ``org.cncf.model.file.metadata+json`` value.
+    """The ``org.cncf.model.file.metadata+json`` value (model-spec annotations.md, ``FileMetadata``).
 
-    The packer writes fixed values (mode 0644, uid/gid 0, mtime epoch) so the same directory
-    always gives the same manifest digest; the true mtime is not worth a changing digest.
+    ``name`` is the file name (the path is ``org.cncf.model.filepath``), ``mode`` the file's
+    permission bits. Clients that restore metadata (modctl, kit, modelpack-client) apply mode and
+    mtime, so the packer records the real mode; the owner (0:0) and the mtime (``SOURCE_DATE_EPOCH``,
+    else the epoch) are fixed so that the same directory always packs to the same digest.
     """
 
     name: str

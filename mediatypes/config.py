@@ -1,9 +1,13 @@
 """The ModelPack model config (``application/vnd.cncf.model.config.v1+json``) as typed objects.
 
-Validation follows the spec's JSON schema rules (required members, ``additionalProperties:
-false`` at every level, ``modelfs.type == "layers"``, non-empty ``diffIds``) without a runtime
-dependency on a JSON-schema engine; the tests cross-check against ``config-schema.json`` with
-``jsonschema``.
+Two rule sets, because reading and writing owe different things. Reading (``from_bytes``, a
+config from any tool) follows the spec's schema rules without a JSON-schema engine, so a pull or
+a cache hit does not import one: required members, closed objects, ``modelfs.type == "layers"``,
+non-empty sha256 ``diffIds``; it also accepts what the spec's branch head added since the release
+(``datasetsURL``, ``reward``, ``languages``) and the ``transformerConfig`` that modelpack 0.1
+wrote, so artifacts already in registries stay readable. Writing (``to_bytes``) must produce what
+every reader accepts: the same rules plus the vendored release schema itself
+(``spec_schema.check_written_config``), which refuses any member the release does not define.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from modelpack.mediatypes.spec_schema import check_written_config
 
 from modelpack.boundedjson import loads
 from modelpack.errors import ConfigError, DocumentError
@@ -43,8 +49,10 @@ _CONFIG_FIELDS: dict[str, type] = {
     "paramSize": str,
     "precision": str,
     "quantization": str,
-    "transformerConfig": dict,
     "capabilities": dict,
+    # written by modelpack 0.1 from an unmerged spec proposal; read so its artifacts stay readable,
+    # never written (the vendored release schema refuses it)
+    "transformerConfig": dict,
 }
 _TRANSFORMER_FIELDS = {
     "attentionType": ("mha", "gqa", "mla"),
@@ -62,6 +70,7 @@ _CAPABILITY_FIELDS = {
     "knowledgeCutoff": str,
     "reasoning": bool,
     "toolUsage": bool,
+    "embedding": bool,
     "reward": bool,
     "languages": list,
 }
@@ -216,8 +225,10 @@ class ModelSpecConfig:
         }
 
     def to_bytes(self) -> bytes:
+        """The config as written: valid under the released spec's schema, or ``ConfigError``."""
         doc = self.to_dict()
         validate_config_dict(doc)
+        check_written_config(doc)
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod

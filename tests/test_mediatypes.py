@@ -84,11 +84,10 @@ def _config() -> ModelSpecConfig:
     return ModelSpecConfig(
         ModelDescriptor(name="m", version="1", createdAt="2026-01-02T03:04:05Z", licenses=["Apache-2.0"]),
         ModelConfig(
-            architecture="LlamaForCausalLM",
+            architecture="transformer",
             format="safetensors",
             paramSize="8B",
             precision="bfloat16",
-            transformerConfig={"numLayers": 2, "attentionType": "gqa", "mlpType": "dense"},
         ),
         ModelFS(diffIds=[DIGEST]),
     )
@@ -117,12 +116,13 @@ def test_config_round_trips_and_matches_the_json_schema() -> None:
         (lambda d: d["modelfs"].update(diffIds=["md5:abc"]), "$.modelfs.diffIds[0]"),
         (lambda d: d["descriptor"].update(name=""), "$.descriptor.name"),
         (lambda d: d["descriptor"].update(createdAt="yesterday"), "$.descriptor.createdAt"),
+        # modelpack 0.1's transformerConfig is still read (and checked), never written
         (
-            lambda d: d["config"]["transformerConfig"].update(numLayers=0),
+            lambda d: d["config"].update(transformerConfig={"numLayers": 0}),
             "$.config.transformerConfig.numLayers",
         ),
         (
-            lambda d: d["config"]["transformerConfig"].update(attentionType="x"),
+            lambda d: d["config"].update(transformerConfig={"attentionType": "x"}),
             "$.config.transformerConfig.attentionType",
         ),
     ],

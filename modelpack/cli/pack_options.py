@@ -35,7 +35,12 @@ def pack_options(fn: Any) -> Any:
         click.option("--name", help="Model name (default: the directory name)."),
         click.option("--version", "model_version", help="Model version."),
         click.option("--family", help="Model family (default: config.json model_type)."),
-        click.option("--architecture", help="Architecture (default: config.json architectures[0])."),
+        click.option(
+            "--architecture",
+            help="The spec's architecture kind: transformer, cnn, rnn, … (default: transformer when "
+            "config.json declares attention heads). The Hugging Face class (architectures[0]) is "
+            "recorded in the dev.modelpack.hf.architecture annotation.",
+        ),
         click.option("--param-size", help="Parameter count, e.g. 8B (default: counted from the headers)."),
         click.option(
             "--precision", help="Precision (default: config.json torch_dtype, else the dominant dtype)."

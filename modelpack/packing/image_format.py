@@ -8,8 +8,8 @@ are the sha256 of each uncompressed layer tar, and ``application/vnd.oci.image.l
 Layering: one layer for the small files (configs, tokenizer, docs), one per weight file, so an
 update that changes one shard re-sends one layer; when that would exceed ``MAX_LAYERS``
 (overlayfs and containerd cap the lower-dir count) weight files are grouped into consecutive
-layers. Tars are deterministic (sorted, mtime 0, uid/gid 0, fixed modes, PAX only where USTAR
-cannot hold a field) and streamed to temp files, so memory stays bounded for any model size.
+layers. Tars are deterministic (sorted, uid/gid 0, the files' own permission bits, the
+``SOURCE_DATE_EPOCH`` mtime or 0, PAX only where USTAR cannot hold a field) and streamed to temp files, so memory stays bounded for any model size.
 Reading such layers back (pull to a directory, the node cache) is ``modelpack.transfer.untar``.
 """
 
@@ -32,16 +32,21 @@ from modelpack.mediatypes import (
     MEDIA_TYPE_IMAGE_LAYER_TAR,
     MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
 )
-from modelpack.mediatypes.annotations import safe_relative_path
+from modelpack.mediatypes.annotations import (
+    ANNOTATION_HF_ARCHITECTURE,
+    LABEL_ARTIFACT_DIGEST,
+    LABEL_MODEL_PREFIX,
+    safe_relative_path,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json
 from modelpack.oci.digest import Digest
 from modelpack.oci.image_config import MODELS_PREFIX
+from modelpack.packing.file_metadata import source_date_epoch
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.packer import build_artifact
 from modelpack.packing.reshard import staging_write_error
 
 MAX_LAYERS = 100
-LABEL_PREFIX = "org.cncf.model."
 COMPRESSIONS = (None, "zstd")
 
 
@@ -64,9 +69,11 @@ class ImageArtifact(PackedArtifact):
             self.base_staging = None
 
 
-def _tarinfo(name: str, *, size: int = 0, directory: bool = False) -> tarfile.TarInfo:
+def _tarinfo(
+    name: str, *, size: int = 0, directory: bool = False, mode: int = 0o644, mtime: int = 0
+) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(name)
-    ti.mtime = 0
+    ti.mtime = mtime
     ti.uid = ti.gid = 0
     ti.uname = ti.gname = ""
     if directory:
@@ -74,7 +81,7 @@ def _tarinfo(name: str, *, size: int = 0, directory: bool = False) -> tarfile.Ta
         ti.mode = 0o755
     else:
         ti.type = tarfile.REGTYPE
-        ti.mode = 0o644
+        ti.mode = mode
         ti.size = size
     return ti
 
@@ -116,10 +123,16 @@ class _DigestingFile:
 
 
 def write_layer_tar(
-    members: Iterable[tuple[str, str]], out_path: str, compression: str | None = None
+    members: Iterable[tuple[str, str]],
+    out_path: str,
+    compression: str | None = None,
+    *,
+    modes: dict[str, int] | None = None,
+    mtime: int = 0,
 ) -> tuple[Digest, Digest, int]:
     """Write a deterministic tar of ``(relpath, source file)`` under ``models/``.
 
+    ``modes`` gives each file's permission bits (default 0644), ``mtime`` every entry's time.
     Returns (diff_id, blob digest, blob size): the diff_id hashes the uncompressed tar, the blob
     digest the bytes stored (equal without compression).
     """
@@ -127,7 +140,7 @@ def write_layer_tar(
         raise PackError(f"unsupported layer compression {compression!r}; use zstd or none")
     members = sorted(members, key=lambda m: m[0].split("/"))
     try:
-        return _write_tar(members, out_path, compression)
+        return _write_tar(members, out_path, compression, modes or {}, mtime)
     except OSError as exc:
         if exc.filename is not None and exc.filename != out_path:
             raise  # a source file: its own path is already named
@@ -135,7 +148,7 @@ def write_layer_tar(
 
 
 def _write_tar(
-    members: list[tuple[str, str]], out_path: str, compression: str | None
+    members: list[tuple[str, str]], out_path: str, compression: str | None, modes: dict[str, int], mtime: int
 ) -> tuple[Digest, Digest, int]:
     with open(out_path, "wb") as raw_out:
         digesting = _DigestingFile(raw_out)
@@ -159,10 +172,11 @@ def _write_tar(
                     d = "/".join(parts[:i]) + "/"
                     if d not in dirs_done:
                         dirs_done.add(d)
-                        tar.addfile(_tarinfo(d, directory=True))
+                        tar.addfile(_tarinfo(d, directory=True, mtime=mtime))
                 size = os.path.getsize(src)
                 with open(src, "rb") as f:
-                    tar.addfile(_tarinfo(MODELS_PREFIX + rel, size=size), f)
+                    ti = _tarinfo(MODELS_PREFIX + rel, size=size, mode=modes.get(rel, 0o644), mtime=mtime)
+                    tar.addfile(ti, f)
                     if f.tell() != size:
                         raise PackError(f"{src}: file changed size while it was being packed")
         if compressor is not None:
@@ -187,6 +201,27 @@ def _group_layers(files: list[PackedFile], max_layers: int) -> list[list[PackedF
     return groups
 
 
+def image_labels(base: PackedArtifact) -> dict[str, str]:
+    """The image config's labels: the model's metadata and the ModelPack artifact this image
+    mirrors, under the project's prefix (``org.cncf.model.*`` is the spec's, and it defines no
+    image labels)."""
+    spec = base.config.to_dict()
+    desc = spec.get("descriptor", {})
+    labels = {LABEL_MODEL_PREFIX + "name": str(desc.get("name", ""))}
+    for key in ("version", "family"):
+        if desc.get(key):
+            labels[LABEL_MODEL_PREFIX + key] = str(desc[key])
+    for key in ("architecture", "format", "paramSize", "precision", "quantization"):
+        value = spec.get("config", {}).get(key)
+        if value:
+            labels[LABEL_MODEL_PREFIX + key] = str(value)
+    hf_class = (base.manifest.annotations or {}).get(ANNOTATION_HF_ARCHITECTURE)
+    if hf_class:
+        labels[ANNOTATION_HF_ARCHITECTURE] = hf_class
+    labels[LABEL_ARTIFACT_DIGEST] = str(base.manifest.digest)
+    return labels
+
+
 def build_image_artifact(
     checkpoint_dir: str,
     opts: PackOptions | None = None,
@@ -203,6 +238,7 @@ def build_image_artifact(
     if not os_name or not arch:
         raise PackError(f"--platform must be OS/ARCH (e.g. linux/amd64), got {platform!r}")
     base = build_artifact(checkpoint_dir, opts, staging_parent=staging_parent)
+    mtime = opts.mtime if opts and opts.mtime is not None else source_date_epoch()
     staging = tempfile.mkdtemp(prefix=".modelpack-image-", dir=staging_parent)
     try:
         layers: list[Descriptor] = []
@@ -211,22 +247,18 @@ def build_image_artifact(
         media_type = MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD if compression == "zstd" else MEDIA_TYPE_IMAGE_LAYER_TAR
         for i, group in enumerate(_group_layers(base.files, max_layers)):
             out = os.path.join(staging, f"layer-{i:04d}.tar")
-            diff_id, digest, size = write_layer_tar([(f.relpath, f.path) for f in group], out, compression)
+            diff_id, digest, size = write_layer_tar(
+                [(f.relpath, f.path) for f in group],
+                out,
+                compression,
+                modes={f.relpath: f.mode for f in group},
+                mtime=mtime,
+            )
             title = group[0].relpath if len(group) == 1 else f"{group[0].relpath} (+{len(group) - 1} files)"
             layers.append(Descriptor(media_type, digest, size, annotations={ANNOTATION_TITLE: title}))
             diff_ids.append(str(diff_id))
             tars.append(PackedFile(title, out, "image-layer", False, size, digest))
-        spec = base.config.to_dict()
-        desc = spec.get("descriptor", {})
-        labels = {LABEL_PREFIX + "name": str(desc.get("name", ""))}
-        for key in ("version", "family"):
-            if desc.get(key):
-                labels[LABEL_PREFIX + key] = str(desc[key])
-        for key in ("architecture", "format", "paramSize", "precision", "quantization"):
-            value = spec.get("config", {}).get(key)
-            if value:
-                labels[LABEL_PREFIX + key] = str(value)
-        labels[LABEL_PREFIX + "artifact.digest"] = str(base.manifest.digest)
+        labels = image_labels(base)
         config_doc: dict[str, Any] = {
             "architecture": arch,
             "os": os_name,
@@ -257,4 +289,11 @@ def build_image_artifact(
         raise
 
 
-__all__ = ["COMPRESSIONS", "MAX_LAYERS", "ImageArtifact", "build_image_artifact", "write_layer_tar"]
+__all__ = [
+    "COMPRESSIONS",
+    "MAX_LAYERS",
+    "ImageArtifact",
+    "build_image_artifact",
+    "image_labels",
+    "write_layer_tar",
+]

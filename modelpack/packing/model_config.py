@@ -7,6 +7,8 @@ Every inferred field can be overridden through ``PackOptions``.
 
 from __future__ import annotations
 
+import json
+import posixpath
 from typing import Any
 
 from modelpack.boundedjson import loads
@@ -26,8 +28,10 @@ from modelpack.mediatypes import (
     ModelSpecConfig,
     layer_media_type,
 )
+from modelpack.mediatypes.annotations import ANNOTATION_HF_ARCHITECTURE, ANNOTATION_TRANSFORMER
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
+from modelpack.packing.file_metadata import rfc3339, source_date_epoch
 from modelpack.packing.packed_artifact import PackedFile, PackOptions
 from modelpack.packing.safetensors_format import SafetensorsHeader
 
@@ -95,6 +99,74 @@ def parse_checkpoint_json(data: bytes, where: str, limit: int = MAX_CONFIG_JSON)
         raise PackError(str(exc)) from None
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def transformer_shape(hf_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Layers, heads, sizes, attention type (GQA when fewer KV heads, MLA with ``kv_lora_rank``)
+    and MLP type (MoE when an expert count is set) from a Hugging Face ``config.json``; empty when
+    it does not describe a transformer. Recorded as an annotation, never in the spec's config."""
+    if not hf_config:
+        return {}
+    shape: dict[str, Any] = {}
+    for src, dst in (
+        ("num_hidden_layers", "numLayers"),
+        ("num_attention_heads", "numAttentionHeads"),
+        ("num_key_value_heads", "numKVHeads"),
+        ("hidden_size", "hiddenSize"),
+        ("intermediate_size", "intermediateSize"),
+    ):
+        if _positive_int(hf_config.get(src)):
+            shape[dst] = hf_config[src]
+    if "numAttentionHeads" in shape:
+        kv = shape.get("numKVHeads", shape["numAttentionHeads"])
+        if hf_config.get("kv_lora_rank"):
+            shape["attentionType"] = "mla"
+        else:
+            shape["attentionType"] = "gqa" if kv < shape["numAttentionHeads"] else "mha"
+    if shape:
+        moe = any(hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+        shape["mlpType"] = "moe" if moe else "dense"
+    return shape
+
+
+_ATTENTION_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+
+
+def architecture_kind(hf_config: dict[str, Any] | None) -> str | None:
+    """The spec's ``config.architecture`` ("transformer", "cnn", "rnn", …): "transformer" when
+    ``config.json`` declares attention heads (also in a multimodal model's ``text_config``);
+    None when it cannot be told, rather than a guess."""
+    if not hf_config:
+        return None
+    for doc in (hf_config, hf_config.get("text_config")):
+        if isinstance(doc, dict) and any(_positive_int(doc.get(k)) for k in _ATTENTION_HEAD_KEYS):
+            return "transformer"
+    return None
+
+
+def hf_class_name(hf_config: dict[str, Any] | None) -> str | None:
+    """``architectures[0]`` of ``config.json`` (``LlamaForCausalLM``): what transformers and vLLM
+    instantiate; recorded in the ``dev.modelpack.hf.architecture`` annotation."""
+    archs = hf_config.get("architectures") if hf_config else None
+    if isinstance(archs, list) and archs and isinstance(archs[0], str) and archs[0]:
+        return archs[0]
+    return None
+
+
+def model_annotations(hf_config: dict[str, Any] | None) -> dict[str, str]:
+    """Manifest annotations under the project's prefix for what the released spec has no field for."""
+    out: dict[str, str] = {}
+    cls = hf_class_name(hf_config)
+    if cls:
+        out[ANNOTATION_HF_ARCHITECTURE] = cls
+    shape = transformer_shape(hf_config)
+    if shape:
+        out[ANNOTATION_TRANSFORMER] = json.dumps(shape, sort_keys=True, separators=(",", ":"))
+    return out
+
+
 def infer_config(
     files: list[PackedFile],
     headers: dict[str, SafetensorsHeader],
@@ -102,12 +174,8 @@ def infer_config(
     opts: PackOptions,
     default_name: str,
 ) -> ModelSpecConfig:
-    arch = fam = precision = quant = None
-    transformer: dict[str, Any] = {}
+    fam = precision = quant = None
     if hf_config:
-        archs = hf_config.get("architectures")
-        if isinstance(archs, list) and archs and isinstance(archs[0], str):
-            arch = archs[0]
         if isinstance(hf_config.get("model_type"), str):
             fam = hf_config["model_type"]
         dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
@@ -119,25 +187,6 @@ def infer_config(
             quant = str(method) if method else "unknown"
             if qc.get("bits"):
                 quant += f"-{qc['bits']}bit"
-        for src, dst in (
-            ("num_hidden_layers", "numLayers"),
-            ("num_attention_heads", "numAttentionHeads"),
-            ("num_key_value_heads", "numKVHeads"),
-            ("hidden_size", "hiddenSize"),
-            ("intermediate_size", "intermediateSize"),
-        ):
-            v = hf_config.get(src)
-            if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
-                transformer[dst] = v
-        if "numAttentionHeads" in transformer:
-            kv = transformer.get("numKVHeads", transformer["numAttentionHeads"])
-            if hf_config.get("kv_lora_rank"):
-                transformer["attentionType"] = "mla"
-            else:
-                transformer["attentionType"] = "gqa" if kv < transformer["numAttentionHeads"] else "mha"
-        if transformer:
-            moe = any(hf_config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-            transformer["mlpType"] = "moe" if moe else "dense"
     params = sum(h.param_count for h in headers.values())
     if precision is None and headers:
         by_dtype: dict[str, int] = {}
@@ -162,14 +211,28 @@ def infer_config(
         createdAt=opts.created,
     )
     config = ModelConfig(
-        architecture=opts.architecture or arch,
+        architecture=opts.architecture or architecture_kind(hf_config),
         format=fmt,
         paramSize=opts.param_size or (format_param_size(params) if params else None),
         precision=opts.precision or precision,
         quantization=opts.quantization or quant,
-        transformerConfig=transformer or None,
     )
     return ModelSpecConfig(descriptor, config, ModelFS(diffIds=[str(f.digest) for f in files]))
+
+
+def layer_annotations(f: PackedFile, mtime: str) -> dict[str, str]:
+    """A raw layer's annotations: the path (ModelPack's key and OCI's title, which oras and other
+    OCI tools name the file by) and the spec's file metadata."""
+    annotations = {
+        ANNOTATION_FILEPATH: f.relpath,
+        ANNOTATION_TITLE: f.relpath,
+        ANNOTATION_FILE_METADATA: FileMetadata(
+            name=posixpath.basename(f.relpath), mode=f.mode, size=f.size, mtime=mtime
+        ).to_json(),
+    }
+    if f.untested:
+        annotations[ANNOTATION_FILE_MEDIATYPE_UNTESTED] = "true"
+    return annotations
 
 
 def describe_model(
@@ -187,19 +250,16 @@ def describe_model(
         flag = _FLAGS.get(exc.path)
         raise PackError(f"{flag}: {exc}" if flag else str(exc)) from None
     config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
-    layers = []
-    for f in packed:
-        annotations = {
-            ANNOTATION_FILEPATH: f.relpath,
-            ANNOTATION_TITLE: f.relpath,
-            ANNOTATION_FILE_METADATA: FileMetadata(name=f.relpath, size=f.size).to_json(),
-        }
-        if f.untested:
-            annotations[ANNOTATION_FILE_MEDIATYPE_UNTESTED] = "true"
-        layers.append(Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=annotations))
-    manifest_annotations = {ANNOTATION_CREATED: opts.created} if opts.created else None
+    mtime = rfc3339(opts.mtime if opts.mtime is not None else source_date_epoch())
+    layers = [
+        Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=layer_annotations(f, mtime))
+        for f in packed
+    ]
+    manifest_annotations = model_annotations(hf_config)
+    if opts.created:
+        manifest_annotations[ANNOTATION_CREATED] = opts.created
     manifest = Manifest.build(
-        config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations
+        config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations or None
     )
     return spec, config_bytes, manifest
 
@@ -207,9 +267,14 @@ def describe_model(
 __all__ = [
     "MAX_CONFIG_JSON",
     "PRECISION_NAMES",
+    "architecture_kind",
     "describe_model",
     "format_param_size",
+    "hf_class_name",
     "infer_config",
+    "layer_annotations",
+    "model_annotations",
     "parse_checkpoint_json",
     "read_json",
+    "transformer_shape",
 ]

@@ -18,6 +18,7 @@ from modelpack.mediatypes import ModelSpecConfig
 from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
+from modelpack.packing.file_metadata import source_date_epoch
 from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
 
 
@@ -40,6 +41,8 @@ class PackOptions:
     licenses: Sequence[str] = ()
     created: str | None = None  # RFC 3339; None keeps the artifact reproducible
     max_file_size: int | None = None
+    #: the mtime recorded for every file (seconds); None: ``SOURCE_DATE_EPOCH``, else the epoch
+    mtime: int | None = None
     jobs: int = 0  # hashing threads; 0 = one per core
     progress: str = "auto"
 
@@ -54,6 +57,8 @@ class PackOptions:
             )
         if self.name is not None and not self.name:
             raise PackError("--name must not be empty")
+        if self.mtime is None:
+            source_date_epoch()  # a malformed SOURCE_DATE_EPOCH is refused before any hashing
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class PackedFile:
     untested: bool
     size: int
     digest: Digest
+    mode: int = 0o644  # permission bits recorded in the file metadata (and image tar headers)
     # Remote files (an S3 checkpoint) have no local path: ``opener(offset)`` streams their bytes.
     opener: Callable[[int], BinaryIO] | None = field(default=None, compare=False, repr=False)
 

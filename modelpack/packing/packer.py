@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from modelpack.errors import PackError, SafetensorsError
 from modelpack.oci.digest import sha256_file
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify, discover_files
+from modelpack.packing.file_metadata import file_mode
 from modelpack.packing.model_config import describe_model, format_param_size, read_json
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.reshard import reshard
@@ -60,9 +61,10 @@ def build_artifact(
 
             def hash_one(item: tuple[str, str, str, bool]) -> PackedFile:
                 rel, full, kind, untested = item
+                mode = file_mode(os.stat(full).st_mode)
                 digest, size = sha256_file(full)
                 prog.update(size)
-                return PackedFile(rel, full, kind, untested, size, digest)
+                return PackedFile(rel, full, kind, untested, size, digest, mode)
 
             # Largest files first so the two cores finish together.
             order = sorted(range(len(kinds)), key=lambda i: -os.path.getsize(kinds[i][1]))

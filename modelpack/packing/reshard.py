@@ -12,6 +12,7 @@ import os
 from typing import Any, BinaryIO
 
 from modelpack.errors import PackError
+from modelpack.packing.file_metadata import file_mode
 from modelpack.packing.safetensors_format import SafetensorsHeader, build_header
 
 
@@ -102,6 +103,7 @@ def reshard(
                         # tensors are contiguous in offset order, so each group is one range
                         first, last = group[0], group[-1]
                         _copy_range(src, dst, hdr.data_start + first.begin, last.end - first.begin)
+                    os.chmod(out_path, file_mode(os.fstat(src.fileno()).st_mode))  # a shard keeps the mode
                 except OSError as exc:
                     raise staging_write_error(out_path, exc) from exc
                 for t in group:
