@@ -81,10 +81,12 @@ def iter_full_shape(
     dests = RowSliceDestinations()
     caller_on_plan = kwargs.pop("on_plan", None)
     reads: dict[str, TensorRead] = {}
+    uneven = ["refuse"]
 
     def on_plan(plan: ReadPlan) -> None:
         dests.set_plan(plan)
         reads.update((t.name, t) for t in plan.tensors)
+        uneven[0] = plan.uneven
         if caller_on_plan is not None:
             caller_on_plan(plan)
 
@@ -99,7 +101,7 @@ def iter_full_shape(
             t = reads[name]
             if t.rule is ShardRule.DIM1 and t.sharded:
                 full = torch.empty(t.full_shape, dtype=shard.dtype)
-                b, e = shard_bounds(t.full_shape[1], tp_size, tp_rank, uneven=_uneven(kwargs), what=name)
+                b, e = shard_bounds(t.full_shape[1], tp_size, tp_rank, uneven=uneven[0], what=name)
                 full[:, b:e].copy_(shard)
                 del shard
                 yield name, full
@@ -108,8 +110,3 @@ def iter_full_shape(
     finally:
         it.close()
         dests.full.clear()
-
-
-def _uneven(kwargs: Mapping[str, Any]) -> str:
-    opts = kwargs.get("options")
-    return str(getattr(opts, "uneven", "refuse")) if opts is not None else "refuse"
