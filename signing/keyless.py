@@ -1,4 +1,4 @@
-"""Optional keyless signing through sigstore-python (``pip install modelpack[keyless]``).
+"""Optional keyless signing through sigstore-python (``pip install 'modelpack-oci[keyless]'``).
 
 CI systems with an OIDC identity (GitHub Actions, GitLab, Buildkite…) can sign without a key:
 sigstore-python gets a short-lived Fulcio certificate for the job's identity, signs the same
@@ -33,7 +33,7 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
         from sigstore.oidc import IdentityToken, Issuer, detect_credential
         from sigstore.sign import SigningContext
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise SigningError("keyless signing needs sigstore-python: pip install 'modelpack[keyless]'") from exc
+        raise SigningError("keyless signing needs sigstore-python: pip install 'modelpack-oci[keyless]'") from exc
     trust = ClientTrustConfig.staging() if staging else ClientTrustConfig.production()
     raw_token = detect_credential()
     if raw_token is None:  # interactive fallback (browser flow) for a person at a terminal

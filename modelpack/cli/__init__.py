@@ -115,7 +115,7 @@ class MainGroup(LazyGroup):
     lazy_commands=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
-@click.version_option(package_name="modelpack")
+@click.version_option(package_name="modelpack-oci")  # the distribution; the command stays `modelpack`
 @click.option(
     "--debug",
     is_flag=True,

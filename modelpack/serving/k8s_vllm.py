@@ -4,7 +4,7 @@
 cache); this module only fills in the serving container: the vLLM command line (the same builder
 the tests and the benchmark use), the pin in ``--model-loader-extra-config``, the start id and t0
 that tie the server's events to the pull's, the port and the probes on ``/health``. The serving
-image must contain vLLM and ``modelpack[vllm]`` (the plugin registers through its entry point).
+image must contain vLLM and ``modelpack-oci[vllm]`` (the plugin registers through its entry point).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ VLLM_PORT = 8000
 EVENTS_PATH = "/var/log/modelpack/events.jsonl"
 
 VLLM_POD_NOTES = [
-    "The server image needs vLLM and modelpack[vllm] installed (the load format registers via an entry point).",
+    "The server image needs vLLM and modelpack-oci[vllm] installed (the load format registers via an entry point).",
     "The weights are checked against the digest pinned below before vLLM serves; a refusal fails the start.",
     "modelpack events (t0, t3-t5; refusals) go to " + EVENTS_PATH + "; read them with 'modelpack timeline'.",
 ]

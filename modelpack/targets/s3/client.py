@@ -107,7 +107,7 @@ def make_client(endpoint: str | None = None, region: str | None = None, *, max_p
         import boto3
         from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise S3Error("s3:// needs boto3: pip install 'modelpack[s3]'") from exc
+        raise S3Error("s3:// needs boto3: pip install 'modelpack-oci[s3]'") from exc
     _quiet_wire_loggers()
     endpoint = endpoint or endpoint_from_env()
     keys: tuple[str, str] | None = None
