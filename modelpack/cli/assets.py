@@ -65,7 +65,7 @@ def assets_group() -> None:
     """Ship compile caches (Inductor, Triton, vLLM) as fingerprinted, signed referrers of a model.
 
     \b
-    Build machine (after a warm-up run compiled into $TORCHINDUCTOR_CACHE_DIR):
+    Example — build machine (after a warm-up run compiled into $TORCHINDUCTOR_CACHE_DIR):
       modelpack assets push registry.example/m@sha256:… "$TORCHINDUCTOR_CACHE_DIR" --kind inductor \\
           --sign-key env:MODELPACK_SIGNING_KEY
     Replica, before the engine compiles:
@@ -274,7 +274,12 @@ def fingerprint_cmd(
 @json_option
 @handle_errors
 def ls_cmd(model_ref: str, kind: str | None, as_json: bool, **kwargs: Any) -> None:
-    """List MODEL_REF's runtime assets, newest first, with the fingerprint each was built under."""
+    """List MODEL_REF's runtime assets, newest first, with the fingerprint each was built under.
+
+    \b
+    Example:
+      modelpack assets ls localhost:5000/models/llama:v1 --kind inductor --json
+    """
     from modelpack.assets import list_assets
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.opener import open_readable
