@@ -65,7 +65,12 @@ def _emit(obj: dict[str, Any], notes: list[str], as_json: bool) -> None:
 
 @click.group("k8s")
 def k8s_group() -> None:
-    """Kubernetes YAML (stdout) for image volumes, init-container pulls and pre-warming."""
+    """Kubernetes YAML (stdout) for image volumes, init-container pulls and pre-warming.
+
+    \b
+    Example:
+      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve | kubectl apply -f -
+    """
 
 
 @k8s_group.command("pod")
@@ -102,6 +107,10 @@ def k8s_pod(
     \b
     Runtime needs: CRI-O >= 1.33 mounts the raw ModelPack artifact;
     containerd >= 2.1 needs the image-shaped variant (modelpack push --format image).
+
+    \b
+    Example:
+      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve > pod.yaml
     """
     ref = _resolve_if_asked(reference, resolve, kwargs)
     obj = k8s.image_volume_pod(
@@ -144,7 +153,12 @@ def k8s_pod(
 def k8s_init_container(
     reference: str, resolve: bool, vllm: bool, tp_size: int, as_json: bool, **kwargs: Any
 ) -> None:
-    """A Pod whose init container runs 'modelpack pull --cache' (verified, signature-checked)."""
+    """A Pod whose init container runs 'modelpack pull --cache' (verified, signature-checked).
+
+    \b
+    Example:
+      modelpack k8s init-container localhost:5000/models/llama:v1 --resolve --size-limit 20Gi
+    """
     opts = {
         k: kwargs.pop(k)
         for k in (
@@ -193,7 +207,12 @@ def k8s_init_container(
 def k8s_prewarm(
     references: tuple[str, ...], selectors: tuple[str, ...], as_json: bool, **kwargs: Any
 ) -> None:
-    """A DaemonSet that keeps REFERENCES pulled in the node cache of the selected nodes."""
+    """A DaemonSet that keeps REFERENCES pulled in the node cache of the selected nodes.
+
+    \b
+    Example:
+      modelpack k8s prewarm localhost:5000/models/llama@sha256:… --node-selector gpu=h20
+    """
     node_selector: dict[str, str] = {}
     for s in selectors:
         key, sep, value = s.partition("=")
