@@ -158,6 +158,13 @@ class ManifestTooLargeError(RegistryError):
     """A manifest above the 4 MiB registries accept; refused before sending."""
 
 
+class MirrorConfigError(RegistryError):
+    """A mirror list that cannot be used: a ``hosts.toml`` that does not parse, a mirror URL with
+    a path prefix modelpack cannot address; ``target`` names the file or the flag at fault."""
+
+    exit_code = 2
+
+
 class S3Error(ModelpackError):
     """An S3 request failed; names the operation, the object (``s3://bucket/key``) and S3's code."""
 
@@ -244,6 +251,11 @@ class TransferInterrupted(ModelpackError):
     def __init__(self, message: str, *, exit_code: int = 130) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class TransferCancelled(TransferInterrupted):
+    """A part of a transfer stopped because a sibling failed or the whole was interrupted; never
+    the error a person sees (the sibling's, or the signal, is raised instead)."""
 
 
 class OutputClosedError(TransferInterrupted):
