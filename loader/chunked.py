@@ -59,7 +59,7 @@ def read_chunked(
             glen: int = glen,
             held: bytearray | None = held,
         ) -> None:
-            if held is not None:  # verified when the header was read; private to this load since
+            if held is not None:  # verified when the header was read, in memory only this load sees
                 slot.view[:glen] = held
                 return
             reader.read_into(g0, slot.view[:glen])

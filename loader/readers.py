@@ -94,10 +94,16 @@ class FileReader:
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self._direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self._direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
                 self.direct = True
             except OSError:
                 self._direct_fd = None  # tmpfs and some overlay filesystems refuse O_DIRECT
+            if self._direct_fd is not None:
+                a, b = os.fstat(self._fd), os.fstat(self._direct_fd)
+                if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the path changed between the opens
+                    os.close(self._direct_fd)
+                    self._direct_fd = None
+                    self.direct = False
         self._count = _Counter()
 
     @property
