@@ -13,6 +13,18 @@ MEDIA_TYPE_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_TYPE_IMAGE_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+# Docker's names for the same things: modelcar images built with `docker build` carry them
+MEDIA_TYPE_DOCKER_IMAGE_CONFIG = "application/vnd.docker.container.image.v1+json"
+MEDIA_TYPE_DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
+MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+#: layers of a plain container image (the image-shaped variant, KServe modelcars): a filesystem tar
+IMAGE_LAYER_MEDIA_TYPES = (
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    MEDIA_TYPE_DOCKER_LAYER_TAR,
+    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP,
+)
 
 ARTIFACT_TYPE_MODEL = "application/vnd.cncf.model.manifest.v1+json"
 MEDIA_TYPE_CONFIG = "application/vnd.cncf.model.config.v1+json"

@@ -200,8 +200,12 @@ def pull(
     force: bool = False,
     delete: bool = False,
     max_bytes: int | None = None,
+    keep_prefix: bool = False,
 ) -> PullResult:
     """Files of the artifact at ``reference`` into ``dest_dir``, each verified before it appears.
+
+    A container image (the image-shaped variant, a KServe modelcar) gives the files of its
+    ``models/`` directory, at their paths below it (``keep_prefix``: below ``models/``).
 
     A file at the destination that differs from the artifact's raises ``DestinationConflictError``
     unless ``force``; files the artifact does not contain are reported in ``extra_files`` and
@@ -221,6 +225,7 @@ def pull(
         force=force,
         delete=delete,
         max_bytes=max_bytes,
+        keep_prefix=keep_prefix,
     )
 
 

@@ -224,6 +224,12 @@ def report_pull(result: PullResult) -> None:
     default=None,
     help="Write at most SIZE into DEST_DIR, tar layers counted as they expand (default: its free space).",
 )
+@click.option(
+    "--keep-prefix",
+    is_flag=True,
+    help="For a container image (--format image, a KServe modelcar): write its models/ files under "
+    "DEST_DIR/models/ as in the image (default: at their paths below models/, ready to load).",
+)
 @target_options
 @pull_trust_options
 @jobs_option
@@ -246,12 +252,16 @@ def pull_cmd(
     manifest. Files already present and correct are kept; a file that differs is refused
     unless --force; files the artifact does not contain are listed (removed with --delete).
     A download cut short by a full disk or a lost connection is kept and resumed next time.
+    REFERENCE may also be a container image holding the model under models/ (the image-shaped
+    variant, a KServe modelcar made by oci-modelcar or docker build): its models/ files are
+    written without the prefix (--keep-prefix keeps it); the rest of the image is not written.
 
     \b
     Examples:
       modelpack pull registry.example.com/models/llama:v1 ./model
       modelpack pull reg.example/m@sha256:… ./model --include '*.json'
       modelpack pull reg.example/m:v2 ./model --force --delete
+      modelpack pull quay.example/org/llama-modelcar:v1 ./model
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --hold 10m
     """
@@ -261,14 +271,15 @@ def pull_cmd(
     force = kwargs.pop("force", False)
     delete = kwargs.pop("delete", False)
     max_bytes = kwargs.pop("max_bytes", None)
+    keep_prefix = kwargs.pop("keep_prefix", False)
     if cache_dir is not None:
         if dest_dir is not None or include or exclude:
             raise click.UsageError(
                 "--cache pulls the whole model into the cache: drop DEST_DIR/--include/--exclude"
             )
-        if force or delete or max_bytes is not None:
+        if force or delete or max_bytes is not None or keep_prefix:
             raise click.UsageError(
-                "--force/--delete/--max-bytes apply to DEST_DIR; the cache never overwrites "
+                "--force/--delete/--max-bytes/--keep-prefix apply to DEST_DIR; the cache never overwrites "
                 "(cap it with --max-cache-bytes)"
             )
         pull_into_cache(
@@ -302,6 +313,7 @@ def pull_cmd(
             force=force,
             delete=delete,
             max_bytes=max_bytes,
+            keep_prefix=keep_prefix,
         )
     after_pull(reference, result.digest, trust, topts)
     if as_json:

@@ -36,12 +36,7 @@ from modelpack.errors import (
     UnsupportedLayerError,
 )
 from modelpack.files import free_bytes, write_error
-from modelpack.mediatypes import (
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-    parse_layer_media_type,
-)
+from modelpack.mediatypes import IMAGE_LAYER_MEDIA_TYPES, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader
@@ -59,14 +54,14 @@ R = TypeVar("R")
 
 # How each layer format becomes files: "raw" is one file at its annotated path; a tar format is
 # extracted, its members under the prefix given here (a fixed table: what pull supports does not
-# depend on which modules happen to be imported).
+# depend on which modules happen to be imported). Container-image layers — the image-shaped
+# variant, KServe modelcars (oci-modelcar, `docker build` with Docker media types) — hold the model
+# under models/; what else such an image holds (a base image's OS) is passed over, never written.
 _TAR_PREFIX: dict[str, str] = {
     "tar": "",
     "tar+gzip": "",
     "tar+zstd": "",
-    MEDIA_TYPE_IMAGE_LAYER_TAR: MODELS_PREFIX,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: MODELS_PREFIX,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: MODELS_PREFIX,
+    **{media_type: MODELS_PREFIX for media_type in IMAGE_LAYER_MEDIA_TYPES},
 }
 
 
@@ -249,6 +244,7 @@ def _stage_tar(
     select: Callable[[str], bool] | None,
     prog: Progress,
     cancel: Cancel,
+    keep_prefix: bool = False,
 ) -> _Staged:
     """Extract one tar layer into a locked staging directory; the blob digest is checked to the
     last byte before the files count as staged."""
@@ -270,6 +266,8 @@ def _stage_tar(
                     existing=claims,
                     budget=budget,
                     select=select,
+                    outside="skip" if desc.media_type in IMAGE_LAYER_MEDIA_TYPES else "refuse",
+                    keep_prefix=keep_prefix,
                 )
             except LayerFormatError:
                 while reader.read(HASH_CHUNK):  # a corrupt download says so (digest) before "corrupt layer"
@@ -331,8 +329,12 @@ def pull_to_directory(
     force: bool = False,
     delete: bool = False,
     max_bytes: int | None = None,
+    keep_prefix: bool = False,
 ) -> PullResult:
     """Download the artifact ``identifier`` (tag or digest) from ``target`` into ``dest_dir``.
+
+    Container-image layers (the image-shaped variant, KServe modelcars) put the files under the
+    image's ``models/`` at their paths below it, or below ``models/`` with ``keep_prefix``.
 
     Files already present with the right digest are kept (a second pull downloads nothing); a
     file that differs is a ``DestinationConflictError`` unless ``force``; files the artifact does
@@ -367,7 +369,10 @@ def pull_to_directory(
     total = sum(j.descriptor.size for j in plan.tar) + sum(j.descriptor.size for j in fetch)
     with Progress(total, f"pull {digest[7:19]}", progress) as prog:
         staged = run_all(
-            plan.tar, lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel), jobs, cancel
+            plan.tar,
+            lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel, keep_prefix),
+            jobs,
+            cancel,
         )
         try:
             outcome.update(_publish_staged(staged, dest, force, result))

@@ -154,7 +154,7 @@ def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
         import zstandard
 
         return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
-    if media_type.endswith("+gzip"):
+    if media_type.endswith(("+gzip", ".tar.gzip")):  # OCI, and Docker's rootfs.diff.tar.gzip
         return gzip.GzipFile(fileobj=stream, mode="rb")
     if media_type.endswith("tar") or media_type in (MEDIA_TYPE_IMAGE_LAYER_TAR,):
         return stream
@@ -227,6 +227,8 @@ def extract_tar_layer(
     max_bytes: int | None = None,
     budget: ExpansionBudget | None = None,
     select: Callable[[str], bool] | None = None,
+    outside: str = "refuse",
+    keep_prefix: bool = False,
 ) -> list[tuple[str, int, str]]:
     """Extract regular files of a layer tar under ``dest_dir``; returns (relpath, size, sha256).
 
@@ -236,7 +238,10 @@ def extract_tar_layer(
     written: each member's declared size is charged before it is opened and the bytes written are
     checked against it (``ExpansionLimitError``). ``select`` picks which files to write; the others
     are still checked and claimed. Files are created with O_EXCL|O_NOFOLLOW and made read-only.
-    When ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last
+    ``outside="skip"`` passes over members outside ``strip`` instead (a modelcar built ``FROM
+    busybox`` carries the OS under ``bin/``, ``etc/``: nothing of it is written, so its links and
+    devices are not this pull's concern); ``keep_prefix`` writes files at their paths with
+    ``strip`` (``models/config.json``). When ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last
     byte); on any failure the caller discards ``dest_dir``.
     """
     reader = _LayerReader(open_layer_stream(stream, media_type), where)
@@ -246,7 +251,19 @@ def extract_tar_layer(
     try:
         tar = tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", tarinfo=_BoundedTarInfo)  # type: ignore[call-overload]
         with tar:
-            _extract_members(tar, reader, dest_dir, strip, where, claims, spend, select, out)
+            _extract_members(
+                tar,
+                reader,
+                dest_dir,
+                strip,
+                where,
+                claims,
+                spend,
+                select,
+                out,
+                outside == "skip",
+                keep_prefix,
+            )
         reader.drain(MAX_TRAILER_BYTES)
     except UnsafeTarError as exc:
         located = _located(exc, where)
@@ -272,6 +289,8 @@ def _extract_members(
     budget: ExpansionBudget,
     select: Callable[[str], bool] | None,
     out: list[tuple[str, int, str]],
+    skip_outside: bool = False,
+    keep_prefix: bool = False,
 ) -> None:
     dest_real = os.path.realpath(dest_dir)
     count = 0
@@ -290,8 +309,12 @@ def _extract_members(
             if (name.rstrip("/") + "/") == strip or not name.strip("/"):
                 continue
         if strip and not (name.startswith(strip) or (member.isdir() and name.rstrip("/") + "/" == strip)):
+            if skip_outside:
+                continue  # not written, not claimed, not charged; tarfile skips its data
             raise UnsafeTarError(f"{where}: member {member.name!r} is outside {strip!r}")
         rel_raw = name[len(strip) :].rstrip("/") if strip else name.rstrip("/")
+        if keep_prefix and strip:
+            rel_raw = strip + rel_raw
         try:
             rel = safe_relative_path(rel_raw, what=f"{where} member")
         except UnsafePathError as exc:

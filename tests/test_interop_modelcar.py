@@ -1,0 +1,275 @@
+"""Issue 13 item 2: modelpack reads what others write — KServe modelcar images, modctl's tar layers.
+
+A modelcar is a plain OCI (or Docker) image whose tar layers hold the model under ``models/``
+and carry no file-path annotations. Two are built here: one with the building blocks of the PyPI
+tool ``oci-modelcar`` (one uncompressed layer per file, members ``models/<path>``, no directory
+entries), and one shaped like the KServe documentation's ``FROM busybox`` + ``COPY models
+/models/`` build (Docker media types, gzip, a base layer with files outside ``models/``).
+``modelpack pull`` writes the files of ``models/`` at their paths below it, like the image-shaped
+variant (``--keep-prefix`` keeps ``models/``), never the rest of the image, through the same untar
+rules (links, devices, ``..``, bombs refused under ``models/``); the node cache and the loader take
+them like the image-shaped variant (the streaming loader does not yet bind tar-layer snapshots to
+their manifest: neither this nor the image-shaped variant loads from the cache yet).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from click.testing import CliRunner
+
+from modelpack.api import transfer
+from modelpack.cli import main
+from modelpack.errors import UnsafeTarError
+from tests.fixtures.registry import RegistryServer
+
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+
+
+@pytest.fixture(autouse=True)
+def _upload_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELPACK_UPLOAD_STATE_DIR", str(tmp_path / "upload-state"))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def push_with_oci_modelcar(registry: RegistryServer, checkpoint: Path, repo: str, work: Path) -> str:
+    """The image ``oci-modelcar push`` builds, made with its own layer/manifest/registry code (its
+    CLI downloads from the Hugging Face hub, which tests cannot reach)."""
+    layer_mod = pytest.importorskip("oci_modelcar.layer", reason="oci-modelcar is not installed (test extra)")
+    from oci_modelcar.manifest import ML_TAR, BlobDescriptor, build_config_bytes, build_manifest_bytes
+    from oci_modelcar.registry import OciClient, StreamingBlobUpload, push_manifest, push_small_blob
+
+    client = OciClient(registry_host=registry.host, target_repo=repo)
+    descriptors: list[BlobDescriptor] = []
+    for i, src in enumerate(sorted(p for p in checkpoint.rglob("*") if p.is_file())):
+        rel = src.relative_to(checkpoint).as_posix()
+        tar_path = work / f"layer-{i}.tar"
+        digest, size = layer_mod.build_layer_to_file(src, "models/", rel, tar_path)
+        StreamingBlobUpload(client, repo).push_from_file(tar_path, size, digest)
+        descriptors.append(BlobDescriptor(ML_TAR, digest, size, hf_path=rel))
+    config = build_config_bytes([d.digest for d in descriptors])
+    config_digest = push_small_blob(client, repo, config)
+    manifest = build_manifest_bytes(config_digest, len(config), descriptors)
+    push_manifest(client, repo, "v1", manifest)
+    return registry.ref(repo, "v1")
+
+
+def _tar(entries: list[tuple[str, bytes | None, int]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data, mode in entries:
+            ti = tarfile.TarInfo(name)
+            ti.mode = mode if mode >= 0 else 0o777
+            ti.mtime = 1_700_000_000
+            if mode < 0:  # a symlink, as base images are full of
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = "/etc/passwd"
+                tar.addfile(ti)
+            elif data is None:
+                ti.type = tarfile.DIRTYPE
+                tar.addfile(ti)
+            else:
+                ti.size = len(data)
+                tar.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _put_blob(registry: RegistryServer, repo: str, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    base = f"http://{registry.host}/v2/{repo}/blobs/uploads/"
+    r = requests.post(base, timeout=30)
+    assert r.status_code == 202, r.text
+    loc = r.headers["Location"]
+    loc = loc if loc.startswith("http") else f"http://{registry.host}{loc}"
+    sep = "&" if "?" in loc else "?"
+    r = requests.put(f"{loc}{sep}digest={digest}", data=data, timeout=60)
+    assert r.status_code == 201, r.text
+    return digest
+
+
+def push_kserve_style(
+    registry: RegistryServer, checkpoint: Path, repo: str, extra: list[Any] | None = None
+) -> str:
+    """``FROM busybox`` + ``COPY models /models/`` as docker build pushes it: Docker media types,
+    gzip layers, a base layer of the OS, a ``models/`` directory entry and per-file modes."""
+    base_layer = _tar(
+        [
+            ("bin/", None, 0o755),
+            ("bin/busybox", b"\x7fELF...", 0o755),
+            ("bin/sh", None, -1),
+            ("etc/passwd", b"root:x:0:0\n", 0o644),
+        ]
+    )
+    model_entries: list[tuple[str, bytes | None, int]] = [("models/", None, 0o775)]
+    for src in sorted(checkpoint.rglob("*")):
+        rel = src.relative_to(checkpoint).as_posix()
+        if src.is_dir():
+            model_entries.append((f"models/{rel}/", None, 0o755))
+        else:
+            model_entries.append((f"models/{rel}", src.read_bytes(), src.stat().st_mode & 0o777))
+    model_entries += extra or []
+    layers, diff_ids = [], []
+    for raw in (base_layer, _tar(model_entries)):
+        blob = gzip.compress(raw, mtime=0)
+        layers.append(
+            {"mediaType": DOCKER_LAYER_GZIP, "digest": _put_blob(registry, repo, blob), "size": len(blob)}
+        )
+        diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        }
+    ).encode()
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": DOCKER_MANIFEST,
+        "config": {
+            "mediaType": DOCKER_CONFIG,
+            "digest": _put_blob(registry, repo, config),
+            "size": len(config),
+        },
+        "layers": layers,
+    }
+    r = requests.put(
+        f"http://{registry.host}/v2/{repo}/manifests/v1",
+        data=json.dumps(manifest).encode(),
+        headers={"Content-Type": DOCKER_MANIFEST},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    return registry.ref(repo, "v1")
+
+
+def test_pull_an_oci_modelcar_image(registry: RegistryServer, checkpoint: Path, tmp_path: Path) -> None:
+    ref = push_with_oci_modelcar(registry, checkpoint, "modelcar/oci-modelcar", tmp_path)
+    stripped = tmp_path / "stripped"
+    result = transfer.pull(ref, str(stripped), progress="off")
+    assert _files(stripped) == _files(checkpoint)
+    assert sorted(result.files) == sorted(_files(checkpoint))
+    kept = tmp_path / "as-in-the-image"
+    transfer.pull(ref, str(kept), progress="off", keep_prefix=True)
+    assert _files(kept) == {f"models/{k}": v for k, v in _files(checkpoint).items()}
+
+
+def test_pull_a_kserve_style_docker_modelcar_with_a_base_image(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    (checkpoint / "run.py").write_text("print(1)\n")
+    os.chmod(checkpoint / "run.py", 0o755)
+    ref = push_kserve_style(registry, checkpoint, "modelcar/kserve")
+    stripped = tmp_path / "stripped"
+    r = CliRunner().invoke(main, ["pull", ref, str(stripped)])
+    assert r.exit_code == 0, r.output
+    # the base image (bin/busybox, a bin/sh symlink, etc/passwd) is outside models/: not written
+    assert _files(stripped) == _files(checkpoint)
+    kept = tmp_path / "kept"
+    r = CliRunner().invoke(main, ["pull", ref, str(kept), "--keep-prefix"])
+    assert r.exit_code == 0, r.output
+    assert _files(kept) == {f"models/{k}": v for k, v in _files(checkpoint).items()}
+
+
+def test_a_modelcar_member_escaping_models_is_refused(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    ref = push_kserve_style(
+        registry, checkpoint, "modelcar/evil", extra=[("models/../../escape", b"x", 0o644)]
+    )
+    with pytest.raises(UnsafeTarError, match=r"\.\."):
+        transfer.pull(ref, str(tmp_path / "out"), progress="off")
+    assert not (tmp_path / "escape").exists()
+    assert not list((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_a_modelcar_symlink_under_models_is_refused(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    ref = push_kserve_style(registry, checkpoint, "modelcar/link", extra=[("models/link", None, -1)])
+    with pytest.raises(UnsafeTarError, match="link"):
+        transfer.pull(ref, str(tmp_path / "out"), progress="off")
+    assert not (tmp_path / "out" / "link").exists()
+
+
+def test_the_node_cache_takes_a_modelcar(registry: RegistryServer, checkpoint: Path, tmp_path: Path) -> None:
+    from modelpack.mount import NodeCache
+
+    ref = push_with_oci_modelcar(registry, checkpoint, "modelcar/cache", tmp_path)
+    pulled = NodeCache(str(tmp_path / "cache")).pull(ref)
+    assert _files(Path(pulled.path)) == _files(checkpoint)  # the files of models/, like the image variant
+
+
+def test_pull_keeps_reading_modctl_tar_layers_with_cnai_names(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    """modctl's default: one ``tar`` layer per file (member = the file's relative path), the
+    pre-rename ``vnd.cnai`` media types and ``org.cnai.model.*`` annotations."""
+    repo = "modelcar/modctl"
+    layers, diff_ids = [], []
+    for src in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+        rel = src.relative_to(checkpoint).as_posix()
+        raw = _tar([(rel, src.read_bytes(), 0o644)])
+        kind = (
+            "weight" if rel.endswith(".safetensors") else "weight.config" if rel.endswith(".json") else "doc"
+        )
+        meta = {"name": src.name, "mode": 0o644, "uid": 0, "gid": 0, "size": src.stat().st_size}
+        layers.append(
+            {
+                "mediaType": f"application/vnd.cnai.model.{kind}.v1.tar",
+                "digest": _put_blob(registry, repo, raw),
+                "size": len(raw),
+                "annotations": {
+                    "org.cnai.model.filepath": rel,
+                    "org.cnai.model.file.metadata+json": json.dumps(meta | {"mtime": "2025-01-01T00:00:00Z"}),
+                },
+            }
+        )
+        diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
+    config = json.dumps(
+        {
+            "descriptor": {"name": "m"},
+            "config": {"format": "safetensors"},
+            "modelfs": {"type": "layers", "diffIds": diff_ids},
+        }
+    ).encode()
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.cnai.model.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.cnai.model.config.v1+json",
+            "digest": _put_blob(registry, repo, config),
+            "size": len(config),
+        },
+        "layers": layers,
+    }
+    r = requests.put(
+        f"http://{registry.host}/v2/{repo}/manifests/v1",
+        data=json.dumps(manifest).encode(),
+        headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    out = tmp_path / "out"
+    transfer.pull(registry.ref(repo, "v1"), str(out), progress="off")
+    assert _files(out) == _files(checkpoint)
