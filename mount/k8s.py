@@ -1,17 +1,19 @@
 """Kubernetes objects for the three ways a model reaches a pod (DESIGN §5).
 
-1. **image volume** (``volumes[].image``, Kubernetes 1.31+ behind the ``ImageVolume`` feature
-   gate, beta in 1.33): the kubelet asks the runtime to pull the artifact and mounts it
-   read-only. CRI-O 1.33+ mounts a raw ModelPack artifact as files named by their title
-   annotations; containerd 2.1+ mounts only images, so push the image-shaped variant
-   (``--format image``) and find the files under ``models/``.
+1. **image volume** (``volumes[].image``; the ``ImageVolume`` feature gate: alpha in Kubernetes
+   1.31, beta but off by default in 1.33 and 1.34, beta and on by default from 1.35): the kubelet
+   asks the runtime to pull the artifact and mounts it read-only. CRI-O 1.33+ mounts a raw
+   ModelPack artifact as files named by their title annotations; containerd 2.1+ mounts only
+   images, so push the image-shaped variant (``--format image``) and find the files under
+   ``models/``.
 2. **init container**: ``modelpack pull --cache`` verifies signatures per policy and publishes a
    snapshot in a node cache (hostPath, shared by pods on the node) or an emptyDir; the serving
    container mounts it read-only. Works on every runtime.
 3. **pre-warm DaemonSet**: keeps chosen models pulled on selected nodes so starts are cache hits.
 
 Every reference is pinned by digest: a tag would let two replicas run different weights. The
-generated dicts are checked against the ``kubernetes`` client models (``validate``).
+generated dicts are checked against the ``kubernetes`` client models (``validate``); the tests
+also validate them strictly against the published OpenAPI schemas of 1.33 and the newest release.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ RUNTIME_TABLE = [
 ]
 
 IMAGE_VOLUME_NOTES = [
-    "Image volumes need Kubernetes >= 1.31 with the ImageVolume feature gate (beta, on by default in 1.33+).",
+    "Image volumes need the ImageVolume feature gate: on by default from Kubernetes 1.35; on 1.31-1.34 "
+    "(alpha 1.31-1.32, beta 1.33-1.34) enable it on the API server and every kubelet.",
     "CRI-O >= 1.33 mounts the raw ModelPack artifact: files appear under the mount path by title annotation.",
     "containerd >= 2.1 mounts only images: push with 'modelpack push --format image' and read <mount>/models/.",
     "The reference is pinned by digest; pullPolicy IfNotPresent then never re-pulls a changed tag.",
