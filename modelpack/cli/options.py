@@ -246,6 +246,23 @@ def target_options(fn: F) -> F:
             help="Keep retrying through a network or registry outage this long (30s, 2m; 0: never). "
             "Cut downloads resume from the byte reached. Default 60s.",
         ),
+        click.option(
+            "--mirror",
+            "mirrors",
+            multiple=True,
+            metavar="URL",
+            help="Fetch blobs from this mirror before the origin (repeatable, in order; e.g. "
+            "http://mirror:5000). Manifests always come from the origin; any blob a mirror cannot "
+            "deliver intact comes from the origin. Else MODELPACK_MIRRORS (space or comma separated).",
+        ),
+        click.option(
+            "--hosts-dir",
+            type=click.Path(file_okay=False),
+            envvar="MODELPACK_HOSTS_DIR",
+            default=None,
+            help="containerd-style mirror config: DIR/<host[:port]>/hosts.toml "
+            "[default: /etc/containerd/certs.d].",
+        ),
         click.option("--s3-endpoint", envvar="MODELPACK_S3_ENDPOINT", help="S3-compatible endpoint URL."),
         click.option("--s3-region", envvar="AWS_REGION", help="S3 region."),
     ]
@@ -276,6 +293,8 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
         password=password,
         credentials_host=host,
         retry_for=kwargs.pop("retry_for", None),
+        mirrors=list(kwargs.pop("mirrors", None) or ()),
+        hosts_dir=kwargs.pop("hosts_dir", None),
         s3_endpoint=kwargs.pop("s3_endpoint", None),
         s3_region=kwargs.pop("s3_region", None),
     )

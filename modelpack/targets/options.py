@@ -34,6 +34,11 @@ class TargetOptions:
     registry_credentials: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
     #: how long to keep retrying through an outage, in seconds (None: the default, 60 s)
     retry_for: float | None = None
+    #: mirrors asked for blobs before the origin, in order (``--mirror``; else ``MODELPACK_MIRRORS``)
+    mirrors: list[str] = field(default_factory=list)
+    #: containerd-style ``<dir>/<host>/hosts.toml`` mirror config (else ``MODELPACK_HOSTS_DIR``,
+    #: else ``/etc/containerd/certs.d``)
+    hosts_dir: str | None = None
     s3_endpoint: str | None = field(default=None, repr=False)  # may carry KEY:SECRET@
     s3_region: str | None = None
     create: bool = True

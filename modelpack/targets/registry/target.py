@@ -27,6 +27,7 @@ from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
+from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
 
@@ -61,6 +62,8 @@ class RegistryTarget:
             monolithic_max=monolithic_max,
             upload_state_dir=upload_state_dir,
         )
+        #: blob reads through mirrors first (``modelpack.targets.registry.mirrors``), when configured
+        self.mirrors: MirroredBlobs | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -92,7 +95,7 @@ class RegistryTarget:
         chunk_size = int(extra.get("chunk_size") or DEFAULT_CHUNK_SIZE)
         if chunk_size <= 0:
             raise UploadError(f"chunk size must be positive, got {chunk_size}")
-        return cls(
+        target = cls(
             client,
             ref.repository,
             for_write=for_write or bool(extra.get("for_write", False)),
@@ -101,6 +104,18 @@ class RegistryTarget:
             monolithic_max=int(extra.get("monolithic_max") or min(DEFAULT_MONOLITHIC_MAX, chunk_size)),
             upload_state_dir=extra.get("upload_state_dir"),
         )
+        if not for_write:
+            endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
+            if endpoints:
+                stall = extra.get("mirror_stall_s")
+                target.mirrors = MirroredBlobs(
+                    target._repo,
+                    endpoints,
+                    retry_for=opts.retry_for,
+                    stall_s=float(stall) if stall is not None else None,
+                    events=extra.get("events"),
+                )
+        return target
 
     # ------------------------------------------------------------------ manifests (read)
     def resolve(self, reference: str) -> Descriptor:
@@ -112,10 +127,18 @@ class RegistryTarget:
 
     # ------------------------------------------------------------------ blobs (read)
     def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+        if self.mirrors is not None:
+            return self.mirrors.open_blob(descriptor, offset)
         return open_blob(self._repo, descriptor, offset)
 
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
+        if self.mirrors is not None:
+            return self.mirrors.read_range(descriptor, offset, length)
         return read_range(self._repo, descriptor, offset, length)
+
+    def bytes_by_source(self) -> dict[str, int]:
+        """Blob bytes delivered per source host (mirrors and origin; empty without mirrors)."""
+        return dict(self.mirrors.bytes_by_source) if self.mirrors is not None else {}
 
     def exists(self, descriptor: Descriptor) -> bool:
         kind = "manifests" if descriptor.media_type in MANIFEST_TYPES else "blobs"
@@ -191,22 +214,32 @@ class RegistryTarget:
         self._uploads.upload(source)
         self._repo.count("uploaded")
 
+    @property
+    def registry_host(self) -> str:
+        """The registry's API host: where a blob of another repository can be mounted from."""
+        return self.client.api_host
+
     def try_mount(self, descriptor: Descriptor, src: object) -> bool:
         """Cross-repository mount when ``src`` is another repository of the same registry."""
         if not isinstance(src, RegistryTarget) or src.client.api_host != self.client.api_host:
             return False
-        if src.repository == self.repository:
+        return self.try_mount_from(descriptor, src.repository)
+
+    def try_mount_from(self, descriptor: Descriptor, repository: str) -> bool:
+        """Mount ``descriptor`` from ``repository`` of this registry; False when the registry
+        opened a normal upload instead (it does not hold the blob there, or will not say)."""
+        if repository == self.repository:
             return False
-        scopes = (*self._repo.scopes(push=True), f"repository:{src.repository}:pull")
+        scopes = (*self._repo.scopes(push=True), f"repository:{repository}:pull")
         resp = self.client.request(
             "POST",
             self._repo.path("blobs/uploads"),
             scopes=scopes,
-            params={"mount": str(descriptor.digest), "from": src.repository},
+            params={"mount": str(descriptor.digest), "from": repository},
             ok=(201,),
             allow=(202,),
             idempotent=True,  # mounting twice is harmless; an unknown 202 session only lingers
-            what=f"mount {descriptor.digest} from {src.repository}",
+            what=f"mount {descriptor.digest} from {repository}",
         )
         if resp.status_code == 201:
             got = resp.headers.get("Docker-Content-Digest")
@@ -214,7 +247,7 @@ class RegistryTarget:
                 raise UploadError(
                     f"mount of {descriptor.digest} answered with {got}", status=201, target=self.name
                 )
-            log.debug("mounted %s from %s into %s", descriptor.digest, src.repository, self.repository)
+            log.debug("mounted %s from %s into %s", descriptor.digest, repository, self.repository)
             self._repo.count("mounted")
             return True
         # 202: the registry opened a normal upload instead; cancel it and upload normally
@@ -246,6 +279,8 @@ class RegistryTarget:
         self._manifests.delete(digest)
 
     def close(self) -> None:
+        if self.mirrors is not None:
+            self.mirrors.close()
         self.client.close()
 
 

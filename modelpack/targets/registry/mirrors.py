@@ -1,0 +1,367 @@
+"""Blob reads through an ordered list of mirrors before the origin, with fallback per blob.
+
+Configured the way containerd, Dragonfly's dfdaemon, Harbor proxy caches and Spegel already are:
+``<hosts dir>/<host[:port]>/hosts.toml`` (``--hosts-dir`` / ``MODELPACK_HOSTS_DIR``, default
+``/etc/containerd/certs.d``), ``[host."URL"]`` tables with the ``pull`` capability in file order,
+plus ``--mirror URL`` (repeatable) / ``MODELPACK_MIRRORS`` ahead of them.
+
+A mirror never chooses the version: tags and manifests are resolved at the origin (the target
+sends every manifest read there), and a mirror only serves blobs, by digest. A mirror's bytes go
+to a spool (memory, then a temp file) and are hashed on the way; the consumer sees them only once
+the whole blob matched its digest. So a mirror that refuses, errors, stalls (no byte for the
+stall time: the read timeout of its client, whose retry budget is short) or dies mid-blob is
+abandoned for that blob and the origin continues from the byte reached; a mirror whose bytes do
+not hash to the digest is abandoned and the origin serves the whole blob. Each abandonment is an
+event (``registry.mirror_abandoned``: mirror, blob, reason, offset); ``bytes_by_source`` says
+how many bytes came from where. A mirror whose connection failed is skipped for
+``DOWN_FOR_S`` so a dead mirror costs one short budget per run, not one per blob.
+
+Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
+a range cannot be verified alone, so its bytes are checked by the loader against the signed
+chunk table, as for the origin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+from modelpack.errors import MirrorConfigError, ModelpackError, RegistryConnectionError, RegistryError
+from modelpack.oci.descriptor import Descriptor
+from modelpack.targets.registry.blob_reads import ResumingBlobStream, read_range
+from modelpack.targets.registry.client import RegistryClient
+from modelpack.targets.registry.hosts import canonical_host
+from modelpack.targets.registry.repository import RepositoryAPI
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+log = logging.getLogger("modelpack.targets.registry")
+
+DEFAULT_HOSTS_DIR = "/etc/containerd/certs.d"
+#: a mirror's whole retry budget per blob: a dead mirror is abandoned quickly, the origin has 60 s
+MIRROR_RETRY_FOR = 3.0
+#: no byte from a mirror for this long is a stall (its client's read timeout)
+MIRROR_STALL_S = 10.0
+#: a mirror whose connection failed is not asked again for this long
+DOWN_FOR_S = 30.0
+#: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
+SPOOL_IN_MEMORY = 16 * 1024 * 1024
+MAX_HOSTS_TOML = 1024 * 1024
+_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MirrorEndpoint:
+    """One mirror: where it is and how to talk to it (from ``--mirror`` or a ``hosts.toml``)."""
+
+    host: str
+    plain_http: bool = False
+    ca_file: str | None = None
+    skip_verify: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
+    origin: str = ""  # where it was configured: "--mirror", or the hosts.toml path
+
+    @property
+    def url(self) -> str:
+        return ("http://" if self.plain_http else "https://") + self.host
+
+
+def parse_mirror_url(url: str, *, origin: str = "--mirror", **settings: Any) -> MirrorEndpoint:
+    """``http://host:port``, ``https://host[/v2]`` or a bare ``host[:port]`` (HTTPS, or either for a
+    loopback host). A path prefix other than ``/v2`` cannot be addressed and is refused."""
+    text = url.strip()
+    parts = urlsplit(text if "://" in text else "https://" + text)
+    if parts.scheme not in ("http", "https") or not parts.netloc or "@" in parts.netloc:
+        raise MirrorConfigError(f"mirror {url!r} is not an http(s)://host[:port] URL", target=origin)
+    if parts.path.rstrip("/") not in ("", "/v2") or parts.query:
+        raise MirrorConfigError(
+            f"mirror {url!r} has a path prefix; only http(s)://host[:port] mirrors are supported",
+            target=origin,
+        )
+    return MirrorEndpoint(host=parts.netloc, plain_http=parts.scheme == "http", origin=origin, **settings)
+
+
+def hosts_toml_mirrors(hosts_dir: str, registry: str) -> list[MirrorEndpoint]:
+    """The pull mirrors ``<hosts_dir>/<registry>/hosts.toml`` lists, in order (else ``_default``'s).
+
+    Hosts without the ``pull`` capability (containerd's default is pull, resolve and push) are
+    skipped; ``server`` is ignored: the origin is the registry the reference names."""
+    names = [registry, canonical_host(registry), "_default"]
+    for name in dict.fromkeys(names):
+        path = os.path.join(hosts_dir, name, "hosts.toml")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_HOSTS_TOML + 1)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise MirrorConfigError(f"cannot read: {exc.strerror}", target=path) from None
+        if len(raw) > MAX_HOSTS_TOML:
+            raise MirrorConfigError("larger than 1 MiB", target=path)
+        return _parse_hosts_toml(raw, path)
+    return []
+
+
+def _parse_hosts_toml(raw: bytes, path: str) -> list[MirrorEndpoint]:
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise MirrorConfigError(f"not valid TOML: {exc}", target=path) from None
+    hosts = doc.get("host", {})
+    if not isinstance(hosts, dict):
+        raise MirrorConfigError("[host] must be a table of URL → settings", target=path)
+    out = []
+    for url, cfg in hosts.items():
+        if not isinstance(cfg, dict):
+            raise MirrorConfigError(f"host {url!r} must be a table", target=path)
+        caps = cfg.get("capabilities", ["pull", "resolve", "push"])
+        if not isinstance(caps, list) or "pull" not in caps:
+            continue
+        if cfg.get("override_path"):
+            raise MirrorConfigError(f"host {url!r}: override_path is not supported", target=path)
+        ca = cfg.get("ca")
+        if isinstance(ca, list):
+            ca = ca[0] if ca else None
+        headers: dict[str, str] = {}
+        for key, value in (cfg.get("header") or {}).items():
+            values = value if isinstance(value, list) else [value]
+            headers[str(key)] = ", ".join(str(v) for v in values)
+        out.append(
+            parse_mirror_url(
+                url,
+                origin=path,
+                ca_file=str(ca) if ca else None,
+                skip_verify=bool(cfg.get("skip_verify", False)),
+                headers=headers,
+            )
+        )
+    return out
+
+
+def configured_mirrors(
+    registry: str, mirrors: list[str] | None, hosts_dir: str | None
+) -> list[MirrorEndpoint]:
+    """``--mirror``/``MODELPACK_MIRRORS`` first, then the hosts.toml of ``registry``; a mirror that
+    is the registry itself is dropped (it would be asked twice)."""
+    urls = list(mirrors or [])
+    if not urls:
+        urls = [u for u in os.environ.get("MODELPACK_MIRRORS", "").replace(",", " ").split() if u]
+    found = [parse_mirror_url(u, origin="--mirror") for u in urls]
+    directory = hosts_dir or os.environ.get("MODELPACK_HOSTS_DIR") or DEFAULT_HOSTS_DIR
+    found += hosts_toml_mirrors(directory, registry)
+    own = canonical_host(registry)
+    seen: set[str] = set()
+    out = []
+    for m in found:
+        key = canonical_host(m.host)
+        if key != own and key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+class _Mirror:
+    def __init__(self, endpoint: MirrorEndpoint, repo: RepositoryAPI) -> None:
+        self.endpoint = endpoint
+        self.repo = repo
+        self.down_until = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.host
+
+
+class MirroredBlobs:
+    """Blob streams and ranges for one repository: its mirrors in order, then the origin."""
+
+    def __init__(
+        self,
+        origin: RepositoryAPI,
+        endpoints: list[MirrorEndpoint],
+        *,
+        retry_for: float | None = None,
+        stall_s: float | None = None,
+        events: Any = None,
+        spool_dir: str | None = None,
+    ) -> None:
+        self.origin = origin
+        self.events = events
+        self.spool_dir = spool_dir
+        budget = MIRROR_RETRY_FOR if retry_for is None else min(retry_for, MIRROR_RETRY_FOR)
+        self.mirrors = []
+        for ep in endpoints:
+            client = RegistryClient(
+                ep.host,
+                plain_http=ep.plain_http,
+                ca_file=ep.ca_file,
+                insecure_skip_verify=ep.skip_verify,
+                credentials=None,  # credentials are bound to the origin's host, never a mirror's
+                timeout=MIRROR_STALL_S if stall_s is None else stall_s,
+                retry_for=budget,
+            )
+            client.session.headers.update(dict(ep.headers))
+            self.mirrors.append(_Mirror(ep, RepositoryAPI(client, origin.repository)))
+        self._lock = threading.Lock()
+        self.bytes_by_source: dict[str, int] = {}
+        self.abandoned = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _count(self, source: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self.bytes_by_source[source] = self.bytes_by_source.get(source, 0) + n
+
+    def _abandon(self, mirror: _Mirror, desc: Descriptor, reason: str, offset: int) -> None:
+        with self._lock:
+            self.abandoned += 1
+        log.warning("mirror %s abandoned for %s at byte %d: %s", mirror.name, desc.digest, offset, reason)
+        if self.events is not None:
+            self.events.emit(
+                "registry.mirror_abandoned",
+                mirror=mirror.name,
+                blob=str(desc.digest),
+                reason=reason[:300],
+                offset=offset,
+                registry=self.origin.name,
+            )
+
+    def _usable(self) -> list[_Mirror]:
+        now = time.monotonic()
+        return [m for m in self.mirrors if m.down_until <= now]
+
+    # ------------------------------------------------------------------ streams
+    def open_blob(self, desc: Descriptor, offset: int = 0) -> BinaryIO:
+        """The blob from ``offset``: spooled from the mirrors and verified, else from the origin
+        (unverified here, like every origin read: the consumer verifies)."""
+        if offset == 0 and desc.size > 0 and self._usable():
+            spooled = self._spool(desc)
+            if spooled is not None:
+                return spooled
+            offset = 0
+        return _CountingStream(ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host)
+
+    def _spool(self, desc: Descriptor) -> BinaryIO | None:
+        """The whole blob from the mirrors (the origin finishing what they could not deliver),
+        verified; None when the origin must serve the whole blob (nothing usable was spooled)."""
+        algo, _, want = str(desc.digest).partition(":")
+        try:
+            hasher = hashlib.new(algo)
+        except ValueError:
+            return None
+        spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
+        pos = 0
+        sources: list[tuple[_Mirror | None, int]] = []
+        try:
+            for mirror in [*self._usable(), None]:
+                if pos >= desc.size:
+                    break
+                repo = mirror.repo if mirror is not None else self.origin
+                start = pos
+                try:
+                    with ResumingBlobStream(repo, desc, pos) as stream:
+                        while pos < desc.size:
+                            data = stream.read(min(_CHUNK, desc.size - pos))
+                            if not data:
+                                break
+                            hasher.update(data)
+                            spool.write(data)
+                            pos += len(data)
+                    if pos < desc.size and mirror is not None:
+                        self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos)
+                except (RegistryError, ModelpackError) as exc:
+                    if mirror is None:
+                        raise
+                    if isinstance(exc, RegistryConnectionError):
+                        mirror.down_until = time.monotonic() + DOWN_FOR_S
+                    self._abandon(mirror, desc, str(exc), pos)
+                sources.append((mirror, pos - start))
+            if pos == desc.size and hasher.hexdigest() == want:
+                for mirror, n in sources:
+                    self._count(mirror.name if mirror is not None else self.origin.client.host, n)
+                spool.seek(0)
+                return spool  # type: ignore[return-value]
+            for mirror, n in sources:
+                if mirror is not None and n:
+                    self._abandon(mirror, desc, "digest mismatch: served bytes that are not the blob", 0)
+                elif n:
+                    self._count(self.origin.client.host, n)  # crossed the wire, then discarded
+            spool.close()
+            return None
+        except BaseException:
+            spool.close()
+            raise
+
+    # ------------------------------------------------------------------ ranges
+    def read_range(self, desc: Descriptor, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` from the first source that serves them (the
+        loader verifies them against the signed chunk table)."""
+        for mirror in self._usable():
+            try:
+                data = read_range(mirror.repo, desc, offset, length)
+            except (RegistryError, ModelpackError) as exc:
+                if isinstance(exc, RegistryConnectionError):
+                    mirror.down_until = time.monotonic() + DOWN_FOR_S
+                self._abandon(mirror, desc, str(exc), offset)
+                continue
+            self._count(mirror.name, len(data))
+            return data
+        data = read_range(self.origin, desc, offset, length)
+        self._count(self.origin.client.host, len(data))
+        return data
+
+    def close(self) -> None:
+        for m in self.mirrors:
+            m.repo.client.close()
+
+
+class _CountingStream:
+    """An origin stream that books what it delivers under the origin's name."""
+
+    def __init__(self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str) -> None:
+        self._inner = inner
+        self._owner = owner
+        self._source = source
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._inner.read(n)
+        self._owner._count(self._source, len(data))
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n = self._inner.readinto(buf)
+        self._owner._count(self._source, n)
+        return n
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __enter__(self) -> _CountingStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "DEFAULT_HOSTS_DIR",
+    "MirrorEndpoint",
+    "MirroredBlobs",
+    "configured_mirrors",
+    "hosts_toml_mirrors",
+    "parse_mirror_url",
+]
