@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ def pack(
     format: str = "artifact",
     compression: str | None = None,
     tag: bool = True,
+    mount_from: Sequence[str] = (),
 ) -> PackResult:
     """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3).
 
@@ -91,6 +93,7 @@ def pack(
             (ref.tag or "latest") if tag else None,
             jobs=jobs,
             progress=options.progress,
+            mount_from=mount_from,
         )
     finally:
         artifact.cleanup()

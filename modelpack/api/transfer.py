@@ -9,6 +9,7 @@ login, never by importing this module.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ def push(
     compression: str | None = None,
     sign_key: PrivateKey | str | None = None,
     sign_passphrase: str | bytes | None = None,
+    mount_from: Sequence[str] = (),
 ) -> PushResult:
     """Push a checkpoint directory (packed on the fly, uploaded straight from its files) or an
     artifact at another reference (``oci:DIR:TAG``, ``s3://…``) to ``destination``.
@@ -68,6 +70,9 @@ def push(
     is uploaded, and the tag is written last: manifest by digest → signatures (read back until
     discoverable) → tag. Whatever fails on the way, no tag points at an unsigned model; an
     earlier version under the same tag stays where it was.
+
+    Into a registry, a blob the destination lacks is mounted from ``mount_from`` (repositories of
+    the same registry) or from where this user pushed it before (``transfer.pushed_blobs``).
     """
     dst = parse_reference(destination) if isinstance(destination, str) else destination
     if dst.digest:
@@ -87,6 +92,7 @@ def push(
             format=format,
             compression=compression,
             tag=key is None,
+            mount_from=mount_from,
         )
         digest, copied, files = packed.artifact.digest, packed.copy, len(packed.artifact.files)
     else:
@@ -96,7 +102,13 @@ def push(
         src = open_readable(src_ref, target_options)
         dst_target = open_target(dst, target_options, for_write=True)
         copied = copy(
-            src, dst_target, src_ref.identifier, tag if key is None else None, jobs=jobs, progress=progress
+            src,
+            dst_target,
+            src_ref.identifier,
+            tag if key is None else None,
+            jobs=jobs,
+            progress=progress,
+            mount_from=mount_from,
         )
         digest = copied.descriptor.digest
     result = PushResult(str(dst.with_tag(tag)), str(digest), copied, files)

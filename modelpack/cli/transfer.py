@@ -84,6 +84,15 @@ def push_signing_key(kwargs: dict[str, Any]) -> Any:
 @target_options
 @chunk_size_option
 @push_sign_options
+@click.option(
+    "--mount-from",
+    "mount_from",
+    multiple=True,
+    metavar="REPO",
+    help="Mount blobs the registry holds in REPO (same registry, e.g. models/llama) instead of "
+    "uploading them (repeatable). Without it, blobs this user pushed before are mounted from "
+    "where they went.",
+)
 @jobs_option
 @progress_option
 @json_option
@@ -101,7 +110,9 @@ def push_cmd(
 
     A directory is packed on the fly and uploaded straight from its files (no copy on disk).
     Blobs the registry already has are skipped, so pushing the same checkpoint twice uploads
-    nothing. Prints the manifest digest on stdout (pin it in deployments).
+    nothing; into a new repository, blobs this user pushed to another repository of the same
+    registry (or that --mount-from REPO holds) are mounted, not uploaded. Prints the manifest
+    digest on stdout (pin it in deployments).
 
     With --sign-key the key is checked before anything is uploaded, and the tag is written only
     after the signatures are stored: a failed signing leaves no tag on an unsigned model.
@@ -110,11 +121,13 @@ def push_cmd(
     Examples:
       modelpack push ./llama-8b registry.example.com/models/llama:v1
       modelpack push oci:./layout:v1 127.0.0.1:5000/models/llama:v1
+      modelpack push ./llama-8b registry.example.com/team-b/llama:v1 --mount-from models/llama
       modelpack push ./llama-8b registry.example.com/models/llama:v1 --sign-key env:MODELPACK_SIGNING_KEY
       echo "$TOKEN" | modelpack push ./ckpt reg.example/m:v1 -u ci --password-stdin
     """
     artifact_format = kwargs.pop("artifact_format", "artifact")
     compression = kwargs.pop("compression", None)
+    mount_from = kwargs.pop("mount_from", ())
     popts = pack_options_from(kwargs, progress)
     topts = _with_chunk_size(build_target_options(kwargs, registry=destination), chunk_size)
     key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
@@ -128,6 +141,7 @@ def push_cmd(
         format=artifact_format,
         compression=compression,
         sign_key=key,
+        mount_from=mount_from,
     )
     signed = result.signed
     if as_json:

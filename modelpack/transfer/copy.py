@@ -1,7 +1,9 @@
 """The copy engine: ``copy(src, dst, ref)`` walks manifest → config → layers (→ referrers).
 
 push, pull and cp are all this function between two targets. It skips blobs the destination
-has, lets a destination mount across repositories when it can, runs transfers concurrently, and
+has, lets a destination mount across repositories when it can (from the source repository, from
+``mount_from`` hints, and from the repositories this user pushed the same blobs to before, see
+``pushed_blobs``), runs transfers concurrently, and
 only then writes the manifest, so a tag never points at a manifest with missing blobs. Every
 blob read from a source goes through a target's verified write (see ``Target.push_blob``); the
 manifest bytes are copied exactly, never re-serialised.
@@ -10,14 +12,16 @@ manifest bytes are copied exactly, never re-serialised.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack.errors import RegistryError
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import BlobSource, ReadableTarget, Target
+from modelpack.transfer.pushed_blobs import PushedBlobs, mount_candidates
 
 DEFAULT_JOBS = 4
 
@@ -90,12 +94,20 @@ def copy(
     referrers: bool = False,
     progress: str = "auto",
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    mount_from: Sequence[str] = (),
+    record: PushedBlobs | None = None,
 ) -> CopyResult:
     """Copy the manifest (or index) named by ``src_ref`` and everything it references.
 
     ``dst_tag`` tags the result in ``dst`` (None: push by digest only). With ``referrers=True``
     the manifests that refer to it (signatures, chunk tables) are copied too, recursively.
+    A registry destination mounts a missing blob from ``mount_from`` (repositories of the same
+    registry) or from where the per-user record says it was pushed, and records where it put
+    every blob for the next push.
     """
+    host = getattr(dst, "registry_host", None)
+    if record is None and host is not None and getattr(dst, "try_mount_from", None) is not None:
+        record = PushedBlobs()
     start = time.monotonic()
     desc = src.resolve(src_ref)
     raw, media_type = src.fetch_manifest(str(desc.digest))
@@ -113,6 +125,8 @@ def copy(
                 referrers=referrers,
                 progress=progress,
                 on_event=on_event,
+                mount_from=mount_from,
+                record=record,
             )
             result.blobs_total += sub.blobs_total
             result.blobs_copied += sub.blobs_copied
@@ -131,10 +145,26 @@ def copy(
             else:
                 todo.append(b)
         try_mount = getattr(dst, "try_mount", None)
+        try_mount_from = getattr(dst, "try_mount_from", None)
+        repository = getattr(dst, "repository", "")
+
+        def mounted(b: Descriptor) -> bool:
+            if try_mount is not None and try_mount(b, src):
+                return True
+            if try_mount_from is None or host is None:
+                return False
+            for repo in mount_candidates(record, host, repository, b.digest, mount_from):
+                try:
+                    if try_mount_from(b, repo):
+                        return True
+                except RegistryError:
+                    continue  # a hint, not a requirement: e.g. no pull access there; upload instead
+            return False
+
         with Progress(sum(b.size for b in todo), f"copy {desc.digest.hex[:12]}", progress) as prog:
 
             def transfer(b: Descriptor) -> str:
-                if try_mount is not None and try_mount(b, src):
+                if mounted(b):
                     prog.update(b.size)
                     return "mounted"
                 bar = prog.transfer(b.size, b.digest.hex[:12]) if prog.enabled else None
@@ -156,6 +186,10 @@ def copy(
                             result.bytes_copied += b.size
                         if on_event:
                             on_event({"event": f"blob.{outcome}", "digest": str(b.digest), "bytes": b.size})
+
+        if record is not None and host is not None:
+            record.remember(host, repository, [str(b.digest) for b in blobs])
+            record.save()
 
     pushed = dst.push_manifest(raw, desc.media_type, dst_tag)
     result.descriptor = Descriptor(
