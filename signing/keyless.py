@@ -33,7 +33,9 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
         from sigstore.oidc import IdentityToken, Issuer, detect_credential
         from sigstore.sign import SigningContext
     except ImportError as exc:  # pragma: no cover - depends on the optional extra
-        raise SigningError("keyless signing needs sigstore-python: pip install 'modelpack-oci[keyless]'") from exc
+        raise SigningError(
+            "keyless signing needs sigstore-python: pip install 'modelpack-oci[keyless]'"
+        ) from exc
     trust = ClientTrustConfig.staging() if staging else ClientTrustConfig.production()
     raw_token = detect_credential()
     if raw_token is None:  # interactive fallback (browser flow) for a person at a terminal
