@@ -178,6 +178,8 @@ def test_mirror_killed_mid_blob_resumes_at_the_origin_from_the_byte_reached(
     assert from_origin == big.size - from_mirror, (from_origin, from_mirror, big.size)
     gone = _abandoned(events)
     assert gone and gone[0]["blob"] == str(big.digest) and gone[0]["offset"] == from_mirror
+    split = [e["sources"] for e in read_events(str(events)) if e["event"] == "registry.blob_sources"]
+    assert {mirror.host: from_mirror, origin.host: from_origin} in split
 
 
 def test_mirror_corrupting_one_blob_is_abandoned_and_nothing_corrupt_is_written(

@@ -12,8 +12,9 @@ the whole blob matched its digest. So a mirror that refuses, errors, stalls (no 
 stall time: the read timeout of its client, whose retry budget is short) or dies mid-blob is
 abandoned for that blob and the origin continues from the byte reached; a mirror whose bytes do
 not hash to the digest is abandoned and the origin serves the whole blob. Each abandonment is an
-event (``registry.mirror_abandoned``: mirror, blob, reason, offset); ``bytes_by_source`` says
-how many bytes came from where. A mirror whose connection failed is skipped for
+event (``registry.mirror_abandoned``: mirror, blob, reason, offset); each blob a mirror served
+(maybe finished by the origin) is a ``registry.blob_sources`` event, and ``bytes_by_source``
+totals the bytes delivered per source host for the run. A mirror whose connection failed is skipped for
 ``DOWN_FOR_S`` so a dead mirror costs one short budget per run, not one per blob.
 
 Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
@@ -250,7 +251,8 @@ class MirroredBlobs:
             if spooled is not None:
                 return spooled
             offset = 0
-        return _CountingStream(ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host)
+        stream = _CountingStream(ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host)
+        return stream  # type: ignore[return-value]
 
     def _spool(self, desc: Descriptor) -> BinaryIO | None:
         """The whole blob from the mirrors (the origin finishing what they could not deliver),
@@ -288,8 +290,13 @@ class MirroredBlobs:
                     self._abandon(mirror, desc, str(exc), pos)
                 sources.append((mirror, pos - start))
             if pos == desc.size and hasher.hexdigest() == want:
+                split: dict[str, int] = {}
                 for mirror, n in sources:
-                    self._count(mirror.name if mirror is not None else self.origin.client.host, n)
+                    name = mirror.name if mirror is not None else self.origin.client.host
+                    self._count(name, n)
+                    split[name] = split.get(name, 0) + n
+                if self.events is not None:
+                    self.events.emit("registry.blob_sources", blob=str(desc.digest), sources=split)
                 spool.seek(0)
                 return spool  # type: ignore[return-value]
             for mirror, n in sources:
