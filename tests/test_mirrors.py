@@ -352,3 +352,37 @@ def test_mirror_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         hosts_toml_mirrors(str(d), "prefixed")
     with pytest.raises(MirrorConfigError, match="--mirror"):
         configured_mirrors("reg.example", ["ftp://x"], str(d))
+
+
+def test_a_full_spool_directory_falls_back_to_the_origin(
+    registry: RegistryServer,
+    origin: FaultProxy,
+    mirror_registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+    import tempfile
+
+    from modelpack.targets.registry import mirrors
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(tiny)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/fullspool")
+        monkeypatch.setattr(mirrors, "SPOOL_IN_MEMORY", 1)  # every spool on disk, in the tiny tmpfs
+        monkeypatch.setattr(tempfile, "tempdir", str(tiny))
+        opts, _events = _options(tmp_path, f"http://{mirror_registry.host}")
+        res = transfer.pull(
+            f"{origin.host}/mirrors/fullspool:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+        )
+        _same_files(tmp_path / "out", checkpoint, list(res.files))
+        origin.settle()
+        # the blobs too big for the spool came from the origin; nothing is left in the tmpfs
+        assert origin.blob_bytes[str(blobs[0].digest)] == blobs[0].size
+        assert list(tiny.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)

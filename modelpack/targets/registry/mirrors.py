@@ -247,10 +247,13 @@ class MirroredBlobs:
         """The blob from ``offset``: spooled from the mirrors and verified, else from the origin
         (unverified here, like every origin read: the consumer verifies)."""
         if offset == 0 and desc.size > 0 and self._usable():
-            spooled = self._spool(desc)
+            try:
+                spooled = self._spool(desc)
+            except OSError as exc:  # no room for the spool (TMPDIR full): the origin streams it
+                log.warning("cannot spool %s from a mirror (%s); using the origin", desc.digest, exc.strerror)
+                spooled = None
             if spooled is not None:
                 return spooled
-            offset = 0
         stream = _CountingStream(ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host)
         return stream  # type: ignore[return-value]
 
