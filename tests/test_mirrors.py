@@ -386,3 +386,31 @@ def test_a_full_spool_directory_falls_back_to_the_origin(
         assert list(tiny.iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_loader_range_falls_back_when_the_mirror_errors(
+    registry: RegistryServer,
+    origin: FaultProxy,
+    mirror_registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+) -> None:
+    from modelpack.loader.readers import TargetReader
+
+    big = _setup(registry, mirror_registry, checkpoint, "mirrors/ranges")[0]
+    mirror = FaultProxy(mirror_registry.host)
+    mirror.add(Fault(match=blob_get(str(big.digest)), status=500, times=None))
+    try:
+        opts, events = _options(tmp_path, f"http://{mirror.host}")
+        target = open_readable(f"{origin.host}/mirrors/ranges:v1", opts)
+        whole = open_readable(registry.ref("mirrors/ranges", None)).fetch_range(big, 0, big.size)
+        buf = bytearray(50_000)
+        TargetReader(target, big).read_into(999, memoryview(buf))
+        assert bytes(buf) == whole[999 : 999 + len(buf)]
+        origin.settle()
+        assert origin.blob_bytes[str(big.digest)] == len(buf)
+        assert target.bytes_by_source() == {origin.host: len(buf)}  # type: ignore[attr-defined]
+        gone = _abandoned(events)
+        assert gone and gone[0]["offset"] == 999 and "500" in gone[0]["reason"]
+    finally:
+        mirror.close()
