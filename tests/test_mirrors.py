@@ -102,6 +102,8 @@ def test_blobs_come_from_the_mirror_and_manifests_from_the_origin(
         assert sum(origin.blob_bytes.values()) == 0
         assert _origin_blob_gets(registry, mark) == []
         assert sum(mirror.blob_bytes.values()) == sum(d.size for d in blobs)
+        # the run's summary says where the bytes came from
+        assert res.bytes_by_source == {mirror.host: sum(d.size for d in blobs)}
         # a mirror never chooses the version: it is never asked for a manifest or a tag
         assert not [p for _, p, _ in mirror.requests if "/manifests/" in p]
         assert _abandoned(events) == []
@@ -123,6 +125,7 @@ def test_mirror_down_at_start_falls_back_to_the_origin(
     _same_files(tmp_path / "out", checkpoint, list(res.files))
     origin.settle()
     assert sum(origin.blob_bytes.values()) == sum(d.size for d in blobs)
+    assert res.bytes_by_source == {origin.host: sum(d.size for d in blobs)}
     gone = _abandoned(events)
     assert gone and all(e["mirror"] == dead.removeprefix("http://") for e in gone)
     assert "cannot reach" in gone[0]["reason"]
@@ -307,6 +310,7 @@ def test_pull_through_registry_is_a_real_mirror_and_hosts_toml_selects_it(
         )
         assert out.exit_code == 0, out.output
         _same_files(tmp_path / f"out{n}", checkpoint, json.loads(out.stdout)["files"])
+        assert json.loads(out.stdout)["bytesBySource"] == {cache.host: sum(d.size for d in blobs)}
         assert len([p for m, p, s in cache.requests_since(mark) if m == "GET" and "/blobs/" in p]) == len(
             blobs
         )

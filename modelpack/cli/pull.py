@@ -185,6 +185,9 @@ def report_pull(result: PullResult) -> None:
         f"({human_size(result.bytes_downloaded)}{resumed}), {result.present} already present{replaced}",
         err=True,
     )
+    if result.bytes_by_source:
+        sources = ", ".join(f"{name} {human_size(n)}" for name, n in sorted(result.bytes_by_source.items()))
+        click.echo(f"blob bytes by source: {sources}", err=True)
     for what, names in (
         ("not part of this artifact (kept; --delete removes them)", result.extra_files),
         ("not part of this artifact deleted (--delete)", result.deleted),

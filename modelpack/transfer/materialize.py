@@ -155,6 +155,7 @@ class PullResult:
     extra_files: list[str] = field(default_factory=list)  # at the destination, not in the artifact
     deleted: list[str] = field(default_factory=list)  # removed by delete
     swept: list[str] = field(default_factory=list)  # temp entries of dead pulls removed
+    bytes_by_source: dict[str, int] = field(default_factory=dict)  # mirror/origin → blob bytes
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -169,6 +170,7 @@ class PullResult:
             "resumedBytes": self.resumed_bytes,
             "extraFiles": self.extra_files,
             "deleted": self.deleted,
+            "bytesBySource": self.bytes_by_source,
             "seconds": round(self.seconds, 3),
         }
 
@@ -416,6 +418,9 @@ def pull_to_directory(
     if delete and result.extra_files:
         result.deleted = destination.delete_extra(dest, result.extra_files, artifact_files)
         result.extra_files = []
+    # Only registry targets with mirrors count their sources; others have nothing to say.
+    by_source = getattr(target, "bytes_by_source", None)
+    result.bytes_by_source = by_source() if callable(by_source) else {}
     result.seconds = time.monotonic() - start
     return result
 
