@@ -165,6 +165,19 @@ def test_two_tar_layers_writing_one_path_are_refused(tmp_path: Path) -> None:
     assert temp_entries(tmp_path / "m") == []
 
 
+def test_a_layer_staged_before_a_sibling_fails_is_cleaned_up(tmp_path: Path) -> None:
+    # Layer b fails late (a large member first), so layer a has finished staging by then: its
+    # staging directory must go with the failure, not outlive it.
+    layout = tmp_path / "layout"
+    a = image_layer(tar_of(tar_member("models/config.json", b'{"a":1}')), title="a")
+    filler = tar_member("models/filler.bin", b"\0" * (8 << 20))
+    b = image_layer(tar_of(filler, tar_member("models/config.json", b'{"b":2}')), title="b")
+    write_artifact(layout, "late", [a, b], image_config=True)
+    with pytest.raises((PullError, UnsafeTarError), match=r"config\.json"):
+        transfer.pull(f"oci:{layout}:late", str(tmp_path / "m"), jobs=2, progress="off")
+    assert temp_entries(tmp_path / "m") == []
+
+
 def test_a_tar_member_colliding_with_a_raw_layer_is_refused(tmp_path: Path) -> None:
     layout = tmp_path / "layout"
     layers = [

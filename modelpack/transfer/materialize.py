@@ -175,10 +175,17 @@ class PullResult:
         }
 
 
-def run_all(items: Sequence[T], fn: Callable[[T], R], jobs: int, cancel: Cancel) -> list[R]:
+def run_all(
+    items: Sequence[T],
+    fn: Callable[[T], R],
+    jobs: int,
+    cancel: Cancel,
+    discard: Callable[[R], None] | None = None,
+) -> list[R]:
     """``fn`` over ``items`` on up to ``jobs`` threads. The first failure (or a signal in this
     thread) cancels the rest; returns only once every worker has stopped and cleaned up, then
-    raises the failure that came first (not a sibling's cancellation)."""
+    raises the failure that came first (not a sibling's cancellation). Results of the workers
+    that did finish are handed to ``discard`` first, so nothing they staged outlives the failure."""
     if not items:
         return []
     with ThreadPoolExecutor(max(1, min(jobs, len(items))), thread_name_prefix="modelpack-pull") as pool:
@@ -190,6 +197,7 @@ def run_all(items: Sequence[T], fn: Callable[[T], R], jobs: int, cancel: Cancel)
             for f in futures:
                 f.cancel()
             wait(futures)
+            _discard(futures, discard)
             raise
         failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
         if failed:
@@ -197,11 +205,20 @@ def run_all(items: Sequence[T], fn: Callable[[T], R], jobs: int, cancel: Cancel)
             for f in futures:
                 f.cancel()
             wait(futures)
+            _discard(futures, discard)
             errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
             first = next((e for e in errors if not _is_cancellation(e)), errors[0])
             assert first is not None
             raise first
         return [f.result() for f in futures]
+
+
+def _discard(futures: Sequence[Future[R]], discard: Callable[[R], None] | None) -> None:
+    if discard is None:
+        return
+    for f in futures:
+        if f.done() and not f.cancelled() and f.exception() is None:
+            discard(f.result())
 
 
 def _is_cancellation(exc: BaseException | None) -> bool:
@@ -375,6 +392,7 @@ def pull_to_directory(
             lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel, keep_prefix),
             jobs,
             cancel,
+            discard=lambda staged_layer: staged_layer.dir.remove(),
         )
         try:
             outcome.update(_publish_staged(staged, dest, force, result))
