@@ -77,7 +77,7 @@ def test_cli_pack_from_s3_and_inspect(s3: S3Server, checkpoint: Path) -> None:
     assert summary["config"]["descriptor"]["version"] == "1.0"
     # a local path that does not exist is still a usage error
     res = runner.invoke(main, ["pack", "/no/such/dir", f"s3://{bucket}/oci/x:v1"])
-    assert res.exit_code == 2 and "not a directory" in res.output
+    assert res.exit_code == 2 and "/no/such/dir" in res.output and "does not exist" in res.output
 
 
 def test_bad_safetensors_header_in_s3_is_refused_by_name(s3: S3Server, checkpoint: Path) -> None:
