@@ -332,8 +332,9 @@ def test_header_length_over_the_limit_in_a_large_file(tmp_path: Path) -> None:
 
 
 def test_file_paths_longer_than_a_file_system_allows_are_refused() -> None:
-    from modelpack.errors import UnsafePathError
     from modelpack.mediatypes.annotations import safe_relative_path
+
+    from modelpack.errors import UnsafePathError
 
     assert safe_relative_path("a/" + "b" * 255) == "a/" + "b" * 255
     with pytest.raises(UnsafePathError, match="longer than") as info:

@@ -71,7 +71,11 @@ def _t(dtype: str = "F32", shape: list[int] | None = None, offs: list[int] | Non
 
 CASES = {
     "length past EOF": (lambda p: _write(p, {"w": _t()}, bytes(8), length=10_000), "runs past the end", None),
-    "header over 100 MB": (lambda p: _write(p, b"{}", b"", length=100_000_001), "not a safetensors file", None),
+    "header over 100 MB": (
+        lambda p: _write(p, b"{}", b"", length=100_000_001),
+        "not a safetensors file",
+        None,
+    ),
     "too short": (lambda p: p.write_bytes(b"\x01\x00"), "at least 8", None),
     "overlap": (
         lambda p: _write(p, {"a": _t(offs=[0, 8]), "b": _t(offs=[4, 12])}, bytes(12)),
