@@ -251,3 +251,20 @@ def test_closed_stderr_does_not_turn_an_error_into_a_crash(tmp_path: Path) -> No
     finally:
         os.close(w)
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize("source", ["./nope", "../nope", "/no/such/ckpt", "a-file"])
+def test_push_of_a_missing_directory_names_it(source: str, tmp_path: Path) -> None:
+    # before: "invalid registry host '.'" — the path was read as a reference
+    (tmp_path / "a-file").write_bytes(b"x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpack.cli", "push", source, "127.0.0.1:9/m:v1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"checkpoint directory {source} " in proc.stderr
+    assert ("is not a directory" if source == "a-file" else "does not exist") in proc.stderr

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpack.api import pack
-from modelpack.errors import InvalidReferenceError, ModelpackError, SigningError
+from modelpack.errors import InvalidReferenceError, ModelpackError, PackError, SigningError
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.packing.packer import PackOptions
@@ -96,6 +96,7 @@ def push(
         )
         digest, copied, files = packed.artifact.digest, packed.copy, len(packed.artifact.files)
     else:
+        _refuse_missing_directory(source)
         if format != "artifact" or compression:
             raise InvalidReferenceError(f"{source}: --format/--compression apply when pushing a directory")
         src_ref = parse_reference(source)
@@ -154,6 +155,18 @@ def _sign_then_tag(
         ) from exc
     target.tag(desc, tag)
     return signed.to_json()
+
+
+def _refuse_missing_directory(source: str) -> None:
+    """A SOURCE written as a path is a checkpoint directory that is not there, never a reference
+    (``./nope`` would otherwise read as the registry host ``.``)."""
+    looks_like_path = source in (".", "..") or source.startswith(("/", "./", "../", "~"))
+    if looks_like_path or (os.path.exists(source) and ":" not in source):
+        what = "is not a directory" if os.path.exists(source) else "does not exist"
+        raise PackError(
+            f"checkpoint directory {source} {what}; SOURCE is a directory, oci:LAYOUT:TAG, "
+            "s3://BUCKET/PREFIX or a registry reference"
+        )
 
 
 def _is_s3_checkpoint(source: str, target_options: TargetOptions | None) -> bool:
