@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$1
 [ -x "$VENV/bin/pip" ] || exit 0
-location=$("$VENV/bin/pip" show modelpack 2>/dev/null | sed -n 's/^Editable project location: //p')
+location=$("$VENV/bin/pip" show modelpack 2>/dev/null | sed -n 's/^Editable project location: //p' || true)
 if [ -n "$location" ] && [ "$(realpath "$location")" = "$(realpath .)" ]; then
   echo "bootstrap: replacing the old editable distribution 'modelpack' in $VENV by 'modelpack-oci'"
   "$VENV/bin/pip" uninstall -q -y modelpack
