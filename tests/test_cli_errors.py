@@ -268,3 +268,24 @@ def test_push_of_a_missing_directory_names_it(source: str, tmp_path: Path) -> No
     assert "Traceback" not in proc.stderr
     assert f"checkpoint directory {source} " in proc.stderr
     assert ("is not a directory" if source == "a-file" else "does not exist") in proc.stderr
+
+
+def test_copy_into_a_full_layout_names_the_blob_path(tmp_path: Path) -> None:
+    # before: "error: [Errno 28] No space left on device" with no path
+    from tests.pull_dir_helpers import MiB, raw_layer, small_tmpfs, temp_entries, write_artifact
+
+    src = tmp_path / "src"
+    write_artifact(src, "v1", [raw_layer("model.safetensors", b"\1" * (4 * MiB))])
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        if disk is None:
+            pytest.skip("mounting a tmpfs is not allowed here")
+        proc = subprocess.run(
+            [sys.executable, "-m", "modelpack.cli", "cp", f"oci:{src}:v1", f"oci:{disk}/layout:v1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert f"{disk}/layout/blobs/sha256/" in proc.stderr and "no space left" in proc.stderr
+        assert temp_entries(disk) == []

@@ -9,6 +9,7 @@ and digest checks; ``index.json`` is replaced atomically under a file lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -17,7 +18,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from modelpack import boundedjson
-from modelpack.errors import DocumentError, LayoutError, ManifestError, NotFoundError, SizeMismatchError
+from modelpack.errors import (
+    DiskFullError,
+    DocumentError,
+    FileWriteError,
+    LayoutError,
+    ManifestError,
+    NotFoundError,
+    SizeMismatchError,
+)
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
@@ -289,6 +298,14 @@ class OCILayoutTarget:
                     os.fsync(out.fileno())
             os.replace(tmp, final)
             fsync_dir(directory)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    final, f"no space left writing blob {desc.digest} (nothing kept)"
+                ) from exc
+            raise FileWriteError(final, f"{exc.strerror or exc}") from exc
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
