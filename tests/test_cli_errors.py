@@ -287,5 +287,5 @@ def test_copy_into_a_full_layout_names_the_blob_path(tmp_path: Path) -> None:
         )
         assert proc.returncode == 1, proc.stderr
         assert "Traceback" not in proc.stderr
-        assert f"{disk}/layout/blobs/sha256/" in proc.stderr and "no space left" in proc.stderr
+        assert f"{disk}/layout/blobs/sha256/" in proc.stderr and "No space left on device" in proc.stderr
         assert temp_entries(disk) == []

@@ -303,7 +303,7 @@ class OCILayoutTarget:
                 os.unlink(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFullError(
-                    final, f"no space left writing blob {desc.digest} (nothing kept)"
+                    final, f"{exc.strerror or 'no space left'} writing blob {desc.digest} (nothing kept)"
                 ) from exc
             raise FileWriteError(final, f"{exc.strerror or exc}") from exc
         except BaseException:
