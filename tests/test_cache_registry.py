@@ -2,7 +2,7 @@
 
 Each test tries to break one DESIGN §5 guarantee and then checks that nothing was lost and
 nothing false was marked ready. Bytes on the wire are counted by a loopback proxy in front of
-the registry (``CountingProxy``) and, where it matters, by the registry's own access log.
+the registry (``FaultProxy``) and, where it matters, by the registry's own access log.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from modelpack.errors import DigestMismatchError, InsufficientSpaceError, NotFou
 from modelpack.events import read_events
 from modelpack.targets.opener import TargetOptions
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.fixtures.faultproxy import FaultProxy
 from tests.test_cache_support import (
-    CountingProxy,
     committed,
     finish,
     partial_bytes,
@@ -34,9 +34,9 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def proxy(registry):  # type: ignore[no-untyped-def]
-    p = CountingProxy(registry.host)
+    p = FaultProxy(registry.host)
     yield p
-    p.stop()
+    p.close()
 
 
 def _model(tmp_path: Path, seed: int = 0, layers: int = 2) -> Path:
@@ -65,7 +65,7 @@ def test_pinned_hit_makes_no_request_and_tag_hit_only_resolves(registry, proxy, 
     assert cold.state == "cold" and str(cold.digest) == digest
     assert proxy.total_blob_bytes() == cold.bytes_downloaded == cold.bytes_total
 
-    proxy.reset()
+    proxy.clear()
     hit = cache.pull(f"{proxy.host}/cache/hit@{digest}", PLAIN)
     assert hit.state == "hit" and hit.path == cold.path
     assert proxy.requests == []  # pinned by digest: no network at all
@@ -109,7 +109,7 @@ def test_kill_9_mid_blob_then_rerun_resumes_only_the_missing_part(registry, prox
 
     proxy.rate = None
     proxy.wait_idle()
-    proxy.reset()
+    proxy.clear()
     result = cache.pull(ref, PLAIN)
     assert result.state == "cold"
     sizes = {str(d.digest): d.size for d in [*_manifest(cache, result.digest).layers]}
@@ -146,7 +146,7 @@ def test_eight_processes_one_download_per_blob(registry, proxy, tmp_path: Path) 
     total = results[0]["bytes"]["total"]
     assert sum(r["bytes"]["downloaded"] for r in results) == total  # downloaded once in all
     assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values())
-    assert sum(proxy.blob_bytes.values()) == total
+    assert proxy.total_blob_bytes() == total
     gets = _blob_gets(registry, mark)
     assert gets and all(n == 1 for n in gets.values()), gets
     # they really overlapped: others waited on the lock of the one downloading, then reused it
@@ -278,7 +278,7 @@ def test_a_hit_under_a_policy_is_verified_before_it_is_returned(registry, proxy,
     sign_artifact(target, target.resolve("v1"), key, chunk_table=False, directory_signature=False)
     ok = cache.pull(pinned, PLAIN, policy=policy)
     assert ok.state == "hit" and ok.signature == "verified"
-    proxy.reset()
+    proxy.clear()
     again = cache.pull(pinned, PLAIN, policy=policy)  # verified before with this key: no network
     assert again.state == "hit" and again.signature == "verified" and proxy.requests == []
     assert _events(cache_dir, "cache.signature_verified")[-1]["cached"] is True
