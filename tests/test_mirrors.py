@@ -47,6 +47,14 @@ def mirror_registry(registry_factory: RegistryFactory) -> RegistryServer:
     return registry_factory.start()
 
 
+@pytest.fixture
+def mirror(mirror_registry: RegistryServer) -> Iterator[FaultProxy]:
+    """The mirror registry behind its own FaultProxy: its faults and byte counters."""
+    p = FaultProxy(mirror_registry.host)
+    yield p
+    p.close()
+
+
 def _setup(
     registry: RegistryServer, mirror: RegistryServer | None, checkpoint: Path, repo: str
 ) -> list[Descriptor]:
@@ -85,30 +93,27 @@ def test_blobs_come_from_the_mirror_and_manifests_from_the_origin(
     registry: RegistryServer,
     origin: FaultProxy,
     mirror_registry: RegistryServer,
+    mirror: FaultProxy,
     checkpoint: Path,
     tmp_path: Path,
 ) -> None:
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/plain")
-    mirror = FaultProxy(mirror_registry.host)
-    try:
-        mark = registry.log_mark()
-        opts, events = _options(tmp_path, f"http://{mirror.host}")
-        res = transfer.pull(
-            f"{origin.host}/mirrors/plain:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-        )
-        _same_files(tmp_path / "out", checkpoint, list(res.files))
-        origin.settle()
-        mirror.settle()
-        assert sum(origin.blob_bytes.values()) == 0
-        assert _origin_blob_gets(registry, mark) == []
-        assert sum(mirror.blob_bytes.values()) == sum(d.size for d in blobs)
-        # the run's summary says where the bytes came from
-        assert res.bytes_by_source == {mirror.host: sum(d.size for d in blobs)}
-        # a mirror never chooses the version: it is never asked for a manifest or a tag
-        assert not [p for _, p, _ in mirror.requests if "/manifests/" in p]
-        assert _abandoned(events) == []
-    finally:
-        mirror.close()
+    mark = registry.log_mark()
+    opts, events = _options(tmp_path, f"http://{mirror.host}")
+    res = transfer.pull(
+        f"{origin.host}/mirrors/plain:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+    )
+    _same_files(tmp_path / "out", checkpoint, list(res.files))
+    origin.settle()
+    mirror.settle()
+    assert sum(origin.blob_bytes.values()) == 0
+    assert _origin_blob_gets(registry, mark) == []
+    assert sum(mirror.blob_bytes.values()) == sum(d.size for d in blobs)
+    # the run's summary says where the bytes came from
+    assert res.bytes_by_source == {mirror.host: sum(d.size for d in blobs)}
+    # a mirror never chooses the version: it is never asked for a manifest or a tag
+    assert not [p for _, p, _ in mirror.requests if "/manifests/" in p]
+    assert _abandoned(events) == []
 
 
 def test_mirror_down_at_start_falls_back_to_the_origin(
@@ -189,64 +194,57 @@ def test_mirror_corrupting_one_blob_is_abandoned_and_nothing_corrupt_is_written(
     registry: RegistryServer,
     origin: FaultProxy,
     mirror_registry: RegistryServer,
+    mirror: FaultProxy,
     checkpoint: Path,
     tmp_path: Path,
 ) -> None:
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/corrupt")
     big = blobs[0]
-    mirror = FaultProxy(mirror_registry.host)
     mirror.add(Fault(match=blob_get(str(big.digest)), corrupt_at=big.size // 2, times=None))
-    try:
-        mark = registry.log_mark()
-        opts, events = _options(tmp_path, f"http://{mirror.host}")
-        res = transfer.pull(
-            f"{origin.host}/mirrors/corrupt:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-        )
-        _same_files(tmp_path / "out", checkpoint, list(res.files))
-        origin.settle()
-        # the origin served that one blob, whole, and nothing else
-        assert dict(origin.blob_bytes) == {str(big.digest): big.size}
-        assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)] == [str(big.digest)]
-        gone = _abandoned(events)
-        assert (
-            len(gone) == 1 and "digest mismatch" in gone[0]["reason"] and gone[0]["blob"] == str(big.digest)
-        )
-    finally:
-        mirror.close()
+    mark = registry.log_mark()
+    opts, events = _options(tmp_path, f"http://{mirror.host}")
+    res = transfer.pull(
+        f"{origin.host}/mirrors/corrupt:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+    )
+    _same_files(tmp_path / "out", checkpoint, list(res.files))
+    origin.settle()
+    # the origin served that one blob, whole, and nothing else
+    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
+    assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)] == [str(big.digest)]
+    gone = _abandoned(events)
+    assert len(gone) == 1 and "digest mismatch" in gone[0]["reason"] and gone[0]["blob"] == str(big.digest)
 
 
 def test_mirror_stalling_is_abandoned_within_its_short_budget(
     registry: RegistryServer,
     origin: FaultProxy,
     mirror_registry: RegistryServer,
+    mirror: FaultProxy,
     checkpoint: Path,
     tmp_path: Path,
 ) -> None:
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/stall")
     big = blobs[0]
-    mirror = FaultProxy(mirror_registry.host)
     mirror.add(Fault(match=blob_get(str(big.digest)), stall=20, times=None))
-    try:
-        opts, events = _options(tmp_path, f"http://{mirror.host}", mirror_stall_s=0.5)
-        started = time.monotonic()
-        res = transfer.pull(
-            f"{origin.host}/mirrors/stall:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-        )
-        took = time.monotonic() - started
-        _same_files(tmp_path / "out", checkpoint, list(res.files))
-        origin.settle()
-        assert dict(origin.blob_bytes) == {str(big.digest): big.size}
-        gone = _abandoned(events)
-        assert len(gone) == 1 and gone[0]["blob"] == str(big.digest) and gone[0]["offset"] == 0
-        assert took < 20, took
-    finally:
-        mirror.close()
+    opts, events = _options(tmp_path, f"http://{mirror.host}", mirror_stall_s=0.5)
+    started = time.monotonic()
+    res = transfer.pull(
+        f"{origin.host}/mirrors/stall:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+    )
+    took = time.monotonic() - started
+    _same_files(tmp_path / "out", checkpoint, list(res.files))
+    origin.settle()
+    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
+    gone = _abandoned(events)
+    assert len(gone) == 1 and gone[0]["blob"] == str(big.digest) and gone[0]["offset"] == 0
+    assert took < 20, took
 
 
 def test_node_cache_and_loader_ranges_go_through_the_mirror(
     registry: RegistryServer,
     origin: FaultProxy,
     mirror_registry: RegistryServer,
+    mirror: FaultProxy,
     checkpoint: Path,
     tmp_path: Path,
 ) -> None:
@@ -255,27 +253,23 @@ def test_node_cache_and_loader_ranges_go_through_the_mirror(
 
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/cache")
     big = blobs[0]
-    mirror = FaultProxy(mirror_registry.host)
     mirror.add(Fault(match=blob_get(str(big.digest)), corrupt_at=7, times=1))
-    try:
-        opts, _events = _options(tmp_path, f"http://{mirror.host}")
-        result = NodeCache(str(tmp_path / "cache")).pull(f"{origin.host}/mirrors/cache:v1", opts)
-        for f in checkpoint.glob("*.safetensors"):
-            assert (Path(result.path) / f.name).read_bytes() == f.read_bytes()
-        origin.settle()
-        assert dict(origin.blob_bytes) == {str(big.digest): big.size}
+    opts, _events = _options(tmp_path, f"http://{mirror.host}")
+    result = NodeCache(str(tmp_path / "cache")).pull(f"{origin.host}/mirrors/cache:v1", opts)
+    for f in checkpoint.glob("*.safetensors"):
+        assert (Path(result.path) / f.name).read_bytes() == f.read_bytes()
+    origin.settle()
+    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
 
-        origin.clear()
-        target = open_readable(f"{origin.host}/mirrors/cache:v1", opts)
-        whole = open_readable(registry.ref("mirrors/cache", None)).fetch_range(big, 0, big.size)
-        buf = bytearray(100_000)
-        TargetReader(target, big).read_into(4321, memoryview(buf))
-        assert bytes(buf) == whole[4321 : 4321 + len(buf)]
-        origin.settle()
-        assert sum(origin.blob_bytes.values()) == 0
-        assert target.bytes_by_source() == {mirror.host: len(buf)}  # type: ignore[attr-defined]
-    finally:
-        mirror.close()
+    origin.clear()
+    target = open_readable(f"{origin.host}/mirrors/cache:v1", opts)
+    whole = open_readable(registry.ref("mirrors/cache", None)).fetch_range(big, 0, big.size)
+    buf = bytearray(100_000)
+    TargetReader(target, big).read_into(4321, memoryview(buf))
+    assert bytes(buf) == whole[4321 : 4321 + len(buf)]
+    origin.settle()
+    assert sum(origin.blob_bytes.values()) == 0
+    assert target.bytes_by_source() == {mirror.host: len(buf)}  # type: ignore[attr-defined]
 
 
 def test_pull_through_registry_is_a_real_mirror_and_hosts_toml_selects_it(
@@ -396,25 +390,22 @@ def test_loader_range_falls_back_when_the_mirror_errors(
     registry: RegistryServer,
     origin: FaultProxy,
     mirror_registry: RegistryServer,
+    mirror: FaultProxy,
     checkpoint: Path,
     tmp_path: Path,
 ) -> None:
     from modelpack.loader.readers import TargetReader
 
     big = _setup(registry, mirror_registry, checkpoint, "mirrors/ranges")[0]
-    mirror = FaultProxy(mirror_registry.host)
     mirror.add(Fault(match=blob_get(str(big.digest)), status=500, times=None))
-    try:
-        opts, events = _options(tmp_path, f"http://{mirror.host}")
-        target = open_readable(f"{origin.host}/mirrors/ranges:v1", opts)
-        whole = open_readable(registry.ref("mirrors/ranges", None)).fetch_range(big, 0, big.size)
-        buf = bytearray(50_000)
-        TargetReader(target, big).read_into(999, memoryview(buf))
-        assert bytes(buf) == whole[999 : 999 + len(buf)]
-        origin.settle()
-        assert origin.blob_bytes[str(big.digest)] == len(buf)
-        assert target.bytes_by_source() == {origin.host: len(buf)}  # type: ignore[attr-defined]
-        gone = _abandoned(events)
-        assert gone and gone[0]["offset"] == 999 and "500" in gone[0]["reason"]
-    finally:
-        mirror.close()
+    opts, events = _options(tmp_path, f"http://{mirror.host}")
+    target = open_readable(f"{origin.host}/mirrors/ranges:v1", opts)
+    whole = open_readable(registry.ref("mirrors/ranges", None)).fetch_range(big, 0, big.size)
+    buf = bytearray(50_000)
+    TargetReader(target, big).read_into(999, memoryview(buf))
+    assert bytes(buf) == whole[999 : 999 + len(buf)]
+    origin.settle()
+    assert origin.blob_bytes[str(big.digest)] == len(buf)
+    assert target.bytes_by_source() == {origin.host: len(buf)}  # type: ignore[attr-defined]
+    gone = _abandoned(events)
+    assert gone and gone[0]["offset"] == 999 and "500" in gone[0]["reason"]
