@@ -154,6 +154,13 @@ class UploadError(RegistryError):
     """A blob upload failed in a way a retry of the same session cannot fix."""
 
 
+class UploadSourceError(ModelpackError):
+    """Reading the local bytes of an upload failed (a disk error, a file that went away).
+
+    Deliberately not a ``RegistryError``: asking the registry again cannot fix a source that
+    cannot be read, so the upload fails at once instead of spending the retry budget."""
+
+
 class ManifestTooLargeError(RegistryError):
     """A manifest above the 4 MiB registries accept; refused before sending."""
 

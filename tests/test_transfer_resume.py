@@ -16,7 +16,7 @@ from typing import BinaryIO
 import pytest
 
 from modelpack.api import transfer
-from modelpack.errors import DigestMismatchError, RegistryConnectionError, RegistryError
+from modelpack.errors import DigestMismatchError, RegistryConnectionError, RegistryError, UploadSourceError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import BlobSource, file_blob_source
@@ -78,8 +78,11 @@ def test_chunked_upload_resumes_from_the_registry_offset(registry: RegistryServe
         f.seek(offset)
         return _FailAfter(f, 3 * MiB)  # type: ignore[return-value]
 
-    with pytest.raises((OSError, RegistryError)):
+    # a source that cannot be read is not a network cut: no retries, and the error says so
+    with pytest.raises(UploadSourceError) as exc:
         target.push_blob(BlobSource(desc, dying))
+    assert str(desc.digest) in str(exc.value) and "source went away" in str(exc.value)
+    assert target.stats.get("upload_retries", 0) == 0
     assert not target.exists(desc)
 
     # a new process (fresh target object) picks the session up from the saved state

@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO
 from urllib.parse import urlencode
 
 import requests
@@ -41,6 +41,7 @@ from modelpack.errors import (
     RegistryTLSError,
     SizeMismatchError,
     UploadError,
+    UploadSourceError,
 )
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor
@@ -66,12 +67,17 @@ def _upload_state_root() -> str:
 
 
 class _Slice:
-    """At most ``n`` bytes of ``reader``; has ``__len__`` so requests sends a Content-Length."""
+    """At most ``n`` bytes of ``reader``; has ``__len__`` so requests sends a Content-Length.
 
-    def __init__(self, reader: Any, n: int) -> None:
+    A read error of the source is raised as ``UploadSourceError``: the HTTP stack would turn an
+    ``OSError`` raised inside a request body into a connection error, and a retry loop would then
+    re-read a broken source until its budget ran out."""
+
+    def __init__(self, reader: _Reader, n: int, desc: Descriptor) -> None:
         self._reader = reader
         self._left = n
         self._n = n
+        self._desc = desc
 
     def __len__(self) -> int:
         return self._left
@@ -81,10 +87,16 @@ class _Slice:
             return b""
         if size < 0 or size > self._left:
             size = self._left
-        data: bytes = self._reader.read(size)
+        try:
+            data: bytes = self._reader.read(size)
+        except OSError as exc:
+            raise UploadSourceError(
+                f"{self._reader.source}: reading {self._desc.digest} for upload failed: {exc}; "
+                "nothing was committed"
+            ) from exc
         if not data:
             raise SizeMismatchError(
-                getattr(self._reader, "digest", "?"), self._n, self._n - self._left, source="upload source"
+                self._desc.digest, self._n, self._n - self._left, source=self._reader.source
             )
         self._left -= len(data)
         return data
@@ -94,22 +106,21 @@ class _SizeCheckedReader:
     """Reads a ``verified`` local file from ``offset``; fails if it is shorter or longer than the
     descriptor says (a file edited since it was hashed)."""
 
-    def __init__(self, raw: BinaryIO, desc: Descriptor, offset: int) -> None:
+    def __init__(self, raw: BinaryIO, desc: Descriptor, offset: int, source: str) -> None:
         self._raw = raw
         self._desc = desc
         self._pos = offset
+        self.source = source
 
     def read(self, n: int = -1) -> bytes:
         left = self._desc.size - self._pos
         if left <= 0:
             if self._raw.read(1):
-                raise SizeMismatchError(
-                    self._desc.digest, self._desc.size, self._pos + 1, source="upload source"
-                )
+                raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos + 1, source=self.source)
             return b""
         data = self._raw.read(left if n < 0 or n > left else n)
         if not data:
-            raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos, source="upload source")
+            raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos, source=self.source)
         self._pos += len(data)
         return data
 
@@ -331,10 +342,10 @@ class BlobUploader:
         if source.verified and source.local_path:
             # the packer hashed this very file moments ago: check sizes, skip a second hash pass
             # (the registry hashes what it receives and refuses a commit that does not match)
-            reader = _SizeCheckedReader(source.open(offset), desc, offset)
+            reader = _SizeCheckedReader(source.open(offset), desc, offset, source.local_path)
         else:
             reader = VerifyingReader(
-                source.open(0), desc.digest, desc.size, source=source.local_path or self._repo.name
+                source.open(0), desc.digest, desc.size, source=source.local_path or "upload source"
             )
         try:
             if offset and isinstance(reader, VerifyingReader):
@@ -380,7 +391,7 @@ class BlobUploader:
                 url,
                 scopes=self._repo.scopes(push=True),
                 headers={"Content-Type": "application/octet-stream"},
-                body=_Slice(reader, desc.size) if desc.size else b"",
+                body=_Slice(reader, desc.size, desc) if desc.size else b"",
                 ok=(201,),
                 what=f"upload {desc.digest} to {self._repo.name}",
             )
@@ -403,7 +414,7 @@ class BlobUploader:
                 "Content-Type": "application/octet-stream",
                 "Content-Range": f"{offset}-{offset + n - 1}",
             },
-            body=_Slice(reader, n),
+            body=_Slice(reader, n, desc),
             ok=(202,),
             what=f"upload chunk {offset}+{n} of {desc.digest} to {self._repo.name}",
         )
