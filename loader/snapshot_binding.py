@@ -17,6 +17,13 @@ copy, a replaced file, a blob left writable or owned by another user, a cache co
 is not refused outright: it is hashed against its layer digest while it is read, and the load
 fails if it does not match. What is refused is a directory whose manifest is not in a store, or
 whose marker disagrees with the manifest: then there is nothing to check the files against.
+
+Files extracted from tar layers (the image-shaped variant, modelcars, modctl and ModelPack
+``tar`` layers) are no store blob, so no inode can vouch for them: each is hashed while it is
+read against its own sha256 as the ready marker records it (``check_marker`` says which checks
+tie the marker to the manifest first, ``bind_extracted`` binds the files). The marker counts
+only as the cache owner's, read under the reader lease (``mount.snapshots``), the same trust as
+the cache's signature record; ``modelpack cache verify`` re-derives every file from the manifest.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.mediatypes.annotations import layer_filepath
+from modelpack.loader.weight_files import tar_layer
+from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
 
 from modelpack import boundedjson
 from modelpack.errors import (
@@ -74,6 +82,7 @@ class BoundFile:
     trusted: bool  # the store's committed blob: read without hashing
     reason: str  # why it must be hashed (empty when trusted)
     identity: tuple[int, int] | None  # (st_dev, st_ino) the opened file must still have
+    extracted: bool = False  # from a tar layer: ``layer`` is the file's own digest and size
 
 
 def claim(real: str) -> SnapshotClaim | None:
@@ -128,19 +137,41 @@ def pinned_manifest(c: SnapshotClaim) -> Manifest:
         ) from exc
 
 
-def check_marker(
-    c: SnapshotClaim, marker_files: list[tuple[str, str, int, bool]], manifest: Manifest
-) -> None:
-    """The marker's weight files must be exactly the manifest's weight layers (path, digest, size).
+# what an extracted file's descriptor says it is (it is no layer of the manifest)
+EXTRACTED_MEDIA_TYPE = "application/vnd.modelpack.extracted-file"
+EXTRACTED_REASON = (
+    "extracted from the manifest's tar layers, so not a store blob that can be trusted by inode: "
+    "hashed while it is read against its own sha256 in the ready marker"
+)
 
-    ``marker_files``: (path, digest, size, linked) as the ready marker lists them."""
+
+def check_marker(
+    c: SnapshotClaim,
+    marker_files: list[tuple[str, str, int, bool]],
+    manifest: Manifest,
+    blobs: set[str] | None = None,
+) -> list[tuple[str, Descriptor]]:
+    """Check the marker against the manifest; return the weight files extracted from tar layers.
+
+    ``marker_files``: (path, digest, size, linked) as the ready marker lists them; ``blobs``: the
+    marker's blob list. Raw weight layers must be listed exactly (path, digest, size, as hard
+    links). Files extracted from tar layers cannot be listed from the manifest without reading the
+    tar layers again (``modelpack cache verify`` does), so the marker's own per-file digests are
+    used — the marker is the cache owner's (the lease read it) — after checking what is cheap: the
+    manifest has tar layers at all, their blobs are in the store at their size, the marker's blob
+    list is the manifest's, every path is safe and listed once, and uncompressed tar layers hold at
+    least the bytes the marker says came out of them. A returned descriptor carries the file's
+    own digest and size (``EXTRACTED_MEDIA_TYPE``)."""
     expected: dict[str, tuple[str, int]] = {}
+    tars: list[Descriptor] = []
     for layer in manifest.layers:
         try:
             rel = layer_filepath(layer.annotations)
         except UnsafePathError as exc:
             raise UnverifiedSourceError(f"{c.path}: manifest layer {layer.digest}: {exc}") from exc
-        if rel and rel.endswith(".safetensors"):
+        if tar_layer(layer):
+            tars.append(layer)
+        elif rel and rel.endswith(".safetensors"):
             expected[rel] = (str(layer.digest), layer.size)
     listed = {p: (d, s, linked) for p, d, s, linked in marker_files if p.endswith(".safetensors")}
     problems = []
@@ -150,13 +181,59 @@ def check_marker(
             problems.append(f"{rel}: in the manifest, missing from the marker")
         elif (got[0], got[1]) != (digest, size) or not got[2]:
             problems.append(f"{rel}: marker says {got[0]} ({got[1]} B), the manifest {digest} ({size} B)")
-    problems += [f"{rel}: in the marker, not in the manifest" for rel in sorted(set(listed) - set(expected))]
+    problems += [
+        f"{rel}: in the marker, not in the manifest"
+        for rel, (_d, _s, linked) in sorted(listed.items())
+        if rel not in expected and linked
+    ]
+    extracted: list[tuple[str, Descriptor]] = []
+    seen: set[str] = set()
+    total = 0
+    for path, digest, size, linked in marker_files:
+        if linked:
+            continue
+        try:
+            rel = safe_relative_path(path, what="ready marker path")
+            desc = Descriptor(EXTRACTED_MEDIA_TYPE, Digest(digest), size)
+        except (UnsafePathError, ValueError) as exc:
+            problems.append(f"{path!r}: {exc}")
+            continue
+        if not tars:
+            problems.append(f"{rel}: listed as extracted from a tar layer, but the manifest has none")
+        elif rel in seen or size < 0:
+            problems.append(f"{rel}: listed twice, or with a negative size")
+        elif rel.endswith(".safetensors") and rel not in expected:
+            extracted.append((rel, desc))
+        seen.add(rel)
+        total += max(size, 0)
+    if tars:
+        wanted = {str(manifest.config.digest), *(str(layer.digest) for layer in manifest.layers)}
+        if blobs is not None and set(blobs) != wanted:
+            problems.append(
+                f"the marker's blobs are not the manifest's config and layers ({len(wanted)} blobs)"
+            )
+        store = os.path.join(c.root, "blobs", "sha256")
+        for layer in tars:
+            try:
+                st = os.lstat(os.path.join(store, Digest(layer.digest).hex))
+                ok = stat.S_ISREG(st.st_mode) and st.st_size == layer.size
+            except OSError:
+                ok = False
+            if not ok:
+                problems.append(f"tar layer {layer.digest}: not in the store at its size ({layer.size} B)")
+        uncompressed = [layer for layer in tars if layer.media_type.endswith(".tar")]
+        if len(uncompressed) == len(tars) and total > sum(layer.size for layer in tars):
+            problems.append(
+                f"the marker lists {total} B of extracted files, more than the tar layers hold "
+                f"({sum(layer.size for layer in tars)} B)"
+            )
     if problems:
         raise UnverifiedSourceError(
             f"{c.marker}: the ready marker does not match manifest {c.digest}: "
             + "; ".join(problems[:10])
             + ". Run 'modelpack cache verify' and pull again"
         )
+    return extracted
 
 
 def verified_by(c: SnapshotClaim, keys: Sequence[Any]) -> bool:
@@ -236,4 +313,26 @@ def bind_files(c: SnapshotClaim, layers: list[tuple[str, Descriptor]]) -> list[B
                 reason = f"{rel} is {st.st_size} bytes, the manifest says {layer.size}"
         trusted = not reason
         out.append(BoundFile(rel, path, layer, trusted, reason, (st.st_dev, st.st_ino) if trusted else None))
+    return out
+
+
+def bind_extracted(c: SnapshotClaim, files: list[tuple[str, Descriptor]]) -> list[BoundFile]:
+    """Files extracted from tar layers: never trusted, hashed against the marker's per-file digest.
+
+    The file must be a regular file inside the snapshot (no symlink, no path through one)."""
+    real_root = os.path.realpath(c.path)
+    out = []
+    for rel, desc in files:
+        path = os.path.join(c.path, *rel.split("/"))
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise UnverifiedSourceError(
+                f"{path}: {exc.strerror}; the ready marker lists it but the snapshot does not hold it"
+            ) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise UnverifiedSourceError(f"{path}: not a regular file; a snapshot holds files only")
+        if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+            raise UnverifiedSourceError(f"{path}: reached through a symlink that leaves the snapshot")
+        out.append(BoundFile(rel, path, desc, False, EXTRACTED_REASON, None, extracted=True))
     return out

@@ -2,7 +2,8 @@
 
 A snapshot is leased from its node cache for the whole load and bound to the manifest whose
 digest names it (``snapshot_binding``): files that are the store's committed blobs are served as
-``trusted``, anything else is hashed against its layer digest. A plain directory has no digest:
+``trusted``, anything else is hashed against its layer digest, and files extracted from tar
+layers are hashed against their own sha256 in the ready marker (``loader.hashing`` notice). A plain directory has no digest:
 it is served only with ``--allow-unverified``, and then a pin or a fingerprint fails closed.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from modelpack.loader import snapshot_binding
 from modelpack.loader.weight_files import (
+    MAX_CONFIG_BYTES,
     ResolvedSource,
     WeightFile,
     config_json_layer,
@@ -123,10 +125,10 @@ def _open_bound_snapshot(
                 f"REF@{digest}', or load it without --trusted-key",
                 [f.path for f in info.files if f.path.endswith(".safetensors")],
             )
-        snapshot_binding.check_marker(
-            found, [(f.path, f.digest, f.size, f.linked) for f in info.files], manifest
-        )
-        bound = snapshot_binding.bind_files(found, weight_layers(manifest, real))
+        marker = [(f.path, f.digest, f.size, f.linked) for f in info.files]
+        extracted = snapshot_binding.check_marker(found, marker, manifest, info.blob_digests())
+        bound = snapshot_binding.bind_files(found, weight_layers(manifest, real, from_cache=True))
+        bound += snapshot_binding.bind_extracted(found, extracted)
         files = []
         for b in bound:
             if b.trusted:
@@ -140,7 +142,18 @@ def _open_bound_snapshot(
                     )
                 )
         notices: list[tuple[str, dict[str, Any]]] = []
-        rehash = [b for b in bound if not b.trusted]
+        rehash = [b for b in bound if not b.trusted and not b.extracted]
+        hashed = [b for b in bound if b.extracted]
+        if hashed:
+            notices.append(
+                (
+                    "loader.hashing",
+                    {
+                        "files": [b.relpath for b in hashed],
+                        "reason": f"{snapshot_binding.EXTRACTED_REASON} (tar layer snapshot)",
+                    },
+                )
+            )
         if rehash:
             notices.append(
                 (
@@ -151,7 +164,7 @@ def _open_bound_snapshot(
                     },
                 )
             )
-        quant = quantization_from_hf_config(_verified_snapshot_config(real, manifest))
+        quant = quantization_from_hf_config(_verified_snapshot_config(real, manifest, marker))
     except UnsafePathError as exc:
         release()
         raise SourceError(str(exc)) from exc
@@ -161,13 +174,21 @@ def _open_bound_snapshot(
     return ResolvedSource(real, digest, manifest, files, False, quant, "hit", [release], notices)
 
 
-def _verified_snapshot_config(real: str, manifest: Manifest) -> bytes | None:
-    """config.json as the manifest has it (it decides the fingerprint's quantization field)."""
+def _verified_snapshot_config(
+    real: str, manifest: Manifest, marker: list[tuple[str, str, int, bool]]
+) -> bytes | None:
+    """config.json as the manifest has it (it decides the fingerprint's quantization field): its
+    raw layer's digest, or, extracted from a tar layer, its sha256 in the ready marker."""
     layer = config_json_layer(manifest)
-    if layer is None:
-        return None
+    if layer is not None:
+        digest, size = str(layer.digest), layer.size
+    else:
+        listed = [(d, s) for p, d, s, linked in marker if p == "config.json" and not linked]
+        if not listed or listed[0][1] > MAX_CONFIG_BYTES:
+            return None
+        digest, size = listed[0]
     data = read_small(os.path.join(real, "config.json"))
     if data is None:
         raise UnverifiedSourceError(f"{real}/config.json: missing from the snapshot")
-    verify_bytes(data, layer.digest, layer.size, what="config.json", source=real)
+    verify_bytes(data, digest, size, what="config.json", source=real)
     return data

@@ -10,9 +10,10 @@ Three ways a weight file is served (``WeightFile.mode``):
 - ``chunks``: a blob read by ranges with a signed chunk table: each chunk is hashed and checked
   BEFORE any of its bytes are copied towards a tensor.
 - ``whole``: a blob with no chunk table (only when none was asked for, or the caller accepted the
-  downgrade), or a snapshot file that is not the store's blob: the whole layer is read and
-  hashed, header included, and none of its tensors is handed out before the layer's sha256
-  matches the manifest.
+  downgrade), a snapshot file that is not the store's blob, or a snapshot file extracted from a
+  tar layer (its descriptor then carries the file's own sha256 and size from the ready marker):
+  the whole file is read and hashed, header included, and none of its tensors is handed out
+  before its sha256 matches.
 
 The helpers here are shared by the snapshot and target openers (``snapshot_source``,
 ``target_source``).
@@ -34,6 +35,8 @@ from modelpack.errors import DocumentError, ManifestError, SourceError, UnsafePa
 from modelpack.oci.descriptor import Descriptor, Manifest
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
+# Docker image layers (``…rootfs.diff.tar``, ``….tar.gzip``): a modelcar built by ``docker build``
+DOCKER_LAYER_PREFIX = "application/vnd.docker.image.rootfs."
 
 
 @dataclass
@@ -84,29 +87,61 @@ def quantization_from_hf_config(raw: bytes | None) -> str:
     return quant
 
 
-def weight_layers(manifest: Manifest, where: str) -> list[tuple[str, Descriptor]]:
-    """(relative path, descriptor) of every safetensors weight layer, refusing unsafe paths."""
+def tar_layer(layer: Descriptor) -> bool:
+    """Whether ``layer`` is a tar (its files come out of it by extraction, never by range reads):
+    the image-shaped variant, a modelcar (OCI or Docker layer types), or a ModelPack/modctl
+    ``tar``, ``tar+gzip`` or ``tar+zstd`` layer."""
+    from modelpack.mount.contents import tar_format
+
+    return tar_format(layer) is not None or layer.media_type.startswith(DOCKER_LAYER_PREFIX)
+
+
+def _may_hold_weights(layer: Descriptor, rel: str | None) -> bool:
+    """A tar layer whose files could be weights: any image layer (no file list outside the tar), a
+    ModelPack ``weight`` layer, one without a path, or one named ``*.safetensors``."""
+    lt = parse_layer_media_type(layer.media_type)
+    return lt is None or lt.kind == "weight" or not rel or rel.endswith(".safetensors")
+
+
+def weight_layers(
+    manifest: Manifest, where: str, *, from_cache: bool = False
+) -> list[tuple[str, Descriptor]]:
+    """(relative path, descriptor) of every raw safetensors weight layer, refusing unsafe paths.
+
+    Tar layers hold files only extraction can reach. ``from_cache``: a node-cache snapshot, whose
+    extracted files the ready marker lists (``snapshot_binding.check_marker``), so they are
+    skipped here. Otherwise (range reads from a target) a tar layer that may hold weights is a
+    refusal that says how to load it: pull it into the node cache and load the snapshot."""
     out = []
     for layer in manifest.layers:
         try:
             rel = layer_filepath(layer.annotations)
         except UnsafePathError as exc:
             raise ManifestError(f"{where}: layer {layer.digest}: {exc}") from exc
+        if tar_layer(layer):
+            if not from_cache and _may_hold_weights(layer, rel):
+                raise SourceError(
+                    f"{where}: layer {layer.digest} ({rel or 'no file path'}) is a tar layer "
+                    f"({layer.media_type}); range reads need raw layers, so it cannot be streamed. "
+                    f"Pull it into the node cache first, 'modelpack pull --cache DIR {where}', and "
+                    f"load the snapshot it prints: 'modelpack load DIR/snapshots/{manifest.digest.hex}'"
+                )
+            continue
         if not rel or not rel.endswith(".safetensors"):
             continue
-        lt = parse_layer_media_type(layer.media_type)
-        if lt is not None and not lt.is_raw:
-            raise SourceError(
-                f"{where}: layer {layer.digest} ({rel}) is {layer.media_type}; range reads need .raw layers"
-            )
         out.append((rel, layer))
     return out
 
 
 def config_json_layer(manifest: Manifest) -> Descriptor | None:
+    """The raw layer holding ``config.json`` (a tar layer's title may name it too: not its bytes)."""
     for layer in manifest.layers:
         with contextlib.suppress(UnsafePathError):
-            if layer_filepath(layer.annotations) == "config.json" and layer.size <= MAX_CONFIG_BYTES:
+            if (
+                layer_filepath(layer.annotations) == "config.json"
+                and layer.size <= MAX_CONFIG_BYTES
+                and not tar_layer(layer)
+            ):
                 return layer
     return None
 
