@@ -348,3 +348,43 @@ def test_a_file_added_next_to_them_is_not_loaded(
     assert "planted.weight" not in sd
     assert set(sd) == set(reference_tensors(checkpoint))
     assert "planted.safetensors" not in stats.verification
+
+
+def test_the_vllm_load_format_takes_a_modelcar_snapshot(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``--load-format modelpack`` with ``--model`` = the snapshot of a modelcar (no vLLM needed
+    for the rank load itself: the plugin hands vLLM exactly these checkpoint-shaped tensors)."""
+    from modelpack.loader import ShardRule
+
+    from modelpack.serving.weights import open_rank_load
+    from modelpack.testdata.synthetic import SyntheticSpec, hf_config
+
+    ref_name = push_with_oci_modelcar(registry, checkpoint, "tarload/vllm", tmp_path)
+    _nc, snap, digest = _pull(tmp_path, ref_name)
+    ref = reference_tensors(checkpoint)
+    log = tmp_path / "serving.jsonl"
+    rank = open_rank_load(
+        {"expected_digest": digest, "events": str(log)},
+        snap,
+        hf_config(SyntheticSpec(shards=2)),
+        2,
+        1,
+        environ={},
+    )
+    got = dict(rank.tensors())
+    assert set(got) == set(ref) and rank.plan is not None
+    for t in rank.plan.tensors:
+        full, want = got[t.name], ref[t.name]
+        assert full.shape == want.shape, t.name
+        if t.rule is ShardRule.DIM0:
+            n = want.shape[0] // 2
+            assert torch.equal(full[n:], want[n:]), t.name
+        elif t.rule is ShardRule.DIM1:
+            n = want.shape[1] // 2
+            assert torch.equal(full[:, n:], want[:, n:]), t.name
+        else:
+            assert torch.equal(full, want), t.name
+    assert rank.stats.verification == {w: "hashed" for w in _weights(checkpoint)}
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(e["event"] == "loader.hashing" for e in events)
