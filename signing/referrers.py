@@ -185,6 +185,10 @@ def confirm_referrers(
     *,
     write_seconds: float = 0.0,
     events: EventLog | None = None,
+    what: str = "signature referrers",
+    lost_event: str = "signing.referrer_lost",
+    consequence: str = "the signature is not published — sign again",
+    error: type[ModelpackError] = SigningError,
 ) -> None:
     """Make sure every pushed referrer is listed for ``manifest_desc``; re-push the missing ones
     (which merges them into the current fallback index) and read back again, waiting a little
@@ -192,8 +196,10 @@ def confirm_referrers(
 
     The first read waits one to two times ``write_seconds`` (how long one referrer write took,
     at least 50 ms), so a concurrent signer whose read-modify-write of the fallback index started
-    before ours has finished by then. Raises ``SigningError`` naming the target and digest when a referrer is still not
-    discoverable.
+    before ours has finished by then. Raises ``error`` (``SigningError``) naming the target and
+    digest when a referrer is still not discoverable. Shared by every writer of referrers (the
+    signers here, runtime-asset pushes): ``what``, ``lost_event`` and ``consequence`` word the
+    event and the message for the caller's kind of referrer.
     """
     events = events or NullEventLog()
     missing = list(pushed)
@@ -205,7 +211,7 @@ def confirm_referrers(
         if not missing:
             return
         events.emit(
-            "signing.referrer_lost",
+            lost_event,
             subject=str(manifest_desc.digest),
             referrers=[str(d.digest) for d in missing],
             attempt=attempt + 1,
@@ -216,8 +222,8 @@ def confirm_referrers(
                 verify_bytes(raw, desc.digest, None, what="referrer manifest", source=target.name)
                 target.push_manifest(raw, media_type, None)
         wait = min(wait * 2, CONFIRM_MAX_WAIT)
-    raise SigningError(
-        f"{target.name}: signature referrers {', '.join(str(d.digest) for d in missing)} of "
+    raise error(
+        f"{target.name}: {what} {', '.join(str(d.digest) for d in missing)} of "
         f"{manifest_desc.digest} are not discoverable after {CONFIRM_ATTEMPTS} read-backs (another "
-        "writer keeps replacing the referrers index); the signature is not published — sign again"
+        f"writer keeps replacing the referrers index); {consequence}"
     )

@@ -480,3 +480,121 @@ def test_fingerprint_files_fail_closed(tmp_path: Path) -> None:
         EnvironmentFingerprint.read(tmp_path / "unknown.json")
     with pytest.raises(AssetFingerprintError, match="tp_size"):
         EnvironmentFingerprint.from_dict({"tp_size": "8"})
+
+
+# --------------------------------------------------------------------------- concurrent pushes
+
+
+def _slow_reads(delay: float) -> Any:
+    import time
+
+    def rewrite(body: bytes, rng: str | None) -> bytes:
+        time.sleep(delay)
+        return body
+
+    return rewrite
+
+
+def test_concurrent_asset_pushes_of_one_model_both_end_discoverable(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    """Two replicas publish their caches of the same model at once. On a registry without the
+    referrers API each push is a read-modify-write of the model's ``sha256-<hex>`` fallback index;
+    the push reads its referrer back and re-adds it until it is listed, so neither is lost."""
+    import threading
+
+    from modelpack import api
+    from tests.fixtures.faultproxy import Fault, FaultProxy, manifest_get
+
+    write_checkpoint(str(tmp_path / "ckpt"), SyntheticSpec(shards=1))
+    base = registry.ref("assets-race/base", "v1")
+    digest = str(api.push(str(tmp_path / "ckpt"), base).digest)
+    model = open_readable(parse_reference(base)).resolve(digest)
+    fp = running_fingerprint(open_readable(parse_reference(base)), model)
+    caches = []
+    for i in range(2):
+        d = tmp_path / f"cache-{i}" / "fxgraph"
+        d.mkdir(parents=True)
+        (d / "entry").write_bytes(f"graph built by replica {i}".encode())
+        caches.append(d.parent)
+    events_path = tmp_path / "events.jsonl"
+    proxy = FaultProxy(registry.host)
+    # a slow registry: reading the fallback index takes a while, so read-modify-writes overlap
+    proxy.add(Fault(match=manifest_get("sha256-" + digest[7:]), rewrite=_slow_reads(0.1), times=None))
+    try:
+        for round_ in range(3):
+            repo = f"assets-race/round{round_}"
+            api.cp(base, registry.ref(repo, "v1"))
+            ref = f"{proxy.host}/{repo}@{digest}"
+            errors: list[BaseException] = []
+            pushed: list[str] = []
+            barrier = threading.Barrier(2)
+
+            def push(
+                cache: Path,
+                ref: str = ref,
+                errors: list[BaseException] = errors,
+                pushed: list[str] = pushed,
+                barrier: threading.Barrier = barrier,
+            ) -> None:
+                try:
+                    barrier.wait()
+                    res = push_asset(
+                        ref, cache, "inductor", fingerprint=fp, events=EventLog(str(events_path))
+                    )
+                    pushed.append(str(res.asset.digest))
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=push, args=(c,)) for c in caches]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not errors, errors
+            target = open_readable(parse_reference(registry.ref(repo, "v1")))
+            listed = {a.digest for a in list_assets(target, model, "inductor")}
+            assert set(pushed) <= listed and len(pushed) == 2, f"round {round_}: lost {set(pushed) - listed}"
+    finally:
+        proxy.close()
+    # the race did happen (an entry was overwritten) and was repaired, not merely avoided
+    assert _events(events_path, "assets.referrer_lost")
+
+
+def test_asset_push_fails_with_exit_1_when_its_referrer_stays_undiscoverable(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    import threading
+
+    import requests
+    from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
+
+    from modelpack import api
+
+    write_checkpoint(str(tmp_path / "ckpt"), SyntheticSpec(shards=1))
+    digest = str(api.push(str(tmp_path / "ckpt"), registry.ref("assets-race/dropped", "v1")).digest)
+    ref = f"{registry.host}/assets-race/dropped@{digest}"
+    cache = tmp_path / "cache" / "fxgraph"
+    cache.mkdir(parents=True)
+    (cache / "entry").write_bytes(b"graph")
+    # another writer that keeps replacing the fallback index with one that lacks our entry
+    url = f"http://{registry.host}/v2/assets-race/dropped/manifests/sha256-{digest[7:]}"
+    empty = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_TYPE_OCI_INDEX, "manifests": []}).encode()
+    stop = threading.Event()
+
+    def clobber() -> None:
+        with requests.Session() as s:
+            while not stop.is_set():
+                s.put(url, data=empty, headers={"Content-Type": MEDIA_TYPE_OCI_INDEX}, timeout=30)
+                stop.wait(0.02)
+
+    writer = threading.Thread(target=clobber, daemon=True)
+    writer.start()
+    try:
+        proc = cli("push", ref, str(cache.parent), "--kind", "inductor", check=False)
+    finally:
+        stop.set()
+        writer.join(30)
+    assert proc.returncode == 1, proc.stderr
+    assert "not discoverable" in proc.stderr and digest in proc.stderr, proc.stderr
+    assert "inductor asset" in proc.stderr and "push it again" in proc.stderr, proc.stderr

@@ -1,7 +1,9 @@
 """Publishing a compile cache as a runtime asset of a model, optionally signed.
 
 The asset is a referrer of the model manifest (it never changes the model, its tags or its other
-referrers), carrying the fingerprint of the environment the cache was built in. The push refuses
+referrers), carrying the fingerprint of the environment the cache was built in. The push returns
+only once the referrer is discoverable (``signing.referrers.confirm_referrers``: read back,
+re-add what a concurrent writer of the fallback index dropped, ``AssetError`` if it stays lost). The push refuses
 a fingerprint that can never match (an empty field) or that names another model: publishing an
 asset nobody can use only costs every later pull a fetch.
 """
@@ -34,7 +36,7 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.signing.keys import PrivateKey, load_private_key
 from modelpack.signing.manifest_signature import sign_manifest
-from modelpack.signing.referrers import subject_descriptor
+from modelpack.signing.referrers import confirm_referrers, subject_descriptor
 from modelpack.targets.base import bytes_blob_source, file_blob_source
 from modelpack.targets.opener import TargetOptions, open_target
 
@@ -147,7 +149,21 @@ def push_asset(
         subject=subject_descriptor(model),
         annotations=manifest_annotations(record, created_timestamp()),
     )
+    started = time.monotonic()
     asset = target.push_manifest(manifest.raw, MEDIA_TYPE_OCI_MANIFEST, None)
+    # on a registry without the referrers API the model's fallback index is a read-modify-write
+    # that a concurrent push (another replica's cache, a signer) can overwrite: read it back
+    confirm_referrers(
+        target,
+        model,
+        [asset],
+        write_seconds=time.monotonic() - started,
+        events=events,
+        what=f"{kind} asset",
+        lost_event="assets.referrer_lost",
+        consequence="the asset is not published — push it again",
+        error=AssetError,
+    )
     result = AssetPushResult(
         str(ref), str(model.digest), kind, asset, fp, packed.files, packed.bytes, packed.size
     )
