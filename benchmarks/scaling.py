@@ -5,9 +5,10 @@
     .venv/bin/python benchmarks/scaling.py --sizes 1G,4G,16G          # the docs/performance.md run
     .venv/bin/python benchmarks/scaling.py --sizes 16G,64G,156G --shards 48   # a bigger machine
 
-For every size a Llama-shaped bf16 checkpoint is generated (``modelpack.testdata.synthetic``,
-80 layers, hidden size and vocabulary scaled to the byte count; ``--shards`` files plus index, config,
-tokenizer config, generation config and README) and taken through the delivery chain, each stage
+For every size a Llama-shaped bf16 checkpoint is generated (``modelpack.testdata.synthetic``
+with ``benchmarks/shapes.py``'s spec: 80 layers, hidden size and vocabulary scaled to the byte
+count; ``--shards`` files plus index, config, tokenizer config, generation config and README)
+and taken through the delivery chain, each stage
 a fresh ``modelpack`` process whose wall time and peak RSS (``VmHWM`` from /proc, the child
 alone; ``benchmarks/transfer.py``'s ``run_child``) are recorded:
 
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from shapes import spec_for  # noqa: E402
 from transfer import run_child  # noqa: E402
 
 from modelpack.cli import parse_size  # noqa: E402
@@ -61,34 +63,7 @@ from tests.fixtures.registry import RegistryServer, start_registry  # noqa: E402
 
 MODELPACK = [sys.executable, "-c", "from modelpack.cli import main; main()"]
 STAGES = ("pack", "push", "pull dir", "pull cache", "cache hit", "load TP=1", "load TP=8 rank 0")
-LAYERS = 80
 GiB = 1 << 30
-
-
-def spec_for(size: int, shards: int) -> SyntheticSpec:
-    """An 80-layer Llama shape of about ``size`` bytes (bf16); every dimension divisible by 8.
-
-    Hidden (a multiple of 32) and the vocabulary (4 × hidden) grow with the size, so the tensor
-    count (723) stays the same and the 141-shard shape has about five tensors per file, none
-    empty, at any size from 64 MiB to 156 GiB."""
-
-    def nbytes(h: int) -> int:
-        inter, vocab = _inter(h), 4 * h
-        per_layer = 2 * h * h + 2 * (h // 4) * h + 3 * h * inter + 2 * h
-        return 2 * (2 * vocab * h + LAYERS * per_layer + h)
-
-    h = 32
-    while nbytes(h + 32) <= size:
-        h += 32
-    if abs(nbytes(h + 32) - size) < abs(nbytes(h) - size):
-        h += 32
-    return SyntheticSpec(
-        hidden=h, intermediate=_inter(h), layers=LAYERS, heads=32, kv_heads=8, vocab=4 * h, shards=shards
-    )
-
-
-def _inter(h: int) -> int:
-    return (int(h * 2.6875) + 63) // 64 * 64
 
 
 def tensor_bytes(spec: SyntheticSpec) -> int:
