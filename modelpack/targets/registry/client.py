@@ -50,6 +50,8 @@ from modelpack.targets.retry import RetryBudget
 log = logging.getLogger("modelpack.targets.registry")
 
 MAX_ERROR_BODY = 64 * 1024
+#: what is read of a success body nobody uses (GET /v2/, 201/202 answers) before the connection is dropped
+MAX_IGNORED_BODY = 64 * 1024
 #: answers that mean "not now": retried within the budget (a restarting registry behind a proxy)
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 #: a 500 is more often a lasting fault than an outage: retried a few times only
@@ -99,6 +101,20 @@ class _BigBlockAdapter(HTTPAdapter):
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         kwargs["blocksize"] = SOCKET_BLOCKSIZE
         super().init_poolmanager(*args, **kwargs)
+
+
+def _discard_body(resp: requests.Response) -> None:
+    """Consume a success body nobody reads so the connection can be reused — at most
+    ``MAX_IGNORED_BODY`` bytes of it: a longer (or endless) one costs the connection instead."""
+    try:
+        data = resp.raw.read(MAX_IGNORED_BODY + 1, decode_content=False)
+    except TRANSPORT_ERRORS:
+        resp.close()
+        return
+    if len(data) > MAX_IGNORED_BODY:
+        resp.close()  # drops the connection: the rest of the body is never read
+    else:
+        resp.raw.release_conn()
 
 
 def oci_error(response: requests.Response) -> tuple[str | None, str]:
@@ -310,7 +326,7 @@ class RegistryClient:
                     allow_redirects=method in ("GET", "HEAD"),
                 )
                 if not stream and resp.status_code in ok + allow:
-                    _ = resp.content  # read the (small) body now so the connection is reused
+                    _discard_body(resp)
             except requests.exceptions.SSLError as exc:
                 self._close_body(data)
                 if _untrusted_certificate(exc) or not idempotent or not budget.wait():
