@@ -1,7 +1,9 @@
-"""Push and pull throughput: modelpack vs skopeo against the same local registry, same run.
+"""Push and pull throughput: modelpack vs skopeo, modelpack-client and the curl ceiling, against
+the same local registry in the same run.
 
-A generated checkpoint (default 2 GiB) is pushed and pulled by both tools, each run as its own
-child process whose peak RSS (VmHWM) is read from /proc:
+A generated checkpoint (default 512 MiB: ``make bench`` stays within minutes; ``--size 2G`` or
+more for the issue-16 numbers) is pushed and pulled by each tool, each run as its own child
+process whose peak RSS (VmHWM) is read from /proc:
 
   push   modelpack push DIR → registry       (packs on the fly: hashing is included)
          modelpack cp oci:LAYOUT → registry   (like for like with skopeo)
@@ -9,18 +11,27 @@ child process whose peak RSS (VmHWM) is read from /proc:
   pull   modelpack pull registry → DIR        (verified files at their paths)
          modelpack cp registry → oci:LAYOUT   (like for like with skopeo)
          skopeo copy registry → oci:LAYOUT
+         modelpack-client pull registry → DIR (PyPI, from .venv-peers: sequential, no fsync)
+         curl ceiling: the layer blobs fetched to files by ``curl -s -o FILE URL``, 4 at a time
+         (``xargs -P 4``), and nothing else: no manifest, no hashing, no fsync. This is what the
+         registry can serve on this machine; pull rows print their ratio to it.
 
 Each push goes to a fresh registry process on fresh storage (same binary and config), so no
-tool finds blobs another tool already stored. Prints throughput, the ratio to skopeo, and peak RSS.
+tool finds blobs another tool already stored. Rounds rotate the order of the contenders; a row
+shows the best and the median time of its rounds, throughput (best), the ratio to its peer
+(push: skopeo; pull: the curl ceiling, best against best) and the peak RSS (for the curl
+ceiling: the largest single curl process). ``os.sync()`` runs, untimed, before every transfer.
 
-  .venv/bin/python benchmarks/transfer.py [--size 2G] [--shards 4] [--jobs 4] [--rounds 3]
+  .venv/bin/python benchmarks/transfer.py [--size 512M] [--shards 4] [--jobs 4] [--rounds 3] [--pull-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +48,9 @@ from tests.fixtures.registry import RegistryServer, start_registry  # noqa: E402
 
 MODELPACK = [sys.executable, "-c", "from modelpack.cli import main; main()"]
 SKOPEO = ["skopeo", "copy", "--preserve-digests"]
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+CLIENT = [str(PEERS_PYTHON), "-m", "modelpack_client", "--insecure"]
+CURL_PARALLEL = 4
 
 
 def _vm_hwm(pid: int) -> int:
@@ -50,8 +64,35 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-def run_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Run ``cmd``; return (seconds, peak RSS in bytes) of that child alone.
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (every thread's), from /proc."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _tree_hwm(pid: int) -> int:
+    """The largest VmHWM of ``pid`` and its descendants (one process's peak, not a sum)."""
+    peak, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        peak = max(peak, _vm_hwm(p))
+        todo += _children(p)
+    return peak
+
+
+def run_child(cmd: list[str], env: dict[str, str], *, tree: bool = False) -> tuple[float, int]:
+    """Run ``cmd``; return (seconds, peak RSS in bytes) of that child alone (``tree``: of the
+    largest process below it, for the curl ceiling's ``xargs`` of curls).
 
     Peak RSS is the child's ``VmHWM`` polled from /proc (``ru_maxrss`` would include the
     benchmark's own memory: a forked child inherits its parent's high-water mark until exec).
@@ -64,7 +105,7 @@ def run_child(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
         peak = 0
         while proc.poll() is None:
-            peak = max(peak, _vm_hwm(proc.pid))
+            peak = max(peak, _tree_hwm(proc.pid) if tree else _vm_hwm(proc.pid))
             time.sleep(0.01)
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
@@ -78,12 +119,32 @@ def drop_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def curl_ceiling(host: str, repo: str, layers: list[tuple[str, int]], dest: Path) -> list[str]:
+    """The ceiling: every layer blob fetched to a file by curl, ``CURL_PARALLEL`` at a time."""
+    args: list[str] = []
+    for i, (digest, _) in enumerate(layers):
+        args += [str(dest / f"blob{i}"), f"http://{host}/v2/{repo}/blobs/{digest}"]
+    script = f'mkdir -p "{dest}" && printf "%s\\n" "$@" | xargs -d "\\n" -P {CURL_PARALLEL} -n 2 curl -sf -o'
+    return ["sh", "-c", script, "curl-ceiling", *args]
+
+
+def manifest_layers(host: str, repo: str, tag: str) -> list[tuple[str, int]]:
+    accept = "application/vnd.oci.image.manifest.v1+json"
+    out = subprocess.run(
+        ["curl", "-sf", "-H", f"Accept: {accept}", f"http://{host}/v2/{repo}/manifests/{tag}"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    return [(layer["digest"], layer["size"]) for layer in json.loads(out)["layers"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="2G", help="checkpoint size (default 2G)")
+    ap.add_argument("--size", default="512M", help="checkpoint size (default 512M)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=4, help="modelpack --jobs")
     ap.add_argument("--rounds", type=int, default=3, help="repeat (rotating the order); best time per tool")
+    ap.add_argument("--pull-only", action="store_true", help="skip the push rows")
     ap.add_argument("--workdir", help="where to put data (default: a temp dir, removed after)")
     args = ap.parse_args()
 
@@ -91,6 +152,7 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mp-bench-transfer-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CI": "1", "MODELPACK_UPLOAD_STATE_DIR": str(work / "upload-state")}
+    client_env = {**env, "DOCKER_CONFIG": str(work / "no-docker-config")}
     servers: list[RegistryServer] = []
     try:
         ckpt = work / "ckpt"
@@ -102,12 +164,12 @@ def main() -> None:
         digest = str(packed.artifact.digest)
         print(f"checkpoint: {total / 2**30:.2f} GiB in {len(packed.artifact.files)} files; {digest}")
 
-        results: dict[str, tuple[float, int]] = {}
+        times: dict[str, list[float]] = {}
+        peaks: dict[str, int] = {}
 
         def record(name: str, seconds: float, rss: int) -> None:
-            best = results.get(name)
-            if best is None or seconds < best[0]:
-                results[name] = (seconds, rss if best is None else max(rss, best[1]))
+            times.setdefault(name, []).append(seconds)
+            peaks[name] = max(rss, peaks.get(name, 0))
 
         def fresh_registry() -> RegistryServer:
             base = Path(tempfile.mkdtemp(prefix="registry-", dir=work))
@@ -129,38 +191,75 @@ def main() -> None:
                 lambda ref: [*SKOPEO, "--dest-tls-verify=false", f"oci:{layout}:v1", f"docker://{ref}"],
             ),
         ]
+        layers: list[tuple[str, int]] = []
         pulls = [
-            ("pull modelpack (files)", lambda ref, dest: [*MODELPACK, "pull", ref, str(dest), *jobs]),
-            ("pull modelpack (layout)", lambda ref, dest: [*MODELPACK, "cp", ref, f"oci:{dest}:v1", *jobs]),
+            ("pull curl ceiling (4 ∥)", lambda s, dest: curl_ceiling(s.host, "bench/model", layers, dest)),
+            (
+                "pull modelpack (files)",
+                lambda s, dest: [*MODELPACK, "pull", s.ref("bench/model", "v1"), str(dest), *jobs],
+            ),
+            (
+                "pull modelpack (layout)",
+                lambda s, dest: [*MODELPACK, "cp", s.ref("bench/model", "v1"), f"oci:{dest}:v1", *jobs],
+            ),
             (
                 "pull skopeo (layout)",
-                lambda ref, dest: [*SKOPEO, "--src-tls-verify=false", f"docker://{ref}", f"oci:{dest}:v1"],
+                lambda s, dest: [
+                    *SKOPEO,
+                    "--src-tls-verify=false",
+                    f"docker://{s.ref('bench/model', 'v1')}",
+                    f"oci:{dest}:v1",
+                ],
             ),
         ]
+        if PEERS_PYTHON.exists():
+            pulls.append(
+                (
+                    "pull modelpack-client",
+                    lambda s, dest: [*CLIENT, "pull", s.ref("bench/model", "v1"), str(dest)],
+                )
+            )
+        else:
+            print("modelpack-client row left out: .venv-peers is missing (make deps installs it)")
         for r in range(args.rounds):
             # the order rotates each round so no tool always runs first
-            for name, make in pushes[r % 3 :] + pushes[: r % 3]:
-                s = fresh_registry()  # each push into a fresh, empty registry
-                t, rss = run_child(make(s.ref("bench/model", "v1")), env)
-                record(name, t, rss)
-                retire(s)
+            if not args.pull_only:
+                for name, make in pushes[r % 3 :] + pushes[: r % 3]:
+                    s = fresh_registry()  # each push into a fresh, empty registry
+                    t, rss = run_child(make(s.ref("bench/model", "v1")), env)
+                    record(name, t, rss)
+                    retire(s)
             s = fresh_registry()
             run_child([*MODELPACK, "push", str(ckpt), s.ref("bench/model", "v1"), *jobs], env)
-            for name, make_pull in pulls[r % 3 :] + pulls[: r % 3]:
+            layers = manifest_layers(s.host, "bench/model", "v1")
+            n = len(pulls)
+            for name, make_pull in pulls[r % n :] + pulls[: r % n]:
                 dest = work / "pulled"
                 drop_dir(dest)
-                t, rss = run_child(make_pull(s.ref("bench/model", "v1"), dest), env)
+                cmd = make_pull(s, dest)
+                t, rss = run_child(cmd, client_env, tree=name.startswith("pull curl"))
                 record(name, t, rss)
                 drop_dir(dest)
             retire(s)
 
+        load = os.getloadavg()
         print()
-        print(f"{'transfer':<26}{'seconds':>9}{'MB/s':>9}{'vs skopeo':>11}{'peak RSS':>11}")
-        for name, (t, rss) in results.items():
-            peer = "push skopeo (layout)" if name.startswith("push") else "pull skopeo (layout)"
-            ratio = results[peer][0] / t
-            print(f"{name:<26}{t:>9.2f}{total / t / 1e6:>9.0f}{ratio:>10.2f}x{rss / 2**20:>8.0f} MiB")
-        print("\nratio = skopeo seconds / this tool's seconds (>1: faster than skopeo)")
+        print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.rounds} rounds")
+        print(f"{'transfer':<26}{'best s':>8}{'median':>8}{'GB/s':>7}{'vs peer':>9}{'peak RSS':>11}")
+        for name, ts in times.items():
+            best = min(ts)
+            peer = "push skopeo (layout)" if name.startswith("push") else "pull curl ceiling (4 ∥)"
+            ratio = min(times[peer]) / best
+            print(
+                f"{name:<26}{best:>8.2f}{statistics.median(ts):>8.2f}{total / best / 1e9:>7.2f}"
+                f"{ratio:>8.2f}x{peaks[name] / 2**20:>8.0f} MiB"
+            )
+        print("\nvs peer = the peer's best seconds / this row's best (push: skopeo; pull: the curl ceiling)")
+        print("pull modelpack (files) vs pull modelpack-client: ", end="")
+        if "pull modelpack-client" in times:
+            print(f"{min(times['pull modelpack-client']) / min(times['pull modelpack (files)']):.2f}x")
+        else:
+            print("n/a")
     finally:
         for s in servers:
             s.stop()
