@@ -20,14 +20,15 @@ if [ ${#need_apt[@]} -gt 0 ] && [ "${MODELPACK_SKIP_APT:-}" != 1 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 stamp="$VENV/.modelpack-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/bootstrap.sh -nt "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==2.13.0"
   # the distribution was called "modelpack" before it became "modelpack-oci": an editable install of
   # this checkout under the old name would claim the same package and `modelpack` script twice
   bash .ci/drop-old-distribution.sh "$VENV"
-  "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s]" --config-settings editable_mode=strict
+  # bench: the benchmarks' peers and plots (runai-model-streamer, matplotlib), for `make bench`
+  "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s,bench]" --config-settings editable_mode=strict
   touch "$stamp"
 fi
 [ "${MODELPACK_SKIP_VLLM:-}" = 1 ] || bash .ci/vllm-venv.sh  # vLLM (CPU) for tests/test_vllm.py, own venv
