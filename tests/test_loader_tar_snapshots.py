@@ -388,3 +388,14 @@ def test_the_vllm_load_format_takes_a_modelcar_snapshot(
     assert rank.stats.verification == {w: "hashed" for w in _weights(checkpoint)}
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert any(e["event"] == "loader.hashing" for e in events)
+
+
+def test_a_cache_and_reference_pair_loads_a_tar_snapshot(
+    image_cache: tuple[NodeCache, str, str], checkpoint: Path
+) -> None:
+    nc, _snap, digest = image_cache
+    stats = LoadStats()
+    sd = load_state_dict((nc, digest), expected_digest=digest, stats=stats)
+    ref = reference_tensors(checkpoint)
+    assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    assert stats.state == "hit" and set(stats.verification.values()) == {"hashed"}
