@@ -3,8 +3,9 @@
 A snapshot is leased from its node cache for the whole load and bound to the manifest whose
 digest names it (``snapshot_binding``): files that are the store's committed blobs are served as
 ``trusted``, anything else is hashed against its layer digest, and files extracted from tar
-layers are hashed against their own sha256 in the ready marker (``loader.hashing`` notice). A plain directory has no digest:
-it is served only with ``--allow-unverified``, and then a pin or a fingerprint fails closed.
+layers are hashed against their own sha256 in the ready marker (``loader.hashing`` notice). A
+plain directory has no digest: it is served only with ``--allow-unverified``, and then a pin or a
+fingerprint fails closed.
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def _verified_snapshot_config(
         if not listed or listed[0][1] > MAX_CONFIG_BYTES:
             return None
         digest, size = listed[0]
-    data = read_small(os.path.join(real, "config.json"))
+    path = os.path.join(real, "config.json")
+    data = read_small(path)
     if data is None:
-        raise UnverifiedSourceError(f"{real}/config.json: missing from the snapshot")
-    verify_bytes(data, digest, size, what="config.json", source=real)
+        raise UnverifiedSourceError(f"{path}: missing from the snapshot")
+    verify_bytes(data, digest, size, what="config.json", source=path)
     return data

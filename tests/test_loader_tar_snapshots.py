@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from modelpack.api import transfer
 from modelpack.cli import main
-from modelpack.errors import DigestMismatchError, SourceError, UnverifiedSourceError
+from modelpack.errors import DigestMismatchError, SizeMismatchError, SourceError, UnverifiedSourceError
 from modelpack.events import EventLog
 from tests.fixtures.registry import RegistryServer
 from tests.loader_helpers import expected_shard, reference_tensors
@@ -399,3 +399,22 @@ def test_a_cache_and_reference_pair_loads_a_tar_snapshot(
     ref = reference_tensors(checkpoint)
     assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     assert stats.state == "hit" and set(stats.verification.values()) == {"hashed"}
+
+
+def test_an_extracted_config_json_edited_in_place_fails_the_load(
+    image_cache: tuple[NodeCache, str, str],
+) -> None:
+    """config.json decides the fingerprint's quantization: checked against its marker sha256."""
+    _nc, snap, digest = image_cache
+    cfg = Path(snap) / "config.json"
+    text = cfg.read_text()
+    os.chmod(cfg, 0o644)
+    cfg.write_text(text.replace('"', "'", 1))  # same size, other bytes
+    os.chmod(cfg, 0o444)
+    with pytest.raises(DigestMismatchError, match=re.escape(str(cfg))):
+        load_state_dict(snap, expected_digest=digest)
+    os.chmod(cfg, 0o644)
+    cfg.write_text(text + " ")  # one byte longer
+    os.chmod(cfg, 0o444)
+    with pytest.raises(SizeMismatchError, match=re.escape(str(cfg))):
+        load_state_dict(snap, expected_digest=digest)
