@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -328,3 +329,94 @@ def test_cli_pack_inspect_ls_json(checkpoint: Path, tmp_path: Path) -> None:
     ]
     bad = subprocess.run([str(exe), "inspect", f"oci:{layout}:nope"], capture_output=True, text=True)
     assert bad.returncode == 1 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """Overwrite ``path`` in place (same inode) until its mtime shows it (coarse kernel clocks)."""
+    before = path.stat().st_mtime_ns
+    while True:
+        with open(path, "r+b") as f:
+            f.write(data)
+        if path.stat().st_mtime_ns != before:
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("link", ["auto", "copy"])
+@pytest.mark.parametrize("change", ["replaced", "rewritten", "appended", "chmod"])
+def test_a_file_that_changes_after_it_was_hashed_is_refused(
+    checkpoint: Path, tmp_path: Path, link: str, change: str
+) -> None:
+    """Hash first, link or copy later: a file replaced by a new one of the same size (how editors and
+    ``save_file`` write), rewritten in place, grown or chmod-ed in between must not be stored under
+    what was recorded for it."""
+    from modelpack.transfer.copy import copy
+
+    shard = checkpoint / "model-00002-of-00002.safetensors"
+    art = build_artifact(str(checkpoint))
+    packed = next(f for f in art.files if f.relpath == shard.name)
+    original = shard.read_bytes()
+    evil = original[:-4] + bytes(b ^ 0xFF for b in original[-4:])  # same size, last tensor bytes differ
+    if change == "replaced":
+        (checkpoint / "new").write_bytes(evil)
+        os.replace(checkpoint / "new", shard)
+    elif change == "rewritten":
+        _rewrite_in_place(shard, evil)
+    elif change == "appended":
+        with open(shard, "ab") as f:
+            f.write(b"\0")
+    else:  # the same bytes, but the mode recorded in the file metadata is no longer the file's
+        os.chmod(shard, 0o600)
+    target = OCILayoutTarget(tmp_path / "l", create=True, link=link)
+    with pytest.raises(PackError, match=r"model-00002-of-00002\.safetensors.*changed after it was hashed"):
+        copy(art, target, "latest", "v1")
+    assert not target.exists(Descriptor("application/octet-stream", packed.digest, packed.size))
+    if change in ("replaced", "rewritten"):
+        # packing again hashes what is there now
+        again = build_artifact(str(checkpoint))
+        assert next(f for f in again.files if f.relpath == shard.name).digest == _sha(shard) != packed.digest
+
+
+def test_an_unchanged_file_touched_by_nobody_packs_after_a_delay(checkpoint: Path, tmp_path: Path) -> None:
+    from modelpack.transfer.copy import copy
+
+    art = build_artifact(str(checkpoint))
+    os.utime(checkpoint)  # the directory changing is not a file changing
+    (checkpoint / "unrelated.txt").write_text("later")  # nor is a new file nobody packed
+    result = copy(art, OCILayoutTarget(tmp_path / "l", create=True), "latest", "v1")
+    assert result.blobs_copied == len(art.files) + 1
+
+
+def test_a_file_whose_bytes_do_not_match_its_size_while_hashed_is_refused() -> None:
+    """The bytes read must be the size stat gave before the first read (a file growing or shrinking
+    under the hasher); /proc files are the real files that always report 0 bytes and yield more."""
+    from modelpack.packing.packer import hash_file
+
+    with pytest.raises(
+        PackError, match=r"/proc/self/status: changed while it was hashed \(read \d+ bytes of a 0-byte"
+    ):
+        hash_file("/proc/self/status")
+
+
+def test_a_shard_swapped_after_its_header_was_checked_is_refused(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that swaps a validated shard for garbage between the header check and hashing (the
+    timing is forced by wrapping the real parser) must not get unvalidated bytes packed."""
+    from modelpack.packing import packer, safetensors_format
+
+    shard = checkpoint / "model-00001-of-00002.safetensors"
+
+    def read_then_swap(path: str) -> safetensors_format.SafetensorsHeader:
+        header = safetensors_format.read_header(path)
+        if path.endswith(shard.name):
+            garbage = checkpoint / "garbage"
+            garbage.write_bytes(b"\xff" * shard.stat().st_size)  # not safetensors at all
+            os.replace(garbage, shard)
+        return header
+
+    monkeypatch.setattr(packer, "read_header", read_then_swap)
+    with pytest.raises(
+        PackError, match=r"model-00001-of-00002\.safetensors: changed after its safetensors header"
+    ):
+        build_artifact(str(checkpoint))

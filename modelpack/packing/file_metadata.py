@@ -28,6 +28,13 @@ def file_mode(st_mode: int) -> int:
     return stat.S_IMODE(st_mode) & 0o777
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What says a file is still the one that was hashed: device, inode, size, mtime (ns) and mode.
+    A file replaced by a new one (a new inode), rewritten in place (mtime), grown or chmod-ed (the
+    mode is recorded) compares unequal. Not ctime: hard-linking the file into a layout changes it."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode)
+
+
 def source_date_epoch(environ: Mapping[str, str] | None = None) -> int:
     """``SOURCE_DATE_EPOCH`` as seconds, 0 when unset; a value that is not a non-negative integer
     is refused (reproducible-builds.org says tools must not guess)."""
@@ -48,4 +55,4 @@ def rfc3339(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-__all__ = ["DEFAULT_MODE", "EPOCH_RFC3339", "file_mode", "rfc3339", "source_date_epoch"]
+__all__ = ["DEFAULT_MODE", "EPOCH_RFC3339", "file_identity", "file_mode", "rfc3339", "source_date_epoch"]

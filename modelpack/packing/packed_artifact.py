@@ -8,6 +8,7 @@ image-shaped variant all build one.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from modelpack.mediatypes import ModelSpecConfig
 from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
-from modelpack.packing.file_metadata import source_date_epoch
+from modelpack.packing.file_metadata import file_identity, source_date_epoch
 from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
 
 
@@ -61,6 +62,14 @@ class PackOptions:
             source_date_epoch()  # a malformed SOURCE_DATE_EPOCH is refused before any hashing
 
 
+_CHANGES = {
+    "size": "its size differs",
+    "file": "it was replaced by another file",
+    "time": "it was modified in place",
+    "mode": "its mode changed",
+}
+
+
 @dataclass(frozen=True)
 class PackedFile:
     relpath: str
@@ -72,6 +81,29 @@ class PackedFile:
     mode: int = 0o644  # permission bits recorded in the file metadata (and image tar headers)
     # Remote files (an S3 checkpoint) have no local path: ``opener(offset)`` streams their bytes.
     opener: Callable[[int], BinaryIO] | None = field(default=None, compare=False, repr=False)
+    #: ``file_identity`` of ``path`` when it was hashed; checked again before its bytes are handed on
+    identity: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+
+    def check_unchanged(self) -> None:
+        """Refuse a file that is no longer the one hashed (replaced, rewritten, grown, removed):
+        its bytes would otherwise be stored or pushed under the digest of the old ones."""
+        if self.identity is None:
+            return
+        try:
+            now: tuple[int, ...] = file_identity(os.stat(self.path))
+        except OSError as exc:
+            raise PackError(
+                f"{self.path}: {exc.strerror or exc} — it changed after it was hashed; "
+                "nothing of it was stored; pack again once nothing writes to the checkpoint"
+            ) from None
+        if now != self.identity:
+            what = (
+                "size" if now[2] != self.identity[2] else "file" if now[:2] != self.identity[:2] else "time"
+            )
+            raise PackError(
+                f"{self.path}: changed after it was hashed ({_CHANGES[what]}); nothing of it was "
+                "stored under the old digest; pack again once nothing writes to the checkpoint"
+            )
 
 
 @dataclass
@@ -112,6 +144,7 @@ class PackedArtifact:
             raise NotFoundError(f"{self.name}: blob {descriptor.digest} not found")
         if f.opener is not None:
             return BlobSource(descriptor, f.opener)  # unverified: the writer checks the digest
+        f.check_unchanged()  # "verified" below means: these are the bytes this process hashed
         return file_blob_source(descriptor, f.path, verified=True)
 
     def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:

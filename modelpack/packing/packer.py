@@ -16,9 +16,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from modelpack.errors import PackError, SafetensorsError
-from modelpack.oci.digest import sha256_file
+from modelpack.oci.digest import Digest, sha256_fileobj
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify, discover_files
-from modelpack.packing.file_metadata import file_mode
+from modelpack.packing.file_metadata import file_identity, file_mode
 from modelpack.packing.model_config import describe_model, format_param_size, read_json
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.reshard import reshard
@@ -36,10 +36,7 @@ def build_artifact(
     opts.check(OTHER_FILE_CHOICES)
     root = os.path.realpath(checkpoint_dir)
     files = discover_files(root, opts.include, opts.exclude)
-    headers: dict[str, SafetensorsHeader] = {}
-    for rel, full in files:
-        if rel.endswith(".safetensors"):
-            headers[rel] = read_header(full)
+    headers, checked = _read_headers(files)
     staging: str | None = None
     if opts.max_file_size:
         if opts.max_file_size < 1024 * 1024:
@@ -47,7 +44,7 @@ def build_artifact(
         if any(h.file_size > opts.max_file_size for h in headers.values()):
             staging = tempfile.mkdtemp(prefix=".modelpack-reshard-", dir=staging_parent)
             files = reshard(files, headers, opts.max_file_size, staging)
-            headers = {rel: read_header(full) for rel, full in files if rel.endswith(".safetensors")}
+            headers, checked = _read_headers(files)
     try:
         kinds: list[tuple[str, str, str, bool]] = []
         for rel, full in files:
@@ -61,10 +58,18 @@ def build_artifact(
 
             def hash_one(item: tuple[str, str, str, bool]) -> PackedFile:
                 rel, full, kind, untested = item
-                mode = file_mode(os.stat(full).st_mode)
-                digest, size = sha256_file(full)
+                digest, size, st = hash_file(full)
                 prog.update(size)
-                return PackedFile(rel, full, kind, untested, size, digest, mode)
+                identity = file_identity(st)
+                if rel in checked and checked[rel] != identity:
+                    # the header validated (and described in the config) is not this file's
+                    raise PackError(
+                        f"{full}: changed after its safetensors header was checked; "
+                        "pack again once nothing writes to the checkpoint"
+                    )
+                return PackedFile(
+                    rel, full, kind, untested, size, digest, file_mode(st.st_mode), identity=identity
+                )
 
             # Largest files first so the two cores finish together.
             order = sorted(range(len(kinds)), key=lambda i: -os.path.getsize(kinds[i][1]))
@@ -85,6 +90,41 @@ def build_artifact(
         raise
 
 
+def _read_headers(
+    files: list[tuple[str, str]],
+) -> tuple[dict[str, SafetensorsHeader], dict[str, tuple[int, ...]]]:
+    """Every safetensors header, strictly parsed, with the identity of the file it was read from
+    (taken first: a file replaced before the read is then a mismatch at hashing too)."""
+    headers: dict[str, SafetensorsHeader] = {}
+    checked: dict[str, tuple[int, ...]] = {}
+    for rel, full in files:
+        if rel.endswith(".safetensors"):
+            checked[rel] = file_identity(os.stat(full))
+            headers[rel] = read_header(full)
+    return headers, checked
+
+
+def hash_file(path: str) -> tuple[Digest, int, os.stat_result]:
+    """Digest, size and stat of one file, refused if it changed while it was read: the stat taken
+    before the first byte must still hold after the last, and the bytes read must be its size."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            before = os.fstat(f.fileno())
+            digest, size = sha256_fileobj(f)
+            after = os.fstat(f.fileno())
+            now = os.stat(path)  # the path may have been given to another file meanwhile
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
+        raise
+    if not (file_identity(before) == file_identity(after) == file_identity(now) and size == before.st_size):
+        raise PackError(
+            f"{path}: changed while it was hashed (read {size} bytes of a {before.st_size}-byte file, "
+            f"now {now.st_size} bytes); pack again once nothing writes to the checkpoint"
+        )
+    return digest, size, before
+
+
 def checkpoint_headers(artifact: PackedArtifact) -> dict[str, SafetensorsHeader]:
     return {f.relpath: read_header(f.path) for f in artifact.files if f.relpath.endswith(".safetensors")}
 
@@ -101,5 +141,6 @@ __all__ = [
     "describe_model",
     "discover_files",
     "format_param_size",
+    "hash_file",
     "reshard",
 ]
