@@ -128,6 +128,21 @@ def curl_ceiling(host: str, repo: str, layers: list[tuple[str, int]], dest: Path
     return ["sh", "-c", script, "curl-ceiling", *args]
 
 
+def baseline_tree(rev: str, where: Path, env: dict[str, str]) -> str:
+    """``modelpack`` as of ``rev``, laid out as the installed package (the top-level folders
+    ``mediatypes/`` … inside it, as pyproject's package-dir maps them); returns the PYTHONPATH."""
+    src = where / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    pkg = where / "pkg"
+    shutil.copytree(src / "modelpack", pkg / "modelpack")
+    for sub in ("mediatypes", "signing", "mount", "loader"):
+        shutil.copytree(src / sub, pkg / "modelpack" / sub)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(pkg)], env=env, check=True)
+    return str(pkg)
+
+
 def manifest_layers(host: str, repo: str, tag: str) -> list[tuple[str, int]]:
     accept = "application/vnd.oci.image.manifest.v1+json"
     out = subprocess.run(
@@ -145,6 +160,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4, help="modelpack --jobs")
     ap.add_argument("--rounds", type=int, default=3, help="repeat (rotating the order); best time per tool")
     ap.add_argument("--pull-only", action="store_true", help="skip the push rows")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also pull with modelpack as of git revision REV (before/after in the same run)",
+    )
     ap.add_argument("--workdir", help="where to put data (default: a temp dir, removed after)")
     args = ap.parse_args()
 
@@ -152,6 +172,13 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="mp-bench-transfer-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CI": "1", "MODELPACK_UPLOAD_STATE_DIR": str(work / "upload-state")}
+    # Installed packages start from compiled bytecode (pip compiles at install; modelpack-client's
+    # .pyc files are in .venv-peers): so does modelpack here, from a private cache compiled now,
+    # even where PYTHONDONTWRITEBYTECODE is set (it would recompile ~80 modules in every child).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+    sources = [str(ROOT / d) for d in ("modelpack", "mediatypes", "signing", "mount", "loader")]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], env=env, check=True)
     client_env = {**env, "DOCKER_CONFIG": str(work / "no-docker-config")}
     servers: list[RegistryServer] = []
     try:
@@ -212,6 +239,14 @@ def main() -> None:
                 ],
             ),
         ]
+        if args.baseline:
+            base_env = {**env, "PYTHONPATH": baseline_tree(args.baseline, work / "baseline", env)}
+            pulls.append(
+                (
+                    f"pull modelpack @{args.baseline[:10]}",
+                    lambda s, dest: [*MODELPACK, "pull", s.ref("bench/model", "v1"), str(dest), *jobs],
+                )
+            )
         if PEERS_PYTHON.exists():
             pulls.append(
                 (
@@ -237,7 +272,8 @@ def main() -> None:
                 dest = work / "pulled"
                 drop_dir(dest)
                 cmd = make_pull(s, dest)
-                t, rss = run_child(cmd, client_env, tree=name.startswith("pull curl"))
+                child_env = base_env if name.startswith("pull modelpack @") else client_env
+                t, rss = run_child(cmd, child_env, tree=name.startswith("pull curl"))
                 record(name, t, rss)
                 drop_dir(dest)
             retire(s)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from modelpack.errors import FileWriteError, UnsafePathError
-from modelpack.files import TEMP_PREFIX, fsync_dir, write_error
+from modelpack.files import TEMP_PREFIX, DirSyncs, fsync_dir, write_error
 from modelpack.oci.digest import sha256_file
 
 ABSENT = "absent"
@@ -92,8 +92,9 @@ def make_parents(dest: str, relpath: str) -> str:
     return directory
 
 
-def publish(staged: str, dest: str, relpath: str) -> None:
-    """Rename a verified file into place (replacing a file or symlink, never a directory)."""
+def publish(staged: str, dest: str, relpath: str, dirs: DirSyncs | None = None) -> None:
+    """Rename a verified, fsynced file into place (replacing a file or symlink, never a
+    directory); its directory is fsynced now, or once for all by ``dirs``."""
     directory = make_parents(dest, relpath)
     final = os.path.join(dest, *relpath.split("/"))
     if os.path.isdir(final) and not os.path.islink(final):
@@ -101,7 +102,10 @@ def publish(staged: str, dest: str, relpath: str) -> None:
     try:
         os.chmod(staged, 0o644)
         os.replace(staged, final)
-        fsync_dir(directory)
+        if dirs is None:
+            fsync_dir(directory)
+        else:
+            dirs.add(directory, root=dest)
     except OSError as exc:
         raise write_error(final, exc) from exc
 

@@ -5,6 +5,10 @@ the disk fills up or the source goes away, the partial is kept and the error say
 next pull re-hashes it and asks the source only for the rest (a Range request). Every other
 way out (a digest mismatch, a signal, a closed output, a cancelled sibling) removes it. Nothing
 unverified is ever at a final path.
+
+Durability is ordered, not per step: the write-back of the partial starts while it is written
+(``Writeback``), the partial is fsynced once verified, then renamed; the directory fsync is left
+to the caller's ``DirSyncs`` (one per directory after all renames) when it passes one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from modelpack.errors import (
     TransferCancelled,
     TransferInterrupted,
 )
-from modelpack.files import fsync_dir, write_error
+from modelpack.files import DirSyncs, Writeback, fsync_dir, write_error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import HASH_CHUNK
 from modelpack.progress import TransferBar
@@ -122,8 +126,14 @@ def download_raw(
     *,
     cancel: Cancel,
     bar: TransferBar | None = None,
+    dirs: DirSyncs | None = None,
+    root: str | None = None,
 ) -> Downloaded:
-    """Fetch ``desc`` from ``target`` into ``final`` by way of ``partial`` (resumed when present)."""
+    """Fetch ``desc`` from ``target`` into ``final`` by way of ``partial`` (resumed when present).
+
+    The verified partial is fsynced, then renamed to ``final``; its directory is fsynced here,
+    or added to ``dirs`` (with the directories up to ``root``: the pull may have created them)
+    for the caller to fsync once after all its renames."""
     fd, partial = open_partial(partial)
     resumable = partial.endswith(PARTIAL_SUFFIX)  # else a private temp file: its name is not found again
     got = Downloaded()
@@ -150,7 +160,10 @@ def download_raw(
             os.fsync(fd)
             os.fchmod(fd, 0o644)
             os.replace(partial, final)
-            fsync_dir(os.path.dirname(final))
+            if dirs is None:
+                fsync_dir(os.path.dirname(final))
+            else:
+                dirs.add(os.path.dirname(final), root=root)
         except OSError as exc:
             raise write_error(final, exc, kept=f"the verified download is kept in {partial}") from exc
     except BaseException as exc:
@@ -184,6 +197,7 @@ def _fetch_rest(
     if n >= desc.size:
         return n
     os.lseek(fd, offset, os.SEEK_SET)
+    writeback = Writeback(fd, offset)
     stream = CancellableReader(target.fetch_blob(desc, offset), cancel, bar)
     try:
         while n <= desc.size:
@@ -200,6 +214,7 @@ def _fetch_rest(
                     have = os.fstat(fd).st_size
                     kept = f"the {have} bytes downloaded so far are kept in {partial}; free space and pull again to resume"
                 raise write_error(final, exc, kept=kept) from exc
+            writeback.wrote(len(chunk))
             h.update(chunk)
             n += len(chunk)
             got.fetched += len(chunk)

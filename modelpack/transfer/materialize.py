@@ -17,11 +17,12 @@ resumes or sweeps what a killed one left (``staging``).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import posixpath
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ from modelpack.errors import (
     TransferCancelled,
     UnsupportedLayerError,
 )
-from modelpack.files import free_bytes, write_error
+from modelpack.files import DirSyncs, free_bytes, write_error
 from modelpack.mediatypes import IMAGE_LAYER_MEDIA_TYPES, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -308,7 +309,9 @@ def _stage_tar(
     return _Staged(staging, files)
 
 
-def _publish_staged(staged: list[_Staged], dest: str, force: bool, result: PullResult) -> dict[str, str]:
+def _publish_staged(
+    staged: list[_Staged], dest: str, force: bool, result: PullResult, dirs: DirSyncs
+) -> dict[str, str]:
     """Check staged files against the destination, then rename them into place; returns each
     file's outcome. Conflicts are refused before any file moves."""
     places = [
@@ -324,9 +327,22 @@ def _publish_staged(staged: list[_Staged], dest: str, force: bool, result: PullR
         if place.state == destination.SAME:
             outcome[rel] = "present"
             continue
-        destination.publish(os.path.join(s.dir.path, *rel.split("/")), dest, rel)
+        destination.publish(os.path.join(s.dir.path, *rel.split("/")), dest, rel, dirs)
         outcome[rel] = "replaced" if place.state == destination.DIFFERS else "downloaded"
     return outcome
+
+
+@contextlib.contextmanager
+def _syncing(dirs: DirSyncs) -> Iterator[None]:
+    """fsync the directories renamed into once the transfers are over: on success a failure to
+    persist them is the pull's error; after a failure, what did land is persisted best-effort."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, FileWriteError):
+            dirs.sync()
+        raise
+    dirs.sync()
 
 
 def _ensure_dest(dest: str) -> None:
@@ -384,9 +400,10 @@ def pull_to_directory(
     raw_bytes = sum(job.descriptor.size - _size(partials[job.relpath]) for job in fetch)
     budget = _budget(dest, max_bytes, raw_bytes)
     cancel = Cancel()
+    dirs = DirSyncs()  # each directory fsynced once, after the renames into it
     outcome: dict[str, str] = {}
     total = sum(j.descriptor.size for j in plan.tar) + sum(j.descriptor.size for j in fetch)
-    with Progress(total, f"pull {digest[7:19]}", progress) as prog:
+    with _syncing(dirs), Progress(total, f"pull {digest[7:19]}", progress) as prog:
         staged = run_all(
             plan.tar,
             lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel, keep_prefix),
@@ -395,7 +412,7 @@ def pull_to_directory(
             discard=lambda staged_layer: staged_layer.dir.remove(),
         )
         try:
-            outcome.update(_publish_staged(staged, dest, force, result))
+            outcome.update(_publish_staged(staged, dest, force, result, dirs))
         finally:
             for s in staged:
                 s.dir.remove()
@@ -407,7 +424,14 @@ def pull_to_directory(
             bar = prog.transfer(job.descriptor.size, job.relpath) if prog.enabled else None
             try:
                 return download_raw(
-                    target, job.descriptor, job.final_path, partials[job.relpath], cancel=cancel, bar=bar
+                    target,
+                    job.descriptor,
+                    job.final_path,
+                    partials[job.relpath],
+                    cancel=cancel,
+                    bar=bar,
+                    dirs=dirs,
+                    root=dest,
                 )
             finally:
                 if bar is not None:
