@@ -420,3 +420,24 @@ def test_a_shard_swapped_after_its_header_was_checked_is_refused(
         PackError, match=r"model-00001-of-00002\.safetensors: changed after its safetensors header"
     ):
         build_artifact(str(checkpoint))
+
+
+def test_an_image_layer_is_not_built_from_a_file_changed_after_hashing(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--format image tars the files after hashing them; a file rewritten in between is refused."""
+    from modelpack.packing import image_format
+
+    (tmp_path / "staging").mkdir()
+    real = image_format.build_artifact
+
+    def build_then_rewrite(*args: object, **kw: object) -> object:
+        art = real(*args, **kw)  # type: ignore[arg-type]
+        readme = checkpoint / "README.md"
+        _rewrite_in_place(readme, readme.read_bytes()[::-1])
+        return art
+
+    monkeypatch.setattr(image_format, "build_artifact", build_then_rewrite)
+    with pytest.raises(PackError, match=r"README\.md: changed after it was hashed"):
+        image_format.build_image_artifact(str(checkpoint), staging_parent=str(tmp_path / "staging"))
+    assert list((tmp_path / "staging").iterdir()) == []  # the staged tars are gone too

@@ -254,6 +254,8 @@ def build_image_artifact(
                 modes={f.relpath: f.mode for f in group},
                 mtime=mtime,
             )
+            for f in group:  # the tar holds the bytes that were hashed and validated, or nothing
+                f.check_unchanged()
             title = group[0].relpath if len(group) == 1 else f"{group[0].relpath} (+{len(group) - 1} files)"
             layers.append(Descriptor(media_type, digest, size, annotations={ANNOTATION_TITLE: title}))
             diff_ids.append(str(diff_id))
