@@ -11,11 +11,14 @@ status and headers are the answer; the body is ignored).
 from __future__ import annotations
 
 import http.server
+import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from modelpack.errors import RegistryConnectionError, RegistryNotFoundError
 from modelpack.targets.registry.client import MAX_IGNORED_BODY, RegistryClient
 
 ENDLESS = 1 << 30  # 1 GiB declared: far more than any ignored body may cost
@@ -107,3 +110,88 @@ def test_an_endless_success_body_is_not_read(
     assert sent < MAX_IGNORED_BODY + (32 << 20), (
         f"{method} {path}: the client read {sent} bytes of an ignored body"
     )
+
+
+class _Drip(http.server.ThreadingHTTPServer):
+    """A registry that trickles: one byte at a time, each well inside any read timeout.
+
+    ``/v2/`` asks for a bearer token from ``/token`` (served trickling) when ``token`` is set;
+    ``/v2/x/tags/list`` trickles a document; ``/v2/x/manifests/gone`` a 404 error body."""
+
+    daemon_threads = True
+
+    def __init__(self, token: bool) -> None:
+        super().__init__(("127.0.0.1", 0), _DripHandler)
+        self.token = token
+
+
+class _DripHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Drip
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _trickle(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+        self.close_connection = True
+
+    def do_GET(self) -> None:
+        port = self.server.server_address[1]
+        path = self.path.split("?", 1)[0]
+        if self.server.token and path != "/token" and "Authorization" not in self.headers:
+            challenge = f'Bearer realm="http://127.0.0.1:{port}/token",service="drip"'
+            self._trickle(401, b"{}", {"WWW-Authenticate": challenge})
+        elif path == "/token":
+            self._trickle(200, b'{"token": "' + b"t" * 4000 + b'"}')
+        elif path == "/v2/x/manifests/gone":
+            error = {"errors": [{"code": "MANIFEST_UNKNOWN", "message": "m" * 4000}]}
+            self._trickle(404, json.dumps(error).encode())
+        else:
+            self._trickle(200, b'{"name": "x", "tags": [' + b'"t",' * 1000 + b'"t"]}')
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("case", "path", "error", "words"),
+    [
+        ("document", "/v2/x/tags/list", RegistryConnectionError, "too slowly"),
+        ("token", "/v2/x/tags/list", RegistryConnectionError, "trickled"),
+        ("error body", "/v2/x/manifests/gone", RegistryNotFoundError, "list tags of x"),
+    ],
+)
+def test_a_body_dripped_byte_by_byte_is_abandoned_at_the_deadline(
+    case: str, path: str, error: type[Exception], words: str
+) -> None:
+    """A per-read timeout never fires on a body that trickles in. A document (manifest, index,
+    tag list) and a token must arrive whole within the client's timeout, or the request fails;
+    an error body is abandoned at the deadline and the error raised with what has arrived."""
+    server = _Drip(token=case == "token")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = RegistryClient(
+        f"127.0.0.1:{server.server_address[1]}", plain_http=True, timeout=2.0, retry_for=0
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(error) as exc:
+            client.fetch_document(
+                path, scopes=("repository:x:pull",), max_bytes=1 << 20, what="list tags of x"
+            )
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    assert words in str(exc.value)
+    assert time.monotonic() - started < 30  # the whole drip would take minutes

@@ -40,6 +40,7 @@ from modelpack import boundedjson
 from modelpack.errors import AuthenticationError, DocumentError, RegistryConnectionError, RegistryError
 from modelpack.files import atomic_write_bytes
 from modelpack.targets.options import TargetOptions
+from modelpack.targets.registry.bodies import read_by_deadline
 from modelpack.targets.registry.hosts import (
     canonical_host,
     host_name,
@@ -374,7 +375,9 @@ class Authenticator:
                     stream=True,
                 )
             with resp:
-                body = resp.raw.read(MAX_TOKEN_RESPONSE + 1, decode_content=True)
+                body, in_time = read_by_deadline(resp.raw, MAX_TOKEN_RESPONSE + 1, self._timeout)
+                if not in_time:
+                    raise _TokenTransportError(f"token response trickled past {self._timeout:.0f} s")
                 return resp.status_code, body
         except (
             requests.RequestException,

@@ -44,6 +44,7 @@ from modelpack.errors import (
     RegistryTLSError,
 )
 from modelpack.targets.registry.auth import Authenticator, Credentials, unbound_environment_hint
+from modelpack.targets.registry.bodies import read_by_deadline
 from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
 from modelpack.targets.retry import RetryBudget
 
@@ -52,6 +53,8 @@ log = logging.getLogger("modelpack.targets.registry")
 MAX_ERROR_BODY = 64 * 1024
 #: what is read of a success body nobody uses (GET /v2/, 201/202 answers) before the connection is dropped
 MAX_IGNORED_BODY = 64 * 1024
+#: how long an error body or an ignored success body may take to arrive (then it is dropped)
+SMALL_BODY_SECONDS = 30.0
 #: answers that mean "not now": retried within the budget (a restarting registry behind a proxy)
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 #: a 500 is more often a lasting fault than an outage: retried a few times only
@@ -103,31 +106,27 @@ class _BigBlockAdapter(HTTPAdapter):
         super().init_poolmanager(*args, **kwargs)
 
 
-def _discard_body(resp: requests.Response) -> None:
+def _discard_body(resp: requests.Response, seconds: float) -> None:
     """Consume a success body nobody reads so the connection can be reused — at most
-    ``MAX_IGNORED_BODY`` bytes of it: a longer (or endless) one costs the connection instead."""
+    ``MAX_IGNORED_BODY`` bytes within ``seconds``: a longer, endless or trickling one costs the
+    connection instead."""
     try:
-        data = resp.raw.read(MAX_IGNORED_BODY + 1, decode_content=False)
+        data, in_time = read_by_deadline(resp.raw, MAX_IGNORED_BODY + 1, seconds, decode_content=False)
     except TRANSPORT_ERRORS:
         resp.close()
         return
-    if len(data) > MAX_IGNORED_BODY:
+    if len(data) > MAX_IGNORED_BODY or not in_time:
         resp.close()  # drops the connection: the rest of the body is never read
     else:
         resp.raw.release_conn()
 
 
-def oci_error(response: requests.Response) -> tuple[str | None, str]:
-    """First OCI error code and message from an error body (bounded read; never raises)."""
+def oci_error(response: requests.Response, seconds: float = SMALL_BODY_SECONDS) -> tuple[str | None, str]:
+    """First OCI error code and message from an error body (bounded in bytes and time; never raises)."""
     try:
-        raw = response.raw.read(MAX_ERROR_BODY, decode_content=True) if response.raw else b""
+        raw, _ = read_by_deadline(response.raw, MAX_ERROR_BODY, seconds) if response.raw else (b"", True)
     except Exception:
         raw = b""
-    if not raw:
-        try:
-            raw = response.content[:MAX_ERROR_BODY]
-        except Exception:
-            raw = b""
     try:
         doc = boundedjson.loads(raw, what="error body", max_bytes=MAX_ERROR_BODY, max_depth=16)
     except DocumentError:
@@ -192,7 +191,12 @@ class RegistryClient:
         if not is_loopback_host(host):
             self._proxies = requests.utils.get_environ_proxies(f"https://{self.api_host}/") or {}
         self.auth = Authenticator(
-            host, self.session, credentials, verify=self.verify, timeout=60.0, retry_for=retry_for
+            host,
+            self.session,
+            credentials,
+            verify=self.verify,
+            timeout=min(timeout, 60.0),
+            retry_for=retry_for,
         )
         self.retries = 0  # requests retried after a transport failure or a "not now" status
         self._retries_lock = threading.Lock()
@@ -326,7 +330,7 @@ class RegistryClient:
                     allow_redirects=method in ("GET", "HEAD"),
                 )
                 if not stream and resp.status_code in ok + allow:
-                    _discard_body(resp)
+                    _discard_body(resp, min(self.timeout, SMALL_BODY_SECONDS))
             except requests.exceptions.SSLError as exc:
                 self._close_body(data)
                 if _untrusted_certificate(exc) or not idempotent or not budget.wait():
@@ -427,7 +431,7 @@ class RegistryClient:
                 if declared and declared.isdigit() and int(declared) > max_bytes:
                     raise BodyTooLarge(int(declared))
                 try:
-                    body = resp.raw.read(max_bytes + 1, decode_content=True)
+                    body, in_time = read_by_deadline(resp.raw, max_bytes + 1, self.timeout)
                 except TRANSPORT_ERRORS as exc:
                     if not is_transport_error(exc):
                         raise RegistryError(
@@ -438,7 +442,13 @@ class RegistryClient:
                         self.count_retry()
                         continue
                     raise self.connection_error(what, exc, budget) from None
-                return Document(resp.status_code, resp.headers, bytes(body))
+                if not in_time:
+                    raise RegistryConnectionError(
+                        f"{what}: the registry sent the document too slowly ({len(body)} bytes in "
+                        f"{self.timeout:.0f} s; --timeout sets the limit)",
+                        target=self.host,
+                    )
+                return Document(resp.status_code, resp.headers, body)
 
     @staticmethod
     def _close_body(data: Any) -> None:
@@ -457,7 +467,7 @@ class RegistryClient:
         return None
 
     def error_for(self, resp: requests.Response, what: str) -> RegistryError:
-        code, message = oci_error(resp)
+        code, message = oci_error(resp, min(self.timeout, SMALL_BODY_SECONDS))
         resp.close()
         status = resp.status_code
         cls: type[RegistryError] = RegistryError
