@@ -127,7 +127,8 @@ _OFFLINE = textwrap.dedent(
     from vllm.inputs import TokensPrompt
     for run in spec["runs"]:
         kwargs = dict(model=run["model"], dtype="float32", tensor_parallel_size=spec["tp"],
-                      max_model_len=256, enforce_eager=True, seed=0, load_format=run["load_format"])
+                      max_model_len=256, enforce_eager=run.get("enforce_eager", True), seed=0,
+                      load_format=run["load_format"])
         if spec["tp"] == 1:
             kwargs["distributed_executor_backend"] = "uni"
         if run.get("extra") is not None:
@@ -155,12 +156,14 @@ _OFFLINE = textwrap.dedent(
 
 @dataclass
 class EngineRun:
-    """One engine start: the model directory, its load format and extra config."""
+    """One engine start: the model directory, its load format and extra config; ``enforce_eager``
+    False lets vLLM compile (torch.compile with Inductor's CPU backend), which takes tens of seconds."""
 
     name: str
     model: Path | str
     load_format: str
     extra: Mapping[str, Any] | None = None
+    enforce_eager: bool = True
 
 
 def run_offline(
@@ -184,6 +187,7 @@ def run_offline(
                 "model": str(r.model),
                 "load_format": r.load_format,
                 "extra": dict(r.extra) if r.extra is not None else None,
+                "enforce_eager": r.enforce_eager,
             }
             for r in runs
         ],

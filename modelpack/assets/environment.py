@@ -22,7 +22,8 @@ from modelpack.oci.descriptor import Descriptor, canonical_json
 from modelpack.targets.base import ReadableTarget
 
 if TYPE_CHECKING:  # the loader imports torch: only the functions that read a model need it
-    from modelpack.loader import PreparedLoad
+    from modelpack.loader import PreparedLoad, ReadPlan
+    from modelpack.loader.fingerprint import Fingerprint as LoadFingerprint
     from modelpack.loader.plan import RulesLike
 
 # Instruction-set extensions (Linux /proc/cpuinfo names) a compiler targeting "-march=native" may
@@ -191,14 +192,64 @@ def fingerprint_from_prepared(
 ) -> EnvironmentFingerprint:
     """The running fingerprint for a load the loader already prepared (headers read, digest pinned).
     ``dtype``/``quantization`` name what the engine computes in when it casts or quantises."""
-    lfp = prepared.fingerprint
-    tp_size = prepared.plan.tp_size
+    return _fingerprint(
+        prepared.headers,
+        prepared.fingerprint,
+        prepared.plan.tp_size,
+        device=device,
+        rules=rules,
+        presets=presets,
+        uneven=uneven,
+        dtype=dtype,
+        quantization=quantization,
+    )
+
+
+def fingerprint_from_plan(
+    plan: ReadPlan,
+    load_fingerprint: LoadFingerprint,
+    *,
+    device: Any = "cpu",
+    rules: RulesLike = None,
+    presets: bool = True,
+    dtype: str | None = None,
+    quantization: str | None = None,
+) -> EnvironmentFingerprint:
+    """The running fingerprint of a load that already ran (an engine's rank after its weights
+    landed): the plan carries each file's header, the loader's fingerprint the digest and dtypes;
+    ``rules``/``presets`` must be the ones the load used, so every rank's layout is re-planned alike."""
+    headers = {name: fp.header for name, fp in plan.files.items()}
+    return _fingerprint(
+        headers,
+        load_fingerprint,
+        plan.tp_size,
+        device=device,
+        rules=rules,
+        presets=presets,
+        uneven=plan.uneven,
+        dtype=dtype,
+        quantization=quantization,
+    )
+
+
+def _fingerprint(
+    headers: Any,
+    lfp: LoadFingerprint,
+    tp_size: int,
+    *,
+    device: Any,
+    rules: RulesLike,
+    presets: bool,
+    uneven: str,
+    dtype: str | None,
+    quantization: str | None,
+) -> EnvironmentFingerprint:
     return EnvironmentFingerprint(
         manifest_digest=lfp.manifest_digest,
         dtype=normalize_dtype(dtype) if dtype else lfp.dtype,
         quantization=quantization or lfp.quantization,
         tp_size=tp_size,
-        rank_layout=layout_of_all_ranks(prepared.headers, tp_size, rules, presets=presets, uneven=uneven),
+        rank_layout=layout_of_all_ranks(headers, tp_size, rules, presets=presets, uneven=uneven),
         **probe_device(device),
         **probe_software(),
     )

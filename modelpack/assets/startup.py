@@ -137,7 +137,12 @@ def _inductor_counters() -> dict[str, int]:
     if counters is None:
         return {}
     inductor = counters.get("inductor", {})
-    return {k: int(v) for k, v in inductor.items() if k.startswith("fxgraph_cache")}
+    out = {k: int(v) for k, v in inductor.items() if k.startswith("fxgraph_cache")}
+    # AOTAutograd's cache sits in front of the FX graph cache (a hit there skips Inductor)
+    out.update(
+        {k: int(v) for k, v in counters.get("aot_autograd", {}).items() if k.startswith("autograd_cache")}
+    )
+    return out
 
 
 @contextlib.contextmanager
@@ -148,14 +153,18 @@ def compile_stage(
     start_id: str | None = None,
     digest: str | None = None,
     kind: str = "inductor",
+    **fields: Any,
 ) -> Iterator[dict[str, Any]]:
     """Time the block as t6 (compile done); the event carries ``asset_state`` and, for Inductor,
-    how many FX graphs came from the cache. The yielded dict receives ``duration_ms`` afterwards."""
+    how many FX graphs came from the cache. The yielded dict receives ``duration_ms`` afterwards;
+    ``fields`` (``tp_rank`` …) go into every event."""
     events = events or NullEventLog()
     start_id = start_id or os.environ.get(START_ID_ENV) or None
     before = _inductor_counters()
     info: dict[str, Any] = {}
-    events.emit("assets.compile_start", start_id=start_id, digest=digest, kind=kind, asset_state=asset_state)
+    events.emit(
+        "assets.compile_start", start_id=start_id, digest=digest, kind=kind, asset_state=asset_state, **fields
+    )
     t0 = time.monotonic()
     try:
         yield info
@@ -168,6 +177,7 @@ def compile_stage(
             asset_state=asset_state,
             reason=f"{type(exc).__name__}: {exc}",
             duration_ms=round((time.monotonic() - t0) * 1000.0, 3),
+            **fields,
         )
         raise
     info["duration_ms"] = (time.monotonic() - t0) * 1000.0
@@ -183,4 +193,5 @@ def compile_stage(
         asset_state=asset_state,
         duration_ms=round(info["duration_ms"], 3),
         inductor=delta or None,
+        **fields,
     )

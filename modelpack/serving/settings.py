@@ -18,6 +18,15 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``trust``             ``snapshot`` (default) or ``runtime``: ``--model`` is an image volume whose
                       digest the container runtime verified (pinned in the pod spec); the loader
                       then reads it as a plain directory and records the pin only in its events
+``assets``            opt in to runtime assets (docs/assets.md): ``{}`` or an object with
+                      ``kind`` (``vllm``, the only one vLLM reads), ``ref`` (where the model's
+                      asset referrers live; default ``source``, required when the weights come
+                      from ``--model``; pinned to the weights' digest when it names none),
+                      ``policy`` / ``trusted_keys`` (who must have signed an asset; default the
+                      model's ``policy``, else its ``trusted_keys``, else signatures unchecked).
+                      Before vLLM compiles, each rank fetches the asset matching this load's
+                      fingerprint into ``$VLLM_CACHE_ROOT/torch_compile_cache``; a miss or a
+                      refusal never fails the start (vLLM compiles cold)
 """
 
 from __future__ import annotations
@@ -32,8 +41,65 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 
 _STR_KEYS = ("source", "expected_digest", "policy", "fingerprint", "events", "start_id", "ca_file", "trust")
-KNOWN_KEYS = frozenset({*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http"})
+KNOWN_KEYS = frozenset({*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http", "assets"})
 TRUST_MODES = ("snapshot", "runtime")
+ASSET_KEYS = frozenset({"kind", "ref", "policy", "trusted_keys"})
+#: Asset kinds an engine start can fetch: the cache vLLM itself reads before it compiles.
+ENGINE_ASSET_KINDS = ("vllm",)
+
+
+@dataclass(frozen=True)
+class AssetSettings:
+    """``assets`` of the extra config: which compile cache to fetch before vLLM compiles, from where,
+    and whose signature it needs (``None`` fields fall back to the model's settings)."""
+
+    kind: str = "vllm"
+    ref: str | None = None
+    policy: str | None = None
+    trusted_keys: tuple[str, ...] | None = None
+
+
+def _key_list(value: Any, what: str) -> list[str]:
+    keys = [value] if isinstance(value, str) else value
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise ServingConfigError(f"--model-loader-extra-config: {what} must be a list of paths")
+    return keys
+
+
+def _asset_settings(doc: Any, source: str | None) -> AssetSettings:
+    where = "--model-loader-extra-config: assets"
+    if not isinstance(doc, dict):
+        raise ServingConfigError(f'{where} must be an object, e.g. {{}} or {{"kind": "vllm"}}')
+    unknown = sorted(set(doc) - ASSET_KEYS)
+    if unknown:
+        raise ServingConfigError(f"{where}: unknown key(s) {unknown}; known: {sorted(ASSET_KEYS)}")
+    for key in ("kind", "ref", "policy"):
+        if key in doc and not isinstance(doc[key], str):
+            raise ServingConfigError(f"{where}.{key} must be a string")
+    kind = doc.get("kind", "vllm")
+    if kind not in ENGINE_ASSET_KINDS:
+        raise ServingConfigError(
+            f"{where}.kind {kind!r}: vLLM reads only {list(ENGINE_ASSET_KINDS)} before it compiles "
+            "(pull other kinds with 'modelpack assets pull' and point the runtime at them)"
+        )
+    ref = doc.get("ref") or None
+    if ref:
+        try:
+            parse_reference(ref)
+        except ValueError as exc:
+            raise ServingConfigError(f"{where}.ref {ref!r}: {exc}") from exc
+    elif not source:
+        raise ServingConfigError(
+            f"{where}.ref is required when the weights come from --model: the registry reference "
+            "whose referrers hold the model's assets (host/repo@sha256:…)"
+        )
+    keys = doc.get("trusted_keys")
+    return AssetSettings(
+        kind=kind,
+        ref=ref,
+        policy=doc.get("policy") or None,
+        trusted_keys=tuple(_key_list(keys, "assets.trusted_keys")) if keys is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -51,6 +117,7 @@ class ServingSettings:
     plain_http: bool = False
     ca_file: str | None = None
     trust: str = "snapshot"
+    assets: AssetSettings | None = None
 
     @property
     def pinned_digest(self) -> str | None:
@@ -77,11 +144,7 @@ class ServingSettings:
         for key in _STR_KEYS:
             if key in doc and not isinstance(doc[key], str):
                 raise ServingConfigError(f"--model-loader-extra-config: {key} must be a string")
-        keys = doc.get("trusted_keys", [])
-        if isinstance(keys, str):
-            keys = [keys]
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ServingConfigError("--model-loader-extra-config: trusted_keys must be a list of paths")
+        keys = _key_list(doc.get("trusted_keys", []), "trusted_keys")
         rules = doc.get("shard_rules", {})
         if not isinstance(rules, dict) or not all(
             isinstance(k, str) and v in ("replicate", "dim0", "dim1") for k, v in rules.items()
@@ -120,6 +183,7 @@ class ServingSettings:
                 "--model-loader-extra-config: expected_digest is required when the weights come from --model "
                 "(the manifest digest printed by 'modelpack pull --cache')"
             )
+        assets = _asset_settings(doc["assets"], source) if "assets" in doc else None
         return cls(
             source=source or None,
             expected_digest=expected or None,
@@ -132,4 +196,19 @@ class ServingSettings:
             plain_http=bool(doc.get("plain_http", False)),
             ca_file=doc.get("ca_file") or None,
             trust=trust,
+            assets=assets,
         )
+
+    @property
+    def assets_reference(self) -> str | None:
+        """Where this start's assets are looked up, pinned to the weights' digest when it names none."""
+        if self.assets is None:
+            return None
+        ref_text = self.assets.ref or self.source
+        if ref_text is None:
+            return None
+        ref = parse_reference(ref_text)
+        pinned = self.pinned_digest
+        if ref.digest is None and pinned:
+            return str(ref.with_digest(pinned))
+        return str(ref)

@@ -13,14 +13,14 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import CompilationMode, ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from modelpack.errors import ServingError
-from modelpack.serving.weights import open_rank_load
+from modelpack.serving.weights import RankLoad, open_rank_load
 
 LOAD_FORMAT = "modelpack"
 
@@ -33,6 +33,16 @@ class ModelpackModelLoader(BaseModelLoader):
         super().__init__(load_config)
         extra = load_config.model_loader_extra_config
         self.extra_config: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
+        self.rank: RankLoad | None = None
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        """vLLM's load (create the model, ``load_weights``, post-process), then, with ``assets``
+        set and compilation on, the compile cache for this load before vLLM compiles."""
+        model = super().load_model(vllm_config, model_config, prefix)
+        rank = self.rank
+        if rank is not None and rank.settings.assets is not None:
+            _compile_assets(model, rank, vllm_config, model_config)
+        return model
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download ahead: the weights are read (and verified) in ``load_weights``."""
@@ -42,6 +52,7 @@ class ModelpackModelLoader(BaseModelLoader):
         tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         rank = open_rank_load(self.extra_config, model_config.model, model_config.hf_config, tp_size, tp_rank)
+        self.rank = rank
         try:
             # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names
             loaded = cast(Any, model).load_weights(rank.tensors())
@@ -60,3 +71,32 @@ class ModelpackModelLoader(BaseModelLoader):
                 rank.events.emit("serving.failed", start_id=rank.start_id, tp_rank=tp_rank, reason=reason)
                 raise ServingError(f"{model_config.model}: {reason}")
         rank.events.emit("serving.weights_loaded", **rank.summary())
+
+
+def _compile_assets(
+    model: nn.Module, rank: RankLoad, vllm_config: VllmConfig, model_config: ModelConfig
+) -> None:
+    """Fetch the ``vllm`` asset into the directory vLLM's compile cache reads, and time t6."""
+    import vllm.envs as envs
+
+    from modelpack.serving.compile_assets import fetch_compile_cache, time_first_forward
+
+    mode = vllm_config.compilation_config.mode
+    if model_config.enforce_eager or mode == CompilationMode.NONE:
+        rank.events.emit(
+            "assets.skipped",
+            start_id=rank.start_id,
+            tp_rank=rank.tp_rank,
+            kind=rank.settings.assets.kind if rank.settings.assets else "vllm",
+            reason="vLLM compiles nothing in this start (enforce_eager, or compilation mode NONE)",
+        )
+        return
+    param = next(iter(model.parameters()), None)
+    cache = fetch_compile_cache(
+        rank,
+        cache_root=envs.VLLM_CACHE_ROOT,
+        device=param.device if param is not None else "cpu",
+        dtype=str(model_config.dtype),
+        quantization=model_config.quantization,
+    )
+    time_first_forward(model, rank, cache.state)

