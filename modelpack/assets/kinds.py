@@ -81,8 +81,8 @@ register_kind(
 register_kind(
     AssetKind(
         "vllm",
-        "vLLM's torch.compile cache for one compilation config (rank_<i>_<j>/ directories); point "
-        "compilation_config.cache_dir at it",
+        "vLLM's torch.compile cache, $VLLM_CACHE_ROOT/torch_compile_cache (torch_aot_compile/<hash>/ "
+        "and <hash>/rank_<i>_<j>/); the modelpack load format fetches it there before vLLM compiles",
         env_var=None,
         exclude=("locks", "*.lock", "*.tmp"),
     )
