@@ -21,6 +21,8 @@ tool finds blobs another tool already stored. Rounds rotate the order of the con
 shows the best and the median time of its rounds, throughput (best), the ratio to its peer
 (push: skopeo; pull: the curl ceiling, best against best) and the peak RSS (for the curl
 ceiling: the largest single curl process). ``os.sync()`` runs, untimed, before every transfer.
+A second ceiling row adds what any verifying client pays on top of curl: each blob is piped
+through ``tee FILE`` into ``openssl dgst -sha256``.
 
   .venv/bin/python benchmarks/transfer.py [--size 512M] [--shards 4] [--jobs 4] [--rounds 3] [--pull-only]
 """
@@ -90,7 +92,9 @@ def _tree_hwm(pid: int) -> int:
     return peak
 
 
-def run_child(cmd: list[str], env: dict[str, str], *, tree: bool = False) -> tuple[float, int]:
+def run_child(
+    cmd: list[str], env: dict[str, str], *, tree: bool = False, cwd: str | None = None
+) -> tuple[float, int]:
     """Run ``cmd``; return (seconds, peak RSS in bytes) of that child alone (``tree``: of the
     largest process below it, for the curl ceiling's ``xargs`` of curls).
 
@@ -102,7 +106,7 @@ def run_child(cmd: list[str], env: dict[str, str], *, tree: bool = False) -> tup
     os.sync()
     start = time.perf_counter()
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=cwd)
         peak = 0
         while proc.poll() is None:
             peak = max(peak, _tree_hwm(proc.pid) if tree else _vm_hwm(proc.pid))
@@ -141,6 +145,20 @@ def baseline_tree(rev: str, where: Path, env: dict[str, str]) -> str:
         shutil.copytree(src / sub, pkg / "modelpack" / sub)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(pkg)], env=env, check=True)
     return str(pkg)
+
+
+def verified_ceiling(host: str, repo: str, layers: list[tuple[str, int]], dest: Path) -> list[str]:
+    """The curl ceiling plus what any verifying client must add: each blob streamed through
+    ``tee FILE`` into ``openssl dgst -sha256`` (OpenSSL's SHA-NI/AVX2 code), 4 at a time."""
+    args: list[str] = []
+    for i, (digest, _) in enumerate(layers):
+        args += [str(dest / f"blob{i}"), f"http://{host}/v2/{repo}/blobs/{digest}"]
+    one = 'curl -sf "$2" | tee "$1" | openssl dgst -sha256 >/dev/null'
+    script = (
+        f'mkdir -p "{dest}" && printf "%s\\n" "$@" | '
+        f"xargs -d '\\n' -P {CURL_PARALLEL} -n 2 sh -c '{one}' one"
+    )
+    return ["sh", "-c", script, "verified-ceiling", *args]
 
 
 def manifest_layers(host: str, repo: str, tag: str) -> list[tuple[str, int]]:
@@ -222,6 +240,10 @@ def main() -> None:
         pulls = [
             ("pull curl ceiling (4 ∥)", lambda s, dest: curl_ceiling(s.host, "bench/model", layers, dest)),
             (
+                "pull curl|tee|sha256 (4 ∥)",
+                lambda s, dest: verified_ceiling(s.host, "bench/model", layers, dest),
+            ),
+            (
                 "pull modelpack (files)",
                 lambda s, dest: [*MODELPACK, "pull", s.ref("bench/model", "v1"), str(dest), *jobs],
             ),
@@ -272,8 +294,10 @@ def main() -> None:
                 dest = work / "pulled"
                 drop_dir(dest)
                 cmd = make_pull(s, dest)
-                child_env = base_env if name.startswith("pull modelpack @") else client_env
-                t, rss = run_child(cmd, child_env, tree=name.startswith("pull curl"))
+                if name.startswith("pull modelpack @"):  # `python -c` puts its cwd first on sys.path
+                    t, rss = run_child(cmd, base_env, cwd=base_env["PYTHONPATH"])
+                else:
+                    t, rss = run_child(cmd, client_env, tree=name.startswith("pull curl"))
                 record(name, t, rss)
                 drop_dir(dest)
             retire(s)
@@ -291,6 +315,10 @@ def main() -> None:
                 f"{ratio:>8.2f}x{peaks[name] / 2**20:>8.0f} MiB"
             )
         print("\nvs peer = the peer's best seconds / this row's best (push: skopeo; pull: the curl ceiling)")
+        verified = min(times["pull curl|tee|sha256 (4 ∥)"])
+        print(
+            f"pull modelpack (files) vs the verifying ceiling: {verified / min(times['pull modelpack (files)']):.2f}x"
+        )
         print("pull modelpack (files) vs pull modelpack-client: ", end="")
         if "pull modelpack-client" in times:
             print(f"{min(times['pull modelpack-client']) / min(times['pull modelpack (files)']):.2f}x")
