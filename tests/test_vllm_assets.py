@@ -43,7 +43,8 @@ from tests.vllm_helpers import (
     write_tiny_llama,
 )
 
-pytestmark = pytest.mark.skipif(
+# the engine starts need .venv-vllm; the rank-level tests at the end run without vLLM
+needs_vllm = pytest.mark.skipif(
     not vllm_available(),
     reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
 )
@@ -132,6 +133,7 @@ def _events(starts: Starts, start_id: str, name: str) -> list[dict[str, Any]]:
     return [e for e in events_of(starts.events) if e.get("start_id") == start_id and e["event"] == name]
 
 
+@needs_vllm
 def test_a_mismatched_asset_is_refused_naming_the_field_and_the_start_compiles_cold(starts: Starts) -> None:
     (refused,) = _events(starts, "assets-cold", "assets.refused")
     assert refused["fields"] == ["dtype"], refused
@@ -148,6 +150,7 @@ def test_a_mismatched_asset_is_refused_naming_the_field_and_the_start_compiles_c
     assert list(cache.glob("torch_aot_compile/*/inductor_cache")), sorted(cache.rglob("*"))[:20]
 
 
+@needs_vllm
 def test_the_pushed_cache_is_fetched_by_a_fresh_start_and_the_compile_hits_it(starts: Starts) -> None:
     (hit,) = _events(starts, "assets-warm", "assets.hit")
     assert hit["asset"] == starts.pushed["asset"] and hit["kind"] == "vllm"
@@ -165,6 +168,7 @@ def test_the_pushed_cache_is_fetched_by_a_fresh_start_and_the_compile_hits_it(st
         assert got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
 
 
+@needs_vllm
 def test_timeline_reports_t6_per_asset_state_for_vllm_starts(starts: Starts) -> None:
     assets = timeline([str(starts.events)])["assets"]
     assert assets["hit"]["starts"] == 1 and assets["refused"]["starts"] == 1, assets
@@ -188,3 +192,99 @@ def test_asset_settings_are_checked_up_front() -> None:
     for doc in bad:
         with pytest.raises(ServingConfigError, match="assets"):
             ServingSettings.from_extra_config(doc)
+
+
+# --------------------------------------------------------------------------- one rank, no vLLM
+
+
+@pytest.fixture
+def loaded_rank(tmp_path: Path) -> Any:
+    """A rank whose weights went through the load format (an OCI layout source), as vLLM leaves
+    it before compiling; ``make(**assets)`` builds one with those ``assets`` settings."""
+    from modelpack.serving.weights import open_rank_load
+    from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), SyntheticSpec(shards=1))
+    digest = str(api.pack(str(ckpt), f"oci:{tmp_path / 'layout'}:v1").artifact.digest)
+    ref = f"oci:{tmp_path / 'layout'}@{digest}"
+    events = tmp_path / "events.jsonl"
+
+    def make(start_id: str, **assets: Any) -> Any:
+        extra = {"source": ref, "events": str(events), "start_id": start_id, "assets": assets}
+        rank = open_rank_load(extra, str(ckpt), {}, 1, 0, environ={})
+        for _ in rank.tensors():
+            pass
+        return rank
+
+    make.ref = ref  # type: ignore[attr-defined]
+    make.events = events  # type: ignore[attr-defined]
+    return make
+
+
+def _fetch(rank: Any, root: Path, dtype: str = "torch.float32") -> Any:
+    from modelpack.serving.compile_assets import fetch_compile_cache
+
+    return fetch_compile_cache(rank, cache_root=str(root), device="cpu", dtype=dtype, quantization=None)
+
+
+def test_a_rank_fetches_before_compiling_and_never_replaces_what_vllm_wrote(
+    loaded_rank: Any, tmp_path: Path
+) -> None:
+    from modelpack.assets import EnvironmentFingerprint, push_asset
+
+    # nothing stored: state none, and the fingerprint a push of this start's cache needs
+    first = _fetch(loaded_rank("r-none"), tmp_path / "root-a")
+    assert first.state == "none" and first.fingerprint_file == str(
+        tmp_path / "root-a" / "modelpack-fingerprint.json"
+    )
+    fp = EnvironmentFingerprint.read(first.fingerprint_file)
+    assert fp.tp_size == 1 and fp.dtype == "F32" and fp.quantization == "none"
+    cache = tmp_path / "root-a" / "torch_compile_cache" / "torch_aot_compile" / "abc" / "rank_0_0"
+    cache.mkdir(parents=True)
+    (cache / "model").write_bytes(b"compiled")
+    pushed = push_asset(loaded_rank.ref, tmp_path / "root-a" / "torch_compile_cache", "vllm", fingerprint=fp)
+
+    # a fresh root: the asset lands where vLLM reads it; a second rank of the node finds it there
+    hit = _fetch(loaded_rank("r-hit"), tmp_path / "root-b")
+    assert hit.state == "hit" and hit.asset == str(pushed.asset.digest)
+    landed = tmp_path / "root-b" / "torch_compile_cache" / "torch_aot_compile" / "abc" / "rank_0_0" / "model"
+    assert landed.read_bytes() == b"compiled"
+    assert _fetch(loaded_rank("r-hit-2"), tmp_path / "root-b").state == "hit"
+
+    # the same node starts with another dtype: refused naming it, the stale asset removed (cold)
+    stale = _fetch(loaded_rank("r-bf16"), tmp_path / "root-b", dtype="torch.bfloat16")
+    assert stale.state == "refused" and "dtype" in stale.reason
+    assert not (tmp_path / "root-b" / "torch_compile_cache").exists()
+
+    # a cache vLLM filled itself is used as it is: not replaced, nothing fetched
+    own = tmp_path / "root-c" / "torch_compile_cache" / "torch_aot_compile" / "zzz"
+    own.mkdir(parents=True)
+    (own / "model").write_bytes(b"vllm's own")
+    local = _fetch(loaded_rank("r-local"), tmp_path / "root-c")
+    assert local.state == "none" and (own / "model").read_bytes() == b"vllm's own"
+    assert not (tmp_path / "root-c" / "torch_compile_cache" / ".modelpack-asset.json").exists()
+
+    evs = events_of(loaded_rank.events)
+    by = {(e["start_id"], e["event"]): e for e in evs}
+    assert by[("r-bf16", "assets.refused")]["fields"] == ["dtype"]
+    assert by[("r-local", "assets.none")]["local_cache"] is True
+    assert by[("r-hit-2", "assets.hit")]["present"] is True  # nothing downloaded twice
+
+
+def test_a_registry_problem_never_fails_the_start(loaded_rank: Any, tmp_path: Path) -> None:
+    from modelpack.serving.compile_assets import time_first_forward
+
+    unreachable = "127.0.0.1:9/nowhere/model@sha256:" + "0" * 64
+    rank = loaded_rank("r-down", ref=unreachable)
+    res = _fetch(rank, tmp_path / "root")
+    assert res.state == "refused" and res.reason
+    # t6 is the first forward pass, recorded with the state; later passes are not timed
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    time_first_forward(model, rank, res.state)
+    model(torch.zeros(1, 4))
+    model(torch.zeros(1, 4))
+    done = [e for e in events_of(loaded_rank.events) if e["event"] == "assets.compile_done"]
+    assert len(done) == 1 and done[0]["asset_state"] == "refused" and done[0]["stage"] == "t6"
