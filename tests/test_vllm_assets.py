@@ -15,6 +15,11 @@ compiled graphs in memory, so a second start in one process would be warm anyway
 
 Pushes run with ``.venv-vllm``'s python: the fingerprint names the torch and vLLM versions of the
 environment that compiled, which is that venv's.
+
+Without vLLM (any venv): the settings are checked up front, and one rank's fetch after a real load
+through the format (an OCI layout source) lands the asset where vLLM reads it, lets a second rank
+find it in place, removes a stale one on refusal, never replaces a cache vLLM filled itself, and
+survives an unreachable registry; t6 is recorded once, for the first forward pass.
 """
 
 from __future__ import annotations
