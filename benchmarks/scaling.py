@@ -239,10 +239,10 @@ def run_shape(
     finally:
         if server is not None:
             server.stop()
-        for p in ("ckpt", "layout", "pulled", "cache"):
-            rmtree_force(work / p)
-        for p in work.glob("registry-*"):
-            rmtree_force(p)
+        for name in ("ckpt", "layout", "pulled", "cache"):
+            rmtree_force(work / name)
+        for reg in work.glob("registry-*"):
+            rmtree_force(reg)
     return rows
 
 
@@ -270,15 +270,19 @@ def exponent(points: list[tuple[float, float]]) -> float | None:
 
 
 def summarize(rows: list[Row], few: int) -> dict[str, Any]:
-    measured = [r for r in rows if r.seconds is not None and r.peak_rss and r.shards == few]
     out: dict[str, Any] = {}
     for stage in STAGES:
-        pts = [r for r in measured if r.stage == stage]
-        held = [(r.model_bytes, max(1, r.peak_rss - r.extra.get("held_bytes", 0))) for r in pts]  # type: ignore[operator]
+        pts = [
+            (float(r.model_bytes), r.seconds, float(r.peak_rss), float(r.extra.get("held_bytes", 0)))
+            for r in rows
+            if r.stage == stage and r.shards == few and r.seconds is not None and r.peak_rss
+        ]
         out[stage] = {
-            "time_exponent": exponent([(r.model_bytes, r.seconds) for r in pts]),  # type: ignore[misc]
-            "rss_exponent": exponent([(r.model_bytes, r.peak_rss) for r in pts]),  # type: ignore[misc]
-            "rss_less_tensors_exponent": exponent(held) if stage.startswith("load") else None,
+            "time_exponent": exponent([(b, t) for b, t, _, _ in pts]),
+            "rss_exponent": exponent([(b, m) for b, _, m, _ in pts]),
+            "rss_less_tensors_exponent": (
+                exponent([(b, max(1.0, m - h)) for b, _, m, h in pts]) if stage.startswith("load") else None
+            ),
         }
     return out
 
@@ -327,7 +331,9 @@ def plot(rows: list[Row], few: int, many: int, series: list[Row], path: str) -> 
         ]
         for r in big:
             a1.plot([r.model_bytes / GiB], [r.seconds], marker="x", ms=9, color=line.get_color())
-            a2.plot([r.model_bytes / GiB], [r.peak_rss / 2**20], marker="x", ms=9, color=line.get_color())
+            a2.plot(
+                [r.model_bytes / GiB], [(r.peak_rss or 0) / 2**20], marker="x", ms=9, color=line.get_color()
+            )
     if xs_all := [r.model_bytes / GiB for r in rows if r.shards == few and r.model_bytes]:
         lo, hi = min(xs_all), max(xs_all)
         t_pack = [r for r in rows if r.stage == "pull dir" and r.shards == few and r.seconds]
@@ -349,7 +355,9 @@ def plot(rows: list[Row], few: int, many: int, series: list[Row], path: str) -> 
     hits = [r for r in series + rows if r.stage == "cache hit" and r.seconds is not None]
     for size in sorted({r.size for r in hits}):
         pts = sorted(
-            (r.files, r.seconds, r.extra.get("hit_in_process_s") or 0.0) for r in hits if r.size == size
+            (r.files, r.seconds or 0.0, r.extra.get("hit_in_process_s") or 0.0)
+            for r in hits
+            if r.size == size
         )
         lbl = f"{size / GiB:.2f} GiB" if size >= GiB // 4 else f"{size / 2**20:.0f} MiB"
         (line,) = a3.plot(
