@@ -293,3 +293,14 @@ def test_a_registry_problem_never_fails_the_start(loaded_rank: Any, tmp_path: Pa
     model(torch.zeros(1, 4))
     done = [e for e in events_of(loaded_rank.events) if e["event"] == "assets.compile_done"]
     assert len(done) == 1 and done[0]["asset_state"] == "refused" and done[0]["stage"] == "t6"
+
+    class Broken(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("inductor: g++ failed")
+
+    broken = Broken()
+    time_first_forward(broken, rank, "hit")
+    with pytest.raises(RuntimeError, match="g\\+\\+ failed"):
+        broken(torch.zeros(1))
+    (failed,) = [e for e in events_of(loaded_rank.events) if e["event"] == "assets.compile_failed"]
+    assert failed["asset_state"] == "hit" and "g++ failed" in failed["reason"]

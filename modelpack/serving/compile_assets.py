@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -197,7 +198,8 @@ def fetch_compile_cache(
 
 def time_first_forward(model: nn.Module, rank: RankLoad, asset_state: str) -> None:
     """t6: the model's first forward pass after loading — vLLM's compile (from the fetched cache
-    on a hit), then one warm-up step. Hooks remove themselves after that call."""
+    on a hit), then one warm-up step (``assets.compile_failed`` if it raises). Hooks remove
+    themselves after that call."""
     stack = contextlib.ExitStack()
     handles: list[Any] = []
 
@@ -216,7 +218,14 @@ def time_first_forward(model: nn.Module, rank: RankLoad, asset_state: str) -> No
     def after(_module: Any, _args: Any, _output: Any) -> None:
         for h in handles:
             h.remove()
-        stack.close()
+        failure = sys.exc_info()  # set when torch runs this hook because the forward raised
+        if failure[1] is None:
+            stack.close()
+            return
+        try:  # compile_stage writes assets.compile_failed, then re-raises: torch raises it anyway
+            stack.__exit__(*failure)
+        except BaseException:  # the forward's own exception is already propagating
+            pass
 
     handles.append(model.register_forward_pre_hook(before))
     handles.append(model.register_forward_hook(after, always_call=True))
