@@ -50,7 +50,8 @@ def _kind_option(fn: Any) -> Any:
         required=True,
         type=click.Choice(kind_names()),
         help="Which runtime's cache: inductor (TORCHINDUCTOR_CACHE_DIR), triton (TRITON_CACHE_DIR), "
-        "vllm (vLLM's torch.compile cache).",
+        "vllm (vLLM's $VLLM_CACHE_ROOT/torch_compile_cache; push it with the --fingerprint file the "
+        "'modelpack' load format wrote next to it).",
     )(fn)
 
 
@@ -110,6 +111,12 @@ def push_cmd(
     Example (CPU, a cache torch.compile just filled):
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind python serve_warmup.py
       modelpack assets push localhost:5000/models/llama:v1 /tmp/ind --kind inductor
+
+    \b
+    Example (vLLM, after a cold start with --load-format modelpack and the 'assets' setting):
+      modelpack assets push localhost:5000/models/llama@sha256:… \\
+          "$VLLM_CACHE_ROOT/torch_compile_cache" --kind vllm \\
+          --fingerprint "$VLLM_CACHE_ROOT/modelpack-fingerprint.json"
     """
     from modelpack.assets import push_asset
 
