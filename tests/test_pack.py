@@ -377,6 +377,36 @@ def test_a_file_that_changes_after_it_was_hashed_is_refused(
         assert next(f for f in again.files if f.relpath == shard.name).digest == _sha(shard) != packed.digest
 
 
+@pytest.mark.parametrize("link", ["copy", "reflink"])
+def test_a_file_rewritten_while_it_is_copied_into_the_layout_is_refused(
+    checkpoint: Path, tmp_path: Path, link: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check before the copy leaves the copy itself: a writer that rewrites the file while it
+    is being copied would leave other bytes in the layout under the recorded digest. The file is
+    checked again once the copy is there, before it is renamed into place."""
+    import modelpack.targets.layout as layout
+    from modelpack.transfer.copy import copy
+
+    shard = checkpoint / "model-00002-of-00002.safetensors"
+    art = build_artifact(str(checkpoint))
+    packed = next(f for f in art.files if f.relpath == shard.name)
+    real = layout.link_or_copy
+
+    def copy_then_rewritten(src: str, dst: str, *, mode: str = "auto") -> str:
+        how = real(src, dst, mode=mode)
+        if os.path.samefile(src, shard):
+            data = shard.read_bytes()
+            _rewrite_in_place(shard, data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))
+        return how
+
+    monkeypatch.setattr(layout, "link_or_copy", copy_then_rewritten)
+    target = OCILayoutTarget(tmp_path / "l", create=True, link=link)
+    with pytest.raises(PackError, match=r"model-00002-of-00002\.safetensors.*changed after it was hashed"):
+        copy(art, target, "latest", "v1")
+    assert not target.exists(Descriptor("application/octet-stream", packed.digest, packed.size))
+    assert not [p for p in (tmp_path / "l" / "blobs" / "sha256").iterdir() if p.name.startswith(".tmp")]
+
+
 def test_an_unchanged_file_touched_by_nobody_packs_after_a_delay(checkpoint: Path, tmp_path: Path) -> None:
     from modelpack.transfer.copy import copy
 

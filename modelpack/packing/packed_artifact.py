@@ -145,7 +145,7 @@ class PackedArtifact:
         if f.opener is not None:
             return BlobSource(descriptor, f.opener)  # unverified: the writer checks the digest
         f.check_unchanged()  # "verified" below means: these are the bytes this process hashed
-        return file_blob_source(descriptor, f.path, verified=True)
+        return file_blob_source(descriptor, f.path, verified=True, recheck=f.check_unchanged)
 
     def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
         return self.blob_source(descriptor).open(offset)

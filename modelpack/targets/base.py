@@ -31,13 +31,20 @@ class BlobSource:
     opener: Callable[[int], BinaryIO]
     local_path: str | None = None
     verified: bool = False
+    #: raises if ``local_path`` is no longer the file that was hashed; a writer that links or
+    #: copies it calls this once the copy is in place, before publishing it
+    recheck: Callable[[], None] | None = None
 
     def open(self, offset: int = 0) -> BinaryIO:
         return self.opener(offset)
 
 
 def file_blob_source(
-    descriptor: Descriptor, path: str | os.PathLike[str], *, verified: bool = False
+    descriptor: Descriptor,
+    path: str | os.PathLike[str],
+    *,
+    verified: bool = False,
+    recheck: Callable[[], None] | None = None,
 ) -> BlobSource:
     p = os.fspath(path)
 
@@ -47,7 +54,7 @@ def file_blob_source(
             f.seek(offset)
         return f
 
-    return BlobSource(descriptor=descriptor, opener=opener, local_path=p, verified=verified)
+    return BlobSource(descriptor=descriptor, opener=opener, local_path=p, verified=verified, recheck=recheck)
 
 
 def bytes_blob_source(descriptor: Descriptor, data: bytes) -> BlobSource:

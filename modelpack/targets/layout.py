@@ -286,6 +286,8 @@ class OCILayoutTarget:
                 size = os.stat(tmp).st_size
                 if size != desc.size:
                     raise SizeMismatchError(desc.digest, desc.size, size, source=source.local_path)
+                if source.recheck is not None:
+                    source.recheck()  # a writer during the copy: the copy is not what was hashed
             else:
                 with source.open(0) as raw, open(tmp, "wb") as out:
                     reader = VerifyingReader(raw, desc.digest, desc.size, source=self.name)
