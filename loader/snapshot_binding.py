@@ -44,14 +44,24 @@ from modelpack.errors import (
     DocumentError,
     ManifestError,
     UnsafePathError,
+    UnsupportedLayerError,
     UnverifiedSourceError,
 )
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest, verify_bytes
+from modelpack.transfer.layer_formats import layer_format
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _PLAIN_HINT = "or pass --allow-unverified to load it as a plain directory (no digest, no pin)"
+
+
+def _uncompressed(manifest: Manifest, layer: Descriptor) -> bool:
+    """A tar layer stored without compression: its blob holds at least its files' bytes."""
+    try:
+        return layer_format(manifest.config.media_type, layer.media_type).format == "tar"
+    except UnsupportedLayerError:
+        return False
 
 
 def trusted_uids() -> frozenset[int]:
@@ -221,7 +231,7 @@ def check_marker(
                 ok = False
             if not ok:
                 problems.append(f"tar layer {layer.digest}: not in the store at its size ({layer.size} B)")
-        uncompressed = [layer for layer in tars if layer.media_type.endswith(".tar")]
+        uncompressed = [layer for layer in tars if _uncompressed(manifest, layer)]
         if len(uncompressed) == len(tars) and total > sum(layer.size for layer in tars):
             problems.append(
                 f"the marker lists {total} B of extracted files, more than the tar layers hold "

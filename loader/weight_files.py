@@ -31,12 +31,18 @@ from modelpack.mediatypes import parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 
 from modelpack import boundedjson
-from modelpack.errors import DocumentError, ManifestError, SourceError, UnsafePathError, UnverifiedSourceError
+from modelpack.errors import (
+    DocumentError,
+    ManifestError,
+    SourceError,
+    UnsafePathError,
+    UnsupportedLayerError,
+    UnverifiedSourceError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.transfer.layer_formats import layer_format
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
-# Docker image layers (``…rootfs.diff.tar``, ``….tar.gzip``): a modelcar built by ``docker build``
-DOCKER_LAYER_PREFIX = "application/vnd.docker.image.rootfs."
 
 
 @dataclass
@@ -88,12 +94,14 @@ def quantization_from_hf_config(raw: bytes | None) -> str:
 
 
 def tar_layer(layer: Descriptor) -> bool:
-    """Whether ``layer`` is a tar (its files come out of it by extraction, never by range reads):
-    the image-shaped variant, a modelcar (OCI or Docker layer types), or a ModelPack/modctl
-    ``tar``, ``tar+gzip`` or ``tar+zstd`` layer."""
-    from modelpack.mount.contents import tar_format
-
-    return tar_format(layer) is not None or layer.media_type.startswith(DOCKER_LAYER_PREFIX)
+    """Whether ``layer`` is not a raw file (its files come out of it by extraction, never by range
+    reads): the image-shaped variant, a modelcar (OCI or Docker layer types), a ModelPack/modctl
+    ``tar``, ``tar+gzip`` or ``tar+zstd`` layer (``transfer.layer_formats``), or a tar-like type
+    no reader supports (never range-read as if it were the file)."""
+    try:
+        return layer_format(None, layer.media_type).is_tar
+    except UnsupportedLayerError:
+        return True
 
 
 def _may_hold_weights(layer: Descriptor, rel: str | None) -> bool:

@@ -3,9 +3,10 @@
 The ready marker records what a pull built, but a marker can be edited and a snapshot directory
 can gain files; ``cache verify`` (and anyone binding a pinned digest to files) needs the truth
 from the manifest, whose digest is the pin. Raw layers name their file and digest in the
-manifest; tar layers (the image-shaped variant, ``tar`` ModelPack layers) are read again from
-the store — the blob hashed against its digest, the uncompressed stream against its ``diff_id``
-— and each member hashed, with the same path rules as extraction.
+manifest; tar layers (the image-shaped variant, modelcars, ``tar`` ModelPack layers: which
+ones, and which members are files, ``transfer.layer_formats`` says) are read again from the
+store — the blob hashed against its digest, the uncompressed stream against its ``diff_id`` —
+and each member hashed, with the same path rules as extraction.
 """
 
 from __future__ import annotations
@@ -17,27 +18,20 @@ import tarfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from modelpack.mediatypes import (
-    MEDIA_TYPE_IMAGE_CONFIG,
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-    parse_layer_media_type,
-)
 from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
 from modelpack.mount.store import Store
 
-from modelpack.errors import DigestMismatchError, ManifestError, UnsafePathError, UnsafeTarError
+from modelpack.errors import (
+    DigestMismatchError,
+    ManifestError,
+    UnsafePathError,
+    UnsafeTarError,
+)
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, sha256_file
-from modelpack.oci.image_config import MODELS_PREFIX, image_diff_ids
+from modelpack.oci.image_config import image_diff_ids
+from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats, needs_config
 from modelpack.transfer.untar import MAX_TAR_MEMBERS, open_layer_stream
-
-IMAGE_LAYER_TYPES = (
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-)
 
 
 @dataclass(frozen=True)
@@ -46,16 +40,6 @@ class ExpectedFile:
     digest: str
     size: int
     linked: bool  # a hard link of the layer blob (raw layers); False: extracted from a tar layer
-
-
-def tar_format(layer: Descriptor) -> str | None:
-    """The tar flavour a layer is extracted with (``tar``, ``…+gzip``, ``…+zstd``); None for raw."""
-    if layer.media_type in IMAGE_LAYER_TYPES:
-        return layer.media_type
-    lt = parse_layer_media_type(layer.media_type)
-    if lt is not None and not lt.is_raw:
-        return lt.format
-    return None
 
 
 def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
@@ -89,11 +73,12 @@ class _Hashing:
 
 
 def _tar_members(
-    blob: BinaryIO, layer: Descriptor, fmt: str, strip: str, diff_id: str | None
+    blob: BinaryIO, layer: Descriptor, fmt: LayerFormat, diff_id: str | None
 ) -> list[ExpectedFile]:
     where = f"layer {layer.digest}"
+    strip = fmt.strip
     compressed = _Hashing(blob)
-    uncompressed = _Hashing(open_layer_stream(compressed, fmt))  # type: ignore[arg-type]
+    uncompressed = _Hashing(open_layer_stream(compressed, fmt.format))  # type: ignore[arg-type]
     out: list[ExpectedFile] = []
     with tarfile.open(fileobj=uncompressed, mode="r|", encoding="utf-8") as tar:  # type: ignore[call-overload]
         for count, member in enumerate(tar, 1):
@@ -103,6 +88,8 @@ def _tar_members(
             if member.isdir():
                 continue
             if strip and not name.startswith(strip):
+                if fmt.skip_outside:
+                    continue  # a base image's files: extraction passes them over, so does this
                 raise UnsafeTarError(f"{where}: member {member.name!r} is outside {strip!r}")
             try:
                 rel = safe_relative_path(name[len(strip) :] if strip else name, what=f"{where} member")
@@ -134,20 +121,21 @@ def expected_files(
 ) -> dict[str, ExpectedFile]:
     """Every file the snapshot of ``manifest`` must hold, keyed by path.
 
-    ``config_raw`` (verified by the caller) is needed for the image-shaped variant's ``diff_ids``.
-    Raises ``ManifestError``/``UnsafeTarError`` for a manifest no snapshot could be built from,
-    ``DigestMismatchError`` for a damaged tar layer blob and ``OSError`` for a missing one.
+    ``config_raw`` (verified by the caller) is needed for an image config's ``diff_ids``
+    (``layer_formats.needs_config``). Which layers are tars, and which of their members are files,
+    is ``transfer.layer_formats``' answer, as for extraction. Raises ``ManifestError``/
+    ``UnsafeTarError`` for a manifest no snapshot could be built from, ``DigestMismatchError`` for
+    a damaged tar layer blob and ``OSError`` for a missing one.
     """
-    image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG
+    formats = manifest_layer_formats(manifest)
     diff_ids: list[str] = []
-    if image_shaped:
+    if needs_config(manifest):
         if config_raw is None:
             raise ManifestError(f"{manifest.digest}: image config missing")
         diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
     out: dict[str, ExpectedFile] = {}
-    for i, layer in enumerate(manifest.layers):
-        fmt = tar_format(layer)
-        if fmt is None:
+    for i, (layer, fmt) in enumerate(zip(manifest.layers, formats, strict=True)):
+        if fmt.is_raw:
             files = [ExpectedFile(raw_layer_path(manifest, layer), str(layer.digest), layer.size, True)]
         else:
             path = store.blob_path(layer.digest)
@@ -158,13 +146,7 @@ def expected_files(
             with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as blob:
                 if not stat.S_ISREG(os.fstat(blob.fileno()).st_mode):
                     raise ManifestError(f"{path}: not a regular file")
-                files = _tar_members(
-                    blob,
-                    layer,
-                    fmt,
-                    MODELS_PREFIX if image_shaped else "",
-                    diff_ids[i] if image_shaped else None,
-                )
+                files = _tar_members(blob, layer, fmt, diff_ids[i] if fmt.diff_id else None)
         for f in files:
             if f.path in out:
                 raise ManifestError(f"{manifest.digest}: two layers claim the path {f.path!r}")

@@ -17,7 +17,6 @@ import os
 import stat
 import time
 
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_CONFIG
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.mount.contents import ExpectedFile, expected_files
 from modelpack.mount.modes import untrusted_reason
@@ -29,6 +28,7 @@ from modelpack.errors import ModelpackError, SnapshotInUseError, UnsafePathError
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import sha256_file, verify_bytes
+from modelpack.transfer.layer_formats import needs_config
 
 
 def _manifest(store: Store, info: SnapshotInfo) -> Manifest:
@@ -39,7 +39,7 @@ def _manifest(store: Store, info: SnapshotInfo) -> Manifest:
 
 def _expected(store: Store, manifest: Manifest) -> dict[str, ExpectedFile]:
     config_raw = None
-    if manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG:
+    if needs_config(manifest):
         config_raw = store.read_small(manifest.config.digest)
         verify_bytes(config_raw, manifest.config.digest, manifest.config.size, what="image config")
     return expected_files(manifest, store, config_raw)

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_CONFIG, parse_layer_media_type
 from modelpack.mount.ingest import BlobIngest, check_space
 from modelpack.mount.leases import Hold, PullLeases
 from modelpack.mount.locks import acquire
@@ -47,6 +46,7 @@ from modelpack.oci.reference import Reference, parse_reference
 from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
+from modelpack.transfer.layer_formats import has_tar_layers, manifest_layer_formats, needs_config
 
 
 @dataclass
@@ -276,7 +276,8 @@ class Puller:
         missing = [b for b in blobs if not self.store.has(b)]
         needed = sum(max(0, b.size - self.store.partial_bytes(b.digest)) for b in missing)
         # tar layers are extracted into the snapshot (not linked): count them once more
-        needed += sum(b.size for b in manifest.layers if not _is_raw_layer(b))
+        formats = manifest_layer_formats(manifest)
+        needed += sum(b.size for b, f in zip(manifest.layers, formats, strict=True) if f.is_tar)
         check_space(
             self.store.root,
             needed,
@@ -346,7 +347,7 @@ class Puller:
         t = time.monotonic()
         self.store.add_manifest(manifest.raw, manifest.media_type, ref_text)
         config_raw = None
-        if manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG:
+        if needs_config(manifest):
             config_raw = self.store.read_small(manifest.config.digest)
         room = self._expansion_room(manifest)
         try:
@@ -380,10 +381,7 @@ class Puller:
     def _expansion_room(self, manifest: Manifest) -> tuple[int, str, int, int] | None:
         """What tar layers may still write: (bytes, "quota"|"disk_full", used or free, limit or
         reserve) for the tighter of the quota and the free space; None without tar layers."""
-        if (
-            all(_is_raw_layer(b) for b in manifest.layers)
-            and manifest.config.media_type != MEDIA_TYPE_IMAGE_CONFIG
-        ):
+        if not has_tar_layers(manifest):
             return None
         st = os.statvfs(self.store.root)
         free = st.f_bavail * st.f_frsize
@@ -445,8 +443,3 @@ def _unique_blobs(manifest: Manifest) -> list[Descriptor]:
             seen.add(d.digest)
             out.append(d)
     return out
-
-
-def _is_raw_layer(desc: Descriptor) -> bool:
-    lt = parse_layer_media_type(desc.media_type)
-    return lt is not None and lt.is_raw

@@ -30,13 +30,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.mediatypes import (
-    MEDIA_TYPE_IMAGE_CONFIG,
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-    parse_layer_media_type,
-)
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.mount.locks import flock_bounded, pid_alive, try_exclusive
 from modelpack.mount.modes import (
@@ -71,11 +64,6 @@ MARKER_VERSION = 1
 MAX_MARKER_BYTES = 16 * 1024 * 1024
 # a temp file another process is writing (a marker, a record) is left alone for this long
 TEMP_FILE_TTL_S = 3600.0
-IMAGE_LAYER_TYPES = (
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-)
 
 
 @dataclass
@@ -282,11 +270,12 @@ class Snapshots:
         expansion_limit: str,
     ) -> list[SnapshotFile]:
         from modelpack.oci.image_config import image_diff_ids
+        from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
         from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
+        formats = manifest_layer_formats(manifest)
         diff_ids: list[str] = []
-        image_shaped = manifest.config.media_type == MEDIA_TYPE_IMAGE_CONFIG
-        if image_shaped:
+        if needs_config(manifest):
             if config_raw is None:
                 raise SnapshotError(f"{manifest.digest}: image config missing")
             diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
@@ -294,25 +283,19 @@ class Snapshots:
         seen: set[str] = set()
         # one budget for all tar layers: the bytes they write together are capped
         budget = ExpansionBudget(max_expanded, expansion_limit)
-        for i, layer in enumerate(manifest.layers):
-            lt = parse_layer_media_type(layer.media_type)
-            is_tar = layer.media_type in IMAGE_LAYER_TYPES or (lt is not None and not lt.is_raw)
-            if is_tar:
-                fmt = (
-                    layer.media_type
-                    if layer.media_type in IMAGE_LAYER_TYPES
-                    else (lt.format if lt else "tar")
-                )
+        for i, (layer, fmt) in enumerate(zip(manifest.layers, formats, strict=True)):
+            if fmt.is_tar:
                 with open(self.store.blob_path(layer.digest), "rb") as blob:
                     extracted = extract_tar_layer(
                         blob,
                         dest,
-                        strip="models/" if image_shaped else "",
-                        media_type=fmt,
-                        diff_id=diff_ids[i] if image_shaped else None,
+                        strip=fmt.strip,
+                        media_type=fmt.format,
+                        diff_id=diff_ids[i] if fmt.diff_id else None,
                         where=f"layer {layer.digest}",
                         existing=seen,
                         budget=budget,
+                        outside=fmt.outside,
                     )
                 for path, size, digest in extracted:
                     seen.add(path)

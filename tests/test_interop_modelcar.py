@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,15 @@ from click.testing import CliRunner
 
 from modelpack.api import transfer
 from modelpack.cli import main
-from modelpack.errors import UnsafeTarError
+from modelpack.errors import UnsafeTarError, UnsupportedLayerError
 from tests.fixtures.registry import RegistryServer
 
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
 DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 
 
 @pytest.fixture(autouse=True)
@@ -107,10 +111,18 @@ def _put_blob(registry: RegistryServer, repo: str, data: bytes) -> str:
 
 
 def push_kserve_style(
-    registry: RegistryServer, checkpoint: Path, repo: str, extra: list[Any] | None = None
+    registry: RegistryServer,
+    checkpoint: Path,
+    repo: str,
+    extra: list[Any] | None = None,
+    *,
+    oci: bool = False,
+    wrong_diff_id: bool = False,
 ) -> str:
     """``FROM busybox`` + ``COPY models /models/`` as docker build pushes it: Docker media types,
-    gzip layers, a base layer of the OS, a ``models/`` directory entry and per-file modes."""
+    gzip layers, a base layer of the OS, a ``models/`` directory entry and per-file modes.
+    ``oci``: the same image with OCI media types (buildah, ``docker buildx --output oci-mediatypes``);
+    ``wrong_diff_id``: the config's diff_id of the model layer is not its uncompressed tar's."""
     base_layer = _tar(
         [
             ("bin/", None, 0o755),
@@ -131,9 +143,15 @@ def push_kserve_style(
     for raw in (base_layer, _tar(model_entries)):
         blob = gzip.compress(raw, mtime=0)
         layers.append(
-            {"mediaType": DOCKER_LAYER_GZIP, "digest": _put_blob(registry, repo, blob), "size": len(blob)}
+            {
+                "mediaType": OCI_LAYER_GZIP if oci else DOCKER_LAYER_GZIP,
+                "digest": _put_blob(registry, repo, blob),
+                "size": len(blob),
+            }
         )
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
+    if wrong_diff_id:
+        diff_ids[-1] = "sha256:" + hashlib.sha256(b"another layer").hexdigest()
     config = json.dumps(
         {
             "architecture": "amd64",
@@ -144,9 +162,9 @@ def push_kserve_style(
     ).encode()
     manifest = {
         "schemaVersion": 2,
-        "mediaType": DOCKER_MANIFEST,
+        "mediaType": OCI_MANIFEST if oci else DOCKER_MANIFEST,
         "config": {
-            "mediaType": DOCKER_CONFIG,
+            "mediaType": OCI_CONFIG if oci else DOCKER_CONFIG,
             "digest": _put_blob(registry, repo, config),
             "size": len(config),
         },
@@ -155,7 +173,7 @@ def push_kserve_style(
     r = requests.put(
         f"http://{registry.host}/v2/{repo}/manifests/v1",
         data=json.dumps(manifest).encode(),
-        headers={"Content-Type": DOCKER_MANIFEST},
+        headers={"Content-Type": OCI_MANIFEST if oci else DOCKER_MANIFEST},
         timeout=30,
     )
     assert r.status_code == 201, r.text
@@ -273,3 +291,105 @@ def test_pull_keeps_reading_modctl_tar_layers_with_cnai_names(
     out = tmp_path / "out"
     transfer.pull(registry.ref(repo, "v1"), str(out), progress="off")
     assert _files(out) == _files(checkpoint)
+
+
+# one table says, for every reader (pull, node cache, cache verify, loader), what a layer is
+_OCI_IMAGE_TYPES = {
+    "application/vnd.oci.image.layer.v1.tar": "tar",
+    "application/vnd.oci.image.layer.v1.tar+gzip": "tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd": "tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar": "tar",
+    DOCKER_LAYER_GZIP: "tar+gzip",
+}
+
+
+@pytest.mark.parametrize(("media_type", "compression"), sorted(_OCI_IMAGE_TYPES.items()))
+@pytest.mark.parametrize("config", [OCI_CONFIG, DOCKER_CONFIG])
+def test_image_layers_of_an_image_hold_the_model_under_models(
+    media_type: str, compression: str, config: str
+) -> None:
+    from modelpack.transfer.layer_formats import layer_format
+
+    fmt = layer_format(config, media_type)
+    assert (fmt.format, fmt.strip, fmt.outside, fmt.diff_id) == (compression, "models/", "skip", True)
+    # the same layer types under another config (a runtime asset): files at their paths, no diff_ids
+    other = layer_format("application/vnd.modelpack.runtime-asset.config.v1+json", media_type)
+    assert (other.format, other.strip, other.outside, other.diff_id) == (compression, "", "refuse", False)
+
+
+@pytest.mark.parametrize(
+    ("media_type", "fmt"),
+    [
+        ("application/vnd.cncf.model.weight.v1.raw", "raw"),
+        ("application/vnd.cncf.model.weight.v1.tar+zstd", "tar+zstd"),
+        ("application/vnd.cnai.model.doc.v1.tar", "tar"),
+        ("application/octet-stream", "raw"),  # placed at its annotated path, like the node cache did
+    ],
+)
+def test_modelpack_layers_keep_their_paths(media_type: str, fmt: str) -> None:
+    from modelpack.transfer.layer_formats import layer_format
+
+    for config in (OCI_CONFIG, "application/vnd.cncf.model.config.v1+json"):
+        got = layer_format(config, media_type)
+        assert (got.format, got.strip, got.outside, got.diff_id) == (fmt, "", "refuse", False)
+
+
+@pytest.mark.parametrize(
+    "media_type",
+    [
+        "application/vnd.oci.image.layer.v1.tar+lz4",
+        "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
+        "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+        "application/vnd.cncf.model.weight.v1.tar+lz4",
+        "application/vnd.cnai.model.unknown-kind.v1.raw",
+    ],
+)
+def test_a_tar_or_modelpack_type_no_reader_supports_is_refused_never_taken_for_a_file(
+    media_type: str,
+) -> None:
+    from modelpack.transfer.layer_formats import layer_format
+
+    with pytest.raises(UnsupportedLayerError, match=re.escape(media_type)):
+        layer_format(OCI_CONFIG, media_type)
+
+
+def test_the_node_cache_refuses_an_unsupported_tar_layer_before_downloading_it(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    """It used to place such a layer, with a path annotation, as if the compressed tar were the file."""
+    from modelpack.mount import NodeCache
+
+    repo = "modelcar/lz4"
+    blob = b"\x04\x22\x4d\x18 not a file"
+    config = b"{}"
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {
+            "mediaType": "application/vnd.oci.empty.v1+json",
+            "digest": _put_blob(registry, repo, config),
+            "size": len(config),
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+lz4",
+                "digest": _put_blob(registry, repo, blob),
+                "size": len(blob),
+                "annotations": {"org.opencontainers.image.title": "model.safetensors"},
+            }
+        ],
+    }
+    r = requests.put(
+        f"http://{registry.host}/v2/{repo}/manifests/v1",
+        data=json.dumps(manifest).encode(),
+        headers={"Content-Type": OCI_MANIFEST},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    nc = NodeCache(str(tmp_path / "cache"))
+    with pytest.raises(UnsupportedLayerError, match=r"tar\+lz4"):
+        nc.pull(registry.ref(repo, "v1"))
+    assert nc.snapshots.list_ready() == []
+    with pytest.raises(UnsupportedLayerError, match=r"tar\+lz4"):
+        transfer.pull(registry.ref(repo, "v1"), str(tmp_path / "out"), progress="off")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -33,7 +33,7 @@ from modelpack.errors import DigestMismatchError, SizeMismatchError, SourceError
 from modelpack.events import EventLog
 from tests.fixtures.registry import RegistryServer
 from tests.loader_helpers import expected_shard, reference_tensors
-from tests.test_interop_modelcar import _put_blob, _tar, push_with_oci_modelcar
+from tests.test_interop_modelcar import _files, _put_blob, _tar, push_kserve_style, push_with_oci_modelcar
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
@@ -186,6 +186,51 @@ def test_an_oci_modelcar_loads_from_the_node_cache(
     ref = push_with_oci_modelcar(registry, checkpoint, "tarload/modelcar", tmp_path)
     _nc, snap, digest = _pull(tmp_path, ref)
     _check_load(snap, digest, reference_tensors(checkpoint), _weights(checkpoint), tmp_path)
+
+
+@pytest.mark.parametrize("oci", [False, True], ids=["docker-media-types", "oci-media-types"])
+def test_a_docker_built_modelcar_with_a_base_image_loads_from_the_node_cache(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, oci: bool
+) -> None:
+    """KServe's ``FROM busybox`` + ``COPY models /models/``: gzip layers with Docker (or OCI) media
+    types, a Docker (or OCI) image config, the base image's files outside ``models/``."""
+    ref = push_kserve_style(registry, checkpoint, f"tarload/kserve-{'oci' if oci else 'docker'}", oci=oci)
+    nc, snap, digest = _pull(tmp_path, ref)
+    # exactly the files of models/: bin/busybox, the bin/sh link and etc/passwd are passed over
+    assert _files(Path(snap)) == _files(checkpoint)
+    assert [r.ok for r in nc.verify()] == [True]
+    r = CliRunner().invoke(main, ["cache", "verify", "--cache", nc.root])
+    assert r.exit_code == 0, r.output
+    _check_load(snap, digest, reference_tensors(checkpoint), _weights(checkpoint), tmp_path)
+
+
+def test_an_edited_file_of_a_docker_built_modelcar_is_caught_by_verify_and_by_the_load(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    ref = push_kserve_style(registry, checkpoint, "tarload/kserve-edit")
+    nc, snap, digest = _pull(tmp_path, ref)
+    victim = sorted(Path(snap).glob("*.safetensors"))[0]
+    _edit_in_place(victim)
+    with pytest.raises(DigestMismatchError, match=re.escape(victim.name)):
+        load_state_dict(snap, expected_digest=digest)
+    reports = nc.verify(repair=False)
+    assert len(reports) == 1 and not reports[0].ok
+    assert any(p.startswith(victim.name + ": expected") for p in reports[0].problems), reports[0].problems
+    r = CliRunner().invoke(main, ["cache", "verify", "--cache", nc.root])
+    assert r.exit_code != 0 and victim.name in r.output, r.output
+
+
+@pytest.mark.parametrize("oci", [False, True], ids=["docker-config", "oci-config"])
+def test_an_image_config_whose_diff_ids_disagree_with_its_layers_is_refused_by_the_cache(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, oci: bool
+) -> None:
+    ref = push_kserve_style(
+        registry, checkpoint, f"tarload/diffid-{'oci' if oci else 'docker'}", oci=oci, wrong_diff_id=True
+    )
+    nc = NodeCache(str(tmp_path / "cache"))
+    with pytest.raises(DigestMismatchError, match="diff_id"):
+        nc.pull(ref)
+    assert nc.snapshots.list_ready() == []
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])

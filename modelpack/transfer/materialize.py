@@ -34,49 +34,25 @@ from modelpack.errors import (
     LayerFormatError,
     PullError,
     TransferCancelled,
-    UnsupportedLayerError,
 )
 from modelpack.files import DirSyncs, free_bytes, write_error
-from modelpack.mediatypes import IMAGE_LAYER_MEDIA_TYPES, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader
-from modelpack.oci.image_config import MODELS_PREFIX
 from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.transfer import destination
 from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
+from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
 from modelpack.transfer.staging import StagingDir, partial_path, sweep
 from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_layer
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# How each layer format becomes files: "raw" is one file at its annotated path; a tar format is
-# extracted, its members under the prefix given here (a fixed table: what pull supports does not
-# depend on which modules happen to be imported). Container-image layers — the image-shaped
-# variant, KServe modelcars (oci-modelcar, `docker build` with Docker media types) — hold the model
-# under models/; what else such an image holds (a base image's OS) is passed over, never written.
-_TAR_PREFIX: dict[str, str] = {
-    "tar": "",
-    "tar+gzip": "",
-    "tar+zstd": "",
-    **{media_type: MODELS_PREFIX for media_type in IMAGE_LAYER_MEDIA_TYPES},
-}
-
-
-def layer_format(media_type: str) -> str:
-    """``raw`` or the tar format key of ``_TAR_PREFIX``; ``UnsupportedLayerError`` otherwise."""
-    if media_type in _TAR_PREFIX:
-        return media_type
-    lt = parse_layer_media_type(media_type)
-    if lt is not None and (lt.format == "raw" or lt.format in _TAR_PREFIX):
-        return lt.format
-    raise UnsupportedLayerError(
-        f"layer media type {media_type!r}: no materializer for this format "
-        f"(supported: {', '.join(sorted(['raw', *_TAR_PREFIX]))})"
-    )
+# How each layer becomes files (raw, or which tar with which prefix stripped and which members
+# passed over) is transfer.layer_formats' one table, shared with the node cache and the loader.
 
 
 @dataclass(frozen=True)
@@ -86,6 +62,7 @@ class LayerJob:
     descriptor: Descriptor
     relpath: str | None
     dest_dir: str
+    format: LayerFormat | None = None  # a tar layer's: compression, prefix, members passed over
 
     @property
     def final_path(self) -> str:
@@ -125,9 +102,9 @@ def plan_layers(
     different content at one path, and formats pull cannot write (before downloading anything)."""
     select = file_selector(include, exclude)
     plan = PullPlan([], [], {})
-    for i, layer in enumerate(manifest.layers):
-        if layer_format(layer.media_type) != "raw":
-            plan.tar.append(LayerJob(layer, None, dest_dir))
+    for i, (layer, fmt) in enumerate(zip(manifest.layers, manifest_layer_formats(manifest), strict=True)):
+        if fmt.is_tar:
+            plan.tar.append(LayerJob(layer, None, dest_dir, fmt))
             continue
         relpath = layer_filepath(layer.annotations)
         if relpath is None:
@@ -268,7 +245,8 @@ def _stage_tar(
 ) -> _Staged:
     """Extract one tar layer into a locked staging directory; the blob digest is checked to the
     last byte before the files count as staged."""
-    desc = job.descriptor
+    desc, fmt = job.descriptor, job.format
+    assert fmt is not None and fmt.is_tar
     where = f"layer {desc.digest}"
     staging = StagingDir(job.dest_dir)
     bar = prog.transfer(desc.size, where[6:25]) if prog.enabled else None
@@ -280,13 +258,13 @@ def _stage_tar(
                 files = extract_tar_layer(
                     reader,  # type: ignore[arg-type]
                     staging.path,
-                    _TAR_PREFIX[layer_format(desc.media_type)],
-                    media_type=desc.media_type,
+                    fmt.strip,
+                    media_type=fmt.format,
                     where=where,
                     existing=claims,
                     budget=budget,
                     select=select,
-                    outside="skip" if desc.media_type in IMAGE_LAYER_MEDIA_TYPES else "refuse",
+                    outside=fmt.outside,
                     keep_prefix=keep_prefix,
                 )
             except LayerFormatError:
@@ -479,7 +457,6 @@ __all__ = [
     "PullPlan",
     "PullResult",
     "file_selector",
-    "layer_format",
     "plan_layers",
     "pull_to_directory",
     "run_all",

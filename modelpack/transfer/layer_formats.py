@@ -1,0 +1,150 @@
+"""How each layer of a manifest becomes files: the one table every reader of layers asks.
+
+Pull to a directory (``transfer.materialize``), the node cache's snapshot build
+(``mount.snapshots``), its re-hash (``mount.contents``, ``cache verify``), its free-space and
+config checks (``mount.pull``, ``mount.integrity``) and the loader (``loader.weight_files``)
+all decide from here, for a manifest's config media type and one layer's media type:
+
+- ``raw``: the blob is one file, at the path its annotation names (ModelPack ``…v1.raw``, and
+  any media type this table does not know as a tar: the annotation says where it goes).
+- a tar, with its compression (``tar``, ``tar+gzip``, ``tar+zstd``: what ``open_layer_stream``
+  takes), the prefix stripped from its members, whether members outside that prefix are passed
+  over (never written) or refused, and whether the config's ``rootfs.diff_ids`` vouch for its
+  uncompressed stream.
+
+Container-image layers (OCI ``image.layer.v1.tar[+gzip|+zstd]``, Docker
+``image.rootfs.diff.tar[.gzip]``) in an image (an OCI or Docker image config: the image-shaped
+variant, KServe modelcars from oci-modelcar or ``docker build``) hold the model under
+``models/``; what else the image holds (a base image's OS) is passed over, and each layer's
+uncompressed tar must hash to its ``diff_id``. The same layer types under another config (a
+runtime asset) are tars of files at their paths. ModelPack ``tar`` layers (modctl, folders) are
+tars of files at their paths. A ModelPack media type with a format not listed here, and an OCI
+or Docker layer type that is not one of the above (``+lz4``, foreign or non-distributable
+layers), is an ``UnsupportedLayerError``: no reader guesses at it.
+
+Pure: no I/O, so every module of the chain can ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelpack.errors import UnsupportedLayerError
+from modelpack.mediatypes import (
+    FORMATS,
+    MEDIA_TYPE_DOCKER_IMAGE_CONFIG,
+    MEDIA_TYPE_DOCKER_LAYER_TAR,
+    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_CONFIG,
+    MEDIA_TYPE_IMAGE_LAYER_TAR,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    parse_layer_media_type,
+)
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.image_config import MODELS_PREFIX
+
+RAW = "raw"
+TAR_FORMATS = ("tar", "tar+gzip", "tar+zstd")
+
+#: image configs: their ``rootfs.diff_ids`` tie each layer to its uncompressed tar
+IMAGE_CONFIG_MEDIA_TYPES = (MEDIA_TYPE_IMAGE_CONFIG, MEDIA_TYPE_DOCKER_IMAGE_CONFIG)
+
+#: container-image layer media type → its tar compression
+IMAGE_LAYER_FORMATS: dict[str, str] = {
+    MEDIA_TYPE_IMAGE_LAYER_TAR: "tar",
+    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: "tar+gzip",
+    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: "tar+zstd",
+    MEDIA_TYPE_DOCKER_LAYER_TAR: "tar",
+    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP: "tar+gzip",
+}
+
+# media types in these families are tars of some kind: one not in the table is refused, never
+# taken for a raw file
+_TAR_FAMILIES = ("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")
+_MODELPACK_FAMILIES = ("application/vnd.cncf.model.", "application/vnd.cnai.model.")
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """What a layer is and how its files come out of it."""
+
+    media_type: str
+    format: str  # "raw", or the tar compression: "tar" | "tar+gzip" | "tar+zstd"
+    strip: str = ""  # members' prefix, removed from their paths ("models/" for image layers)
+    skip_outside: bool = False  # members outside ``strip`` are passed over (True) or refused
+    diff_id: bool = False  # the config's rootfs.diff_ids[i] must be this layer's uncompressed sha256
+
+    @property
+    def is_raw(self) -> bool:
+        return self.format == RAW
+
+    @property
+    def is_tar(self) -> bool:
+        return self.format != RAW
+
+    @property
+    def outside(self) -> str:
+        """``extract_tar_layer``'s ``outside`` argument."""
+        return "skip" if self.skip_outside else "refuse"
+
+
+def is_image_config(config_media_type: str | None) -> bool:
+    """An OCI or Docker image config (its layers are a container image's filesystem)."""
+    return config_media_type in IMAGE_CONFIG_MEDIA_TYPES
+
+
+def layer_format(config_media_type: str | None, media_type: str) -> LayerFormat:
+    """How the layer ``media_type`` of a manifest whose config is ``config_media_type`` becomes
+    files; ``UnsupportedLayerError`` for a tar or ModelPack type this build cannot read."""
+    image_format = IMAGE_LAYER_FORMATS.get(media_type)
+    if image_format is not None:
+        if is_image_config(config_media_type):
+            return LayerFormat(media_type, image_format, MODELS_PREFIX, skip_outside=True, diff_id=True)
+        return LayerFormat(media_type, image_format)
+    lt = parse_layer_media_type(media_type)
+    if lt is not None:
+        return LayerFormat(media_type, lt.format)
+    if media_type.startswith(_TAR_FAMILIES + _MODELPACK_FAMILIES):
+        supported = sorted({*FORMATS, *IMAGE_LAYER_FORMATS})
+        raise UnsupportedLayerError(
+            f"layer media type {media_type!r}: no reader for this format (supported: {', '.join(supported)})"
+        )
+    return LayerFormat(media_type, RAW)
+
+
+def manifest_layer_formats(manifest: Manifest) -> list[LayerFormat]:
+    """``layer_format`` of every layer of ``manifest``, in order; a refusal names the manifest
+    and the layer."""
+    out = []
+    for layer in manifest.layers:
+        try:
+            out.append(layer_format(manifest.config.media_type, layer.media_type))
+        except UnsupportedLayerError as exc:
+            raise UnsupportedLayerError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
+    return out
+
+
+def has_tar_layers(manifest: Manifest) -> bool:
+    """Whether building files from ``manifest`` extracts anything (expansion must be budgeted)."""
+    return any(f.is_tar for f in manifest_layer_formats(manifest))
+
+
+def needs_config(manifest: Manifest) -> bool:
+    """Whether the config must be read to build files from ``manifest``: an image config, whose
+    ``rootfs.diff_ids`` (one per layer) vouch for its tar layers."""
+    return is_image_config(manifest.config.media_type)
+
+
+__all__ = [
+    "IMAGE_CONFIG_MEDIA_TYPES",
+    "IMAGE_LAYER_FORMATS",
+    "RAW",
+    "TAR_FORMATS",
+    "LayerFormat",
+    "has_tar_layers",
+    "is_image_config",
+    "layer_format",
+    "manifest_layer_formats",
+    "needs_config",
+]
