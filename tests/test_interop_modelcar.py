@@ -7,9 +7,11 @@ entries), and one shaped like the KServe documentation's ``FROM busybox`` + ``CO
 /models/`` build (Docker media types, gzip, a base layer with files outside ``models/``).
 ``modelpack pull`` writes the files of ``models/`` at their paths below it, like the image-shaped
 variant (``--keep-prefix`` keeps ``models/``), never the rest of the image, through the same untar
-rules (links, devices, ``..``, bombs refused under ``models/``); the node cache and the loader take
-them like the image-shaped variant (the streaming loader does not yet bind tar-layer snapshots to
-their manifest: neither this nor the image-shaped variant loads from the cache yet).
+rules (links, devices, ``..``, bombs refused under ``models/``); the node cache takes both like the
+image-shaped variant (the same rules, the config's ``diff_ids`` checked) and the loader loads the
+snapshot, each extracted file hashed (``tests/test_loader_tar_snapshots.py``). Which layers are
+tars, with which prefix and which members passed over, is one table for all of them
+(``modelpack.transfer.layer_formats``), tested at the end of this file.
 """
 
 from __future__ import annotations
