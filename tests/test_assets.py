@@ -43,6 +43,7 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import open_readable
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import RegistryServer, _stop_all, start_registry
+from tests.signing_helpers import referrers_index_clobbered
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -564,10 +565,6 @@ def test_concurrent_asset_pushes_of_one_model_both_end_discoverable(
 def test_asset_push_fails_with_exit_1_when_its_referrer_stays_undiscoverable(
     registry: RegistryServer, tmp_path: Path
 ) -> None:
-    import threading
-
-    import requests
-    from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 
     from modelpack import api
 
@@ -577,24 +574,8 @@ def test_asset_push_fails_with_exit_1_when_its_referrer_stays_undiscoverable(
     cache = tmp_path / "cache" / "fxgraph"
     cache.mkdir(parents=True)
     (cache / "entry").write_bytes(b"graph")
-    # another writer that keeps replacing the fallback index with one that lacks our entry
-    url = f"http://{registry.host}/v2/assets-race/dropped/manifests/sha256-{digest[7:]}"
-    empty = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_TYPE_OCI_INDEX, "manifests": []}).encode()
-    stop = threading.Event()
-
-    def clobber() -> None:
-        with requests.Session() as s:
-            while not stop.is_set():
-                s.put(url, data=empty, headers={"Content-Type": MEDIA_TYPE_OCI_INDEX}, timeout=30)
-                stop.wait(0.02)
-
-    writer = threading.Thread(target=clobber, daemon=True)
-    writer.start()
-    try:
+    with referrers_index_clobbered(registry.host, "assets-race/dropped", digest):
         proc = cli("push", ref, str(cache.parent), "--kind", "inductor", check=False)
-    finally:
-        stop.set()
-        writer.join(30)
     assert proc.returncode == 1, proc.stderr
     assert "not discoverable" in proc.stderr and digest in proc.stderr, proc.stderr
     assert "inductor asset" in proc.stderr and "push it again" in proc.stderr, proc.stderr

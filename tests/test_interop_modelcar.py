@@ -112,6 +112,41 @@ def _put_blob(registry: RegistryServer, repo: str, data: bytes) -> str:
     return digest
 
 
+def put_manifest(registry: RegistryServer, repo: str, manifest: dict[str, Any]) -> str:
+    r = requests.put(
+        f"http://{registry.host}/v2/{repo}/manifests/v1",
+        data=json.dumps(manifest).encode(),
+        headers={"Content-Type": OCI_MANIFEST},
+        timeout=30,
+    )
+    assert r.status_code == 201, r.text
+    return registry.ref(repo, "v1")
+
+
+def model_manifest(
+    registry: RegistryServer, repo: str, layers: list[dict[str, Any]], diff_ids: list[str], vendor: str
+) -> str:
+    config = json.dumps(
+        {
+            "descriptor": {"name": "m"},
+            "config": {"format": "safetensors"},
+            "modelfs": {"type": "layers", "diffIds": diff_ids},
+        }
+    ).encode()
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": f"application/vnd.{vendor}.model.manifest.v1+json",
+        "config": {
+            "mediaType": f"application/vnd.{vendor}.model.config.v1+json",
+            "digest": _put_blob(registry, repo, config),
+            "size": len(config),
+        },
+        "layers": layers,
+    }
+    return put_manifest(registry, repo, manifest)
+
+
 def push_kserve_style(
     registry: RegistryServer,
     checkpoint: Path,
@@ -265,31 +300,7 @@ def test_pull_keeps_reading_modctl_tar_layers_with_cnai_names(
             }
         )
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-    config = json.dumps(
-        {
-            "descriptor": {"name": "m"},
-            "config": {"format": "safetensors"},
-            "modelfs": {"type": "layers", "diffIds": diff_ids},
-        }
-    ).encode()
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "artifactType": "application/vnd.cnai.model.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.cnai.model.config.v1+json",
-            "digest": _put_blob(registry, repo, config),
-            "size": len(config),
-        },
-        "layers": layers,
-    }
-    r = requests.put(
-        f"http://{registry.host}/v2/{repo}/manifests/v1",
-        data=json.dumps(manifest).encode(),
-        headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
-        timeout=30,
-    )
-    assert r.status_code == 201, r.text
+    model_manifest(registry, repo, layers, diff_ids, "cnai")
     out = tmp_path / "out"
     transfer.pull(registry.ref(repo, "v1"), str(out), progress="off")
     assert _files(out) == _files(checkpoint)
@@ -381,13 +392,7 @@ def test_the_node_cache_refuses_an_unsupported_tar_layer_before_downloading_it(
             }
         ],
     }
-    r = requests.put(
-        f"http://{registry.host}/v2/{repo}/manifests/v1",
-        data=json.dumps(manifest).encode(),
-        headers={"Content-Type": OCI_MANIFEST},
-        timeout=30,
-    )
-    assert r.status_code == 201, r.text
+    put_manifest(registry, repo, manifest)
     nc = NodeCache(str(tmp_path / "cache"))
     with pytest.raises(UnsupportedLayerError, match=r"tar\+lz4"):
         nc.pull(registry.ref(repo, "v1"))

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 from click.testing import CliRunner
 from modelpack.loader import LoadStats, load_state_dict
@@ -33,7 +32,14 @@ from modelpack.errors import DigestMismatchError, SizeMismatchError, SourceError
 from modelpack.events import EventLog
 from tests.fixtures.registry import RegistryServer
 from tests.loader_helpers import expected_shard, reference_tensors
-from tests.test_interop_modelcar import _files, _put_blob, _tar, push_kserve_style, push_with_oci_modelcar
+from tests.test_interop_modelcar import (
+    _files,
+    _put_blob,
+    _tar,
+    model_manifest,
+    push_kserve_style,
+    push_with_oci_modelcar,
+)
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
@@ -45,41 +51,6 @@ def _upload_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # --------------------------------------------------------------------------- building the artifacts
-def _put_manifest(registry: RegistryServer, repo: str, manifest: dict[str, Any]) -> str:
-    r = requests.put(
-        f"http://{registry.host}/v2/{repo}/manifests/v1",
-        data=json.dumps(manifest).encode(),
-        headers={"Content-Type": OCI_MANIFEST},
-        timeout=30,
-    )
-    assert r.status_code == 201, r.text
-    return registry.ref(repo, "v1")
-
-
-def _model_manifest(
-    registry: RegistryServer, repo: str, layers: list[dict[str, Any]], diff_ids: list[str], vendor: str
-) -> str:
-    config = json.dumps(
-        {
-            "descriptor": {"name": "m"},
-            "config": {"format": "safetensors"},
-            "modelfs": {"type": "layers", "diffIds": diff_ids},
-        }
-    ).encode()
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": f"application/vnd.{vendor}.model.manifest.v1+json",
-        "config": {
-            "mediaType": f"application/vnd.{vendor}.model.config.v1+json",
-            "digest": _put_blob(registry, repo, config),
-            "size": len(config),
-        },
-        "layers": layers,
-    }
-    return _put_manifest(registry, repo, manifest)
-
-
 def push_modctl(registry: RegistryServer, checkpoint: Path, repo: str) -> str:
     """modctl's default: one ``tar`` layer per file (member = the file's path), ``vnd.cnai`` names."""
     layers, diff_ids = [], []
@@ -98,7 +69,7 @@ def push_modctl(registry: RegistryServer, checkpoint: Path, repo: str) -> str:
             }
         )
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-    return _model_manifest(registry, repo, layers, diff_ids, "cnai")
+    return model_manifest(registry, repo, layers, diff_ids, "cnai")
 
 
 def _compress(raw: bytes, fmt: str) -> bytes:
@@ -136,7 +107,7 @@ def push_modelpack_folders(registry: RegistryServer, checkpoint: Path, repo: str
             }
         )
         diff_ids.append("sha256:" + hashlib.sha256(raw).hexdigest())
-    return _model_manifest(registry, repo, layers, diff_ids, "cncf")
+    return model_manifest(registry, repo, layers, diff_ids, "cncf")
 
 
 def push_image(registry: RegistryServer, checkpoint: Path, repo: str, compression: str | None) -> str:

@@ -44,6 +44,7 @@ from modelpack.targets.base import bytes_blob_source
 from modelpack.targets.opener import open_target
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.faultproxy import Fault, FaultProxy, manifest_get, request
+from tests.signing_helpers import referrers_index_clobbered
 
 
 def _run(*args: str, input: str | None = None) -> Any:
@@ -216,24 +217,8 @@ def test_signer_fails_when_signature_stays_undiscoverable(
     ref = registry.ref("trust8/dropped", "v1")
     assert _run("push", str(checkpoint), ref).exit_code == 0
     digest = str(open_target(parse_reference(ref)).resolve("v1").digest)
-    # another writer that keeps replacing the fallback index with one that lacks our entry
-    url = f"http://{registry.host}/v2/trust8/dropped/manifests/sha256-{digest[7:]}"
-    empty = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_TYPE_OCI_INDEX, "manifests": []}).encode()
-    stop = threading.Event()
-
-    def clobber() -> None:
-        with requests.Session() as s:
-            while not stop.is_set():
-                s.put(url, data=empty, headers={"Content-Type": MEDIA_TYPE_OCI_INDEX}, timeout=30)
-                stop.wait(0.02)
-
-    writer = threading.Thread(target=clobber, daemon=True)
-    writer.start()
-    try:
+    with referrers_index_clobbered(registry.host, "trust8/dropped", digest):
         res = _run("sign", ref, "--key", priv, "--no-chunk-table", "--no-directory-signature")
-    finally:
-        stop.set()
-        writer.join(30)
     assert res.exit_code != 0, res.output
     assert "not discoverable" in res.output and digest in res.output, res.output
 

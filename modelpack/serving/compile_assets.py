@@ -127,17 +127,21 @@ def fetch_compile_cache(
     dest = compile_cache_dir(cache_root)
     reference = s.assets_reference or ""
 
-    def refused(reason: str) -> CompileCache:
+    def emit(state: str, reason: str, **extra: object) -> None:
         events.emit(
-            "assets.refused",
+            f"assets.{state}",
             start_id=start_id,
             tp_rank=rank.tp_rank,
             reference=reference,
             digest=rank.stats.digest,
             kind=kind,
-            asset_state="refused",
+            asset_state=state,
             reason=reason[:2000],
+            **extra,
         )
+
+    def refused(reason: str) -> CompileCache:
+        emit("refused", reason)
         return CompileCache("refused", dest, reason)
 
     plan, load_fp = rank.stats.plan, rank.stats.fingerprint
@@ -165,17 +169,7 @@ def fetch_compile_cache(
                 reason = (
                     f"{dest} already holds vLLM's own compile cache (compiled on this node); used as it is"
                 )
-                events.emit(
-                    "assets.none",
-                    start_id=start_id,
-                    tp_rank=rank.tp_rank,
-                    reference=reference,
-                    digest=rank.stats.digest,
-                    kind=kind,
-                    asset_state="none",
-                    local_cache=True,
-                    reason=reason,
-                )
+                emit("none", reason, local_cache=True)
                 return CompileCache("none", dest, reason, fingerprint_file=fp_file)
             res = fetch_before_compile(
                 reference,
