@@ -404,27 +404,11 @@ class Puller:
             return CacheError(str(exc))
         left, reason, have, limit = room
         needed = left - exc.left + exc.declared  # expanded so far + the member that did not fit
-        if reason == "quota":
-            ev(
-                "cache.refused",
-                digest=digest,
-                reason="quota",
-                bytes=needed,
-                used=have,
-                quota=limit,
-                detail=str(exc),
-            )
-            return QuotaExceededError(self.store.root, needed, have, limit)
-        ev(
-            "cache.refused",
-            digest=digest,
-            reason="disk_full",
-            bytes=needed,
-            available=have,
-            reserve=limit,
-            detail=str(exc),
-        )
-        return InsufficientSpaceError(self.store.root, needed, have, limit)
+        quota = reason == "quota"
+        room_fields = {"used": have, "quota": limit} if quota else {"available": have, "reserve": limit}
+        ev("cache.refused", digest=digest, reason=reason, bytes=needed, **room_fields, detail=str(exc))
+        cls = QuotaExceededError if quota else InsufficientSpaceError
+        return cls(self.store.root, needed, have, limit)
 
 
 def _describe_room(room: tuple[int, str, int, int] | None, root: str) -> str:

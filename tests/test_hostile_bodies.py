@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from modelpack.errors import RegistryConnectionError, RegistryNotFoundError
-from modelpack.targets.registry.client import MAX_IGNORED_BODY, RegistryClient
+from modelpack.targets.registry.bodies import MAX_IGNORED_BODY
+from modelpack.targets.registry.client import RegistryClient
 
 ENDLESS = 1 << 30  # 1 GiB declared: far more than any ignored body may cost
 

@@ -79,6 +79,20 @@ def _same_files(pulled: Path, checkpoint: Path, names: list[str]) -> None:
     assert not [p.name for p in pulled.rglob("*") if p.name.startswith(".tmp-modelpack")]
 
 
+def _pull_via(
+    tmp_path: Path, origin: FaultProxy, mirror_url: str, repo: str, checkpoint: Path, **extra: Any
+) -> tuple[Any, Path]:
+    """Pull ``repo`` from the origin with ``mirror_url`` as its mirror into tmp_path/out; check the
+    files against ``checkpoint`` and let the origin's counters settle. Returns (result, event log)."""
+    opts, events = _options(tmp_path, mirror_url, **extra)
+    res = transfer.pull(
+        f"{origin.host}/{repo}:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+    )
+    _same_files(tmp_path / "out", checkpoint, list(res.files))
+    origin.settle()
+    return res, events
+
+
 def _abandoned(events: Path) -> list[dict[str, Any]]:
     if not events.exists():
         return []
@@ -99,12 +113,7 @@ def test_blobs_come_from_the_mirror_and_manifests_from_the_origin(
 ) -> None:
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/plain")
     mark = registry.log_mark()
-    opts, events = _options(tmp_path, f"http://{mirror.host}")
-    res = transfer.pull(
-        f"{origin.host}/mirrors/plain:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-    )
-    _same_files(tmp_path / "out", checkpoint, list(res.files))
-    origin.settle()
+    res, events = _pull_via(tmp_path, origin, f"http://{mirror.host}", "mirrors/plain", checkpoint)
     mirror.settle()
     assert sum(origin.blob_bytes.values()) == 0
     assert _origin_blob_gets(registry, mark) == []
@@ -202,12 +211,7 @@ def test_mirror_corrupting_one_blob_is_abandoned_and_nothing_corrupt_is_written(
     big = blobs[0]
     mirror.add(Fault(match=blob_get(str(big.digest)), corrupt_at=big.size // 2, times=None))
     mark = registry.log_mark()
-    opts, events = _options(tmp_path, f"http://{mirror.host}")
-    res = transfer.pull(
-        f"{origin.host}/mirrors/corrupt:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-    )
-    _same_files(tmp_path / "out", checkpoint, list(res.files))
-    origin.settle()
+    _res, events = _pull_via(tmp_path, origin, f"http://{mirror.host}", "mirrors/corrupt", checkpoint)
     # the origin served that one blob, whole, and nothing else
     assert dict(origin.blob_bytes) == {str(big.digest): big.size}
     assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)] == [str(big.digest)]
@@ -226,14 +230,11 @@ def test_mirror_stalling_is_abandoned_within_its_short_budget(
     blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/stall")
     big = blobs[0]
     mirror.add(Fault(match=blob_get(str(big.digest)), stall=20, times=None))
-    opts, events = _options(tmp_path, f"http://{mirror.host}", mirror_stall_s=0.5)
     started = time.monotonic()
-    res = transfer.pull(
-        f"{origin.host}/mirrors/stall:v1", str(tmp_path / "out"), target_options=opts, progress="off"
+    _res, events = _pull_via(
+        tmp_path, origin, f"http://{mirror.host}", "mirrors/stall", checkpoint, mirror_stall_s=0.5
     )
     took = time.monotonic() - started
-    _same_files(tmp_path / "out", checkpoint, list(res.files))
-    origin.settle()
     assert dict(origin.blob_bytes) == {str(big.digest): big.size}
     gone = _abandoned(events)
     assert len(gone) == 1 and gone[0]["blob"] == str(big.digest) and gone[0]["offset"] == 0
@@ -373,12 +374,7 @@ def test_a_full_spool_directory_falls_back_to_the_origin(
         blobs = _setup(registry, mirror_registry, checkpoint, "mirrors/fullspool")
         monkeypatch.setattr(mirrors, "SPOOL_IN_MEMORY", 1)  # every spool on disk, in the tiny tmpfs
         monkeypatch.setattr(tempfile, "tempdir", str(tiny))
-        opts, _events = _options(tmp_path, f"http://{mirror_registry.host}")
-        res = transfer.pull(
-            f"{origin.host}/mirrors/fullspool:v1", str(tmp_path / "out"), target_options=opts, progress="off"
-        )
-        _same_files(tmp_path / "out", checkpoint, list(res.files))
-        origin.settle()
+        _pull_via(tmp_path, origin, f"http://{mirror_registry.host}", "mirrors/fullspool", checkpoint)
         # the blobs too big for the spool came from the origin; nothing is left in the tmpfs
         assert origin.blob_bytes[str(blobs[0].digest)] == blobs[0].size
         assert list(tiny.iterdir()) == []

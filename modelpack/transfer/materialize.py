@@ -168,22 +168,22 @@ def run_all(
         return []
     with ThreadPoolExecutor(max(1, min(jobs, len(items))), thread_name_prefix="modelpack-pull") as pool:
         futures: list[Future[R]] = [pool.submit(fn, it) for it in items]
+
+        def stop_all() -> None:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            _discard(futures, discard)
+
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
         except BaseException:
-            cancel.set()
-            for f in futures:
-                f.cancel()
-            wait(futures)
-            _discard(futures, discard)
+            stop_all()
             raise
         failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
         if failed:
-            cancel.set()
-            for f in futures:
-                f.cancel()
-            wait(futures)
-            _discard(futures, discard)
+            stop_all()
             errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
             first = next((e for e in errors if not _is_cancellation(e)), errors[0])
             assert first is not None

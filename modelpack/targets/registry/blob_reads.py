@@ -23,7 +23,7 @@ import requests
 
 from modelpack.errors import RegistryError, SizeMismatchError
 from modelpack.oci.descriptor import Descriptor
-from modelpack.targets.registry.client import TRANSPORT_ERRORS, is_transport_error
+from modelpack.targets.registry.bodies import TRANSPORT_ERRORS, is_transport_error
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.retry import RetryBudget
 

@@ -19,7 +19,6 @@ environment are still honoured, explicitly, for non-loopback registries.
 
 from __future__ import annotations
 
-import http.client
 import logging
 import threading
 import time
@@ -29,13 +28,10 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
-import urllib3
 from requests.adapters import HTTPAdapter
 
-from modelpack import boundedjson
 from modelpack.errors import (
     AuthenticationError,
-    DocumentError,
     InsecureRegistryError,
     PermissionDeniedError,
     RegistryConnectionError,
@@ -44,46 +40,25 @@ from modelpack.errors import (
     RegistryTLSError,
 )
 from modelpack.targets.registry.auth import Authenticator, Credentials, unbound_environment_hint
-from modelpack.targets.registry.bodies import read_by_deadline
+from modelpack.targets.registry.bodies import (
+    SMALL_BODY_SECONDS,
+    TRANSPORT_ERRORS,
+    discard_body,
+    is_transport_error,
+    oci_error,
+    read_by_deadline,
+)
 from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
 from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
-MAX_ERROR_BODY = 64 * 1024
-#: what is read of a success body nobody uses (GET /v2/, 201/202 answers) before the connection is dropped
-MAX_IGNORED_BODY = 64 * 1024
-#: how long an error body or an ignored success body may take to arrive (then it is dropped)
-SMALL_BODY_SECONDS = 30.0
 #: answers that mean "not now": retried within the budget (a restarting registry behind a proxy)
 RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 #: a 500 is more often a lasting fault than an outage: retried a few times only
 MAX_500_RETRIES = 4
-#: what a cut, reset or timed-out connection raises, whichever layer notices it first (requests'
-#: own errors derive from OSError too: ``is_transport_error`` tells the transient ones apart)
-TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
-    requests.exceptions.RequestException,
-    urllib3.exceptions.HTTPError,
-    http.client.HTTPException,
-    OSError,
-)
-_REQUESTS_TRANSIENT = (
-    requests.exceptions.ConnectionError,
-    requests.exceptions.Timeout,
-    requests.exceptions.ChunkedEncodingError,
-)
-
-
-def is_transport_error(exc: BaseException) -> bool:
-    """A cut, reset, refused or timed-out connection (worth a retry), as opposed to a request
-    ``requests`` refused to make (bad URL, redirect loop) or a body it could not decode."""
-    if isinstance(exc, requests.exceptions.RequestException):
-        return isinstance(exc, _REQUESTS_TRANSIENT)
-    return isinstance(exc, TRANSPORT_ERRORS)
-
-
-SOCKET_BLOCKSIZE = 1024 * 1024
-DOCKER_HUB_API = "registry-1.docker.io"  # urllib3 sends streamed bodies in blocks of this size
+SOCKET_BLOCKSIZE = 1024 * 1024  # urllib3 sends streamed bodies in blocks of this size
+DOCKER_HUB_API = "registry-1.docker.io"
 
 # bytes, a stream with read() and __len__, or a factory returning a fresh one per attempt
 Body = Any
@@ -104,39 +79,6 @@ class _BigBlockAdapter(HTTPAdapter):
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         kwargs["blocksize"] = SOCKET_BLOCKSIZE
         super().init_poolmanager(*args, **kwargs)
-
-
-def _discard_body(resp: requests.Response, seconds: float) -> None:
-    """Consume a success body nobody reads so the connection can be reused — at most
-    ``MAX_IGNORED_BODY`` bytes within ``seconds``: a longer, endless or trickling one costs the
-    connection instead."""
-    try:
-        data, in_time = read_by_deadline(resp.raw, MAX_IGNORED_BODY + 1, seconds, decode_content=False)
-    except TRANSPORT_ERRORS:
-        resp.close()
-        return
-    if len(data) > MAX_IGNORED_BODY or not in_time:
-        resp.close()  # drops the connection: the rest of the body is never read
-    else:
-        resp.raw.release_conn()
-
-
-def oci_error(response: requests.Response, seconds: float = SMALL_BODY_SECONDS) -> tuple[str | None, str]:
-    """First OCI error code and message from an error body (bounded in bytes and time; never raises)."""
-    try:
-        raw, _ = read_by_deadline(response.raw, MAX_ERROR_BODY, seconds) if response.raw else (b"", True)
-    except Exception:
-        raw = b""
-    try:
-        doc = boundedjson.loads(raw, what="error body", max_bytes=MAX_ERROR_BODY, max_depth=16)
-    except DocumentError:
-        return None, ""
-    errs = doc.get("errors") if isinstance(doc, dict) else None
-    if isinstance(errs, list) and errs and isinstance(errs[0], dict):
-        code = errs[0].get("code")
-        msg = errs[0].get("message") or ""
-        return (str(code)[:100] if code else None), str(msg)[:300]
-    return None, ""
 
 
 @dataclass
@@ -330,7 +272,7 @@ class RegistryClient:
                     allow_redirects=method in ("GET", "HEAD"),
                 )
                 if not stream and resp.status_code in ok + allow:
-                    _discard_body(resp, min(self.timeout, SMALL_BODY_SECONDS))
+                    discard_body(resp, min(self.timeout, SMALL_BODY_SECONDS))
             except requests.exceptions.SSLError as exc:
                 self._close_body(data)
                 if _untrusted_certificate(exc) or not idempotent or not budget.wait():
