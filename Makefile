@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
+SHELL := /bin/bash
 
-.PHONY: deps demo test lint fmt bench clean
+.PHONY: deps demo test lint typecheck fmt bench clean
 
 deps:
 	@bash .ci/bootstrap.sh
@@ -15,18 +17,24 @@ demo: deps
 test: lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# ruff (lint + format), mypy, and import-linter's layer/cycle contracts (pyproject.toml).
-# mypy and lint-imports read the installed shape of the namespace from build/typecheck.
+# ruff (lint + format) over the source folders; mypy and import-linter's layer/cycle contracts
+# (pyproject.toml) over the installed package (`make typecheck`).
 lint: deps
-	$(VENV)/bin/ruff check modelpack mediatypes signing mount loader tests benchmarks examples
-	$(VENV)/bin/ruff format --check modelpack mediatypes signing mount loader tests benchmarks examples
-	@bash .ci/typecheck-tree.sh
-	cd build/typecheck && MYPYPATH=. ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p modelpack
-	cd build/typecheck && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --no-cache --no-logo ../../pyproject.toml
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
+	@$(MAKE) --no-print-directory typecheck
+
+# mypy and lint-imports read build/installed: the wheel built from this tree, installed as pip
+# installs it (.ci/installed-tree.sh). mypy's paths are mapped back to the source folders.
+typecheck:
+	@bash .ci/installed-tree.sh
+	cd build/installed && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml --cache-dir ../../.mypy_cache \
+	  -p modelpack 2>&1 | sed -E 's#^modelpack/(mediatypes|signing|mount|loader)/#\1/#'; exit $${PIPESTATUS[0]}
+	cd build/installed && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --no-cache --no-logo ../../pyproject.toml
 
 fmt: deps
-	$(VENV)/bin/ruff format modelpack mediatypes signing mount loader tests benchmarks examples
-	$(VENV)/bin/ruff check --fix modelpack mediatypes signing mount loader tests benchmarks examples
+	$(VENV)/bin/ruff format $(SOURCES)
+	$(VENV)/bin/ruff check --fix $(SOURCES)
 
 # Every benchmark at small sizes, a few minutes on 2 cores; results (JSON, PNG) under $(BENCH_OUT).
 # Larger runs by flag, e.g. `make bench SCALING="--sizes 1G,4G,16G"` (docs/performance.md has each

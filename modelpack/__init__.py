@@ -2,30 +2,13 @@
 
 One import namespace: ``modelpack`` (core, distribution, CLI), ``modelpack.mediatypes`` (the
 contract), ``modelpack.signing`` (trust), ``modelpack.mount`` (node cache),
-``modelpack.loader`` (weights → GPU).
+``modelpack.loader`` (weights → GPU). In the repository those four are the top-level folders of
+the same names; setup.py maps them into this namespace, for a wheel and for an editable install
+alike (setuptools' editable finder maps exactly the packages the wheel holds, nothing else of the
+checkout).
 """
 
 from __future__ import annotations
-
-import os as _os
-
-__version__ = "0.1.0"
-
-
-def _source_checkout_path() -> None:
-    # In a source checkout the sub-packages are the sibling folders (mediatypes/, signing/, …)
-    # that setuptools maps into this namespace when installing. Searching the checkout root as
-    # well lets a working tree (and an editable install's link tree, which only links files that
-    # existed at install time) import every module straight from the source.
-    here = _os.path.dirname(_os.path.realpath(__file__))
-    root = _os.path.dirname(here)
-    if _os.path.isfile(_os.path.join(root, "pyproject.toml")) and _os.path.isfile(
-        _os.path.join(root, "mediatypes", "__init__.py")
-    ):
-        __path__[:] = [here, root]
-
-
-_source_checkout_path()
 
 # The public API, importable as ``modelpack.pack(...)`` etc. Resolved on first use so that
 # ``import modelpack`` (and so every CLI start) stays cheap.

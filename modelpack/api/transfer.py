@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from modelpack.api import pack
+from modelpack.api.artifacts import pack
 from modelpack.errors import InvalidReferenceError, ModelpackError, PackError, SigningError
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
