@@ -205,7 +205,7 @@ def test_pack_into_a_path_suggests_oci(tmp_path: Path, ckpt: Path) -> None:
         proc = run_cli("pack", str(ckpt), dest, cwd=tmp_path)
         line = one_line_error(proc, dest)
         assert f"oci:{dest}" in line, line
-        assert "invalid registry host" not in line or "oci:" in line
+        assert "invalid registry host" not in line, line
 
 
 def test_pack_into_an_existing_directory_suggests_oci(tmp_path: Path, ckpt: Path) -> None:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes_validate as kv  # declared test dependency: missing is a failure, not a skip
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from modelpack.cli import main
-
-kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (test extra)")
 
 DIGEST = "sha256:" + "a" * 64
 REF = f"registry.example.com/models/llama-3@{DIGEST}"
