@@ -11,6 +11,10 @@ need_apt=()
 command -v docker-registry >/dev/null 2>&1 || [ -x /usr/bin/docker-registry ] || need_apt+=(docker-registry)
 command -v skopeo >/dev/null 2>&1 || need_apt+=(skopeo)
 command -v htpasswd >/dev/null 2>&1 || need_apt+=(apache2-utils)
+# strace: tests/test_pull_dir.py reads the fsync/rename order from the real syscalls
+command -v strace >/dev/null 2>&1 || need_apt+=(strace)
+# node and npm: tests/test_interop_sigstore_js.py verifies bundles with sigstore-js
+command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
 # containerd (with ctr): tests/test_interop_containerd.py pulls the image-shaped variant with it
 command -v containerd >/dev/null 2>&1 && command -v ctr >/dev/null 2>&1 || need_apt+=(containerd)
 if [ ${#need_apt[@]} -gt 0 ] && [ "${MODELPACK_SKIP_APT:-}" != 1 ]; then
