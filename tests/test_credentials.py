@@ -299,8 +299,8 @@ def test_bearer_realm_on_another_host_never_receives_command_line_credentials(
     assert all(auth is None or CI_PASSWORD not in auth for _, auth in bearer_registry.seen)
 
 
-def test_docker_config_credentials_follow_the_realm_as_docker_does(
-    bearer_registry: Recorder, realm: Recorder, tmp_path: Path
+def test_docker_config_credentials_stay_on_their_registry_at_the_client(
+    bearer_registry: Recorder, realm: Recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _docker_login(tmp_path, bearer_registry.host, CI_USER, CI_PASSWORD)
     client = RegistryClient(
@@ -312,9 +312,15 @@ def test_docker_config_credentials_follow_the_realm_as_docker_does(
     from modelpack.targets.registry.auth import resolve_credentials
 
     creds = resolve_credentials(bearer_registry.host)
-    assert creds is not None and not creds.host_bound
+    assert creds is not None and creds.source.startswith("docker config")
     client = RegistryClient(bearer_registry.host, credentials=creds, retry_for=0)
     realm.seen.clear()
+    with pytest.raises(AuthenticationError, match="another host"):
+        client.request("GET", "/v2/", scopes=(), ok=(200,))
+    assert realm.seen == []  # issue 22 item 5: not a single request, let alone the password
+    # the operator says that token service is the registry's own: then it gets them
+    monkeypatch.setenv("MODELPACK_TOKEN_HOSTS", f"{bearer_registry.host}={realm.host}")
+    client = RegistryClient(bearer_registry.host, credentials=creds, retry_for=0)
     with pytest.raises(ModelpackError):  # the stub's /v2/ never says 200
         client.request("GET", "/v2/", scopes=(), ok=(200,))
     assert (realm.seen[0][1] or "") == _basic(CI_USER, CI_PASSWORD)
@@ -348,6 +354,10 @@ def test_host_names_are_compared_canonically() -> None:
     assert token_host_allowed("127.0.0.1:5000", "http://127.0.0.1:5001/token")  # same host, other port
     assert not token_host_allowed("127.0.0.1:5000", "http://127.0.0.2:5001/token")
     assert not token_host_allowed("reg.example", "https://reg.example.evil.test/token")
+    assert token_host_allowed("registry.gitlab.com", "https://gitlab.com/jwt/auth")
+    trusted = "reg.example=auth.reg.example, other.example=x.test"
+    assert token_host_allowed("REG.example:443", "https://auth.reg.example/token", trusted)
+    assert not token_host_allowed("reg.example", "https://x.test/token", trusted)
 
 
 # --------------------------------------------------------------------------- S3 endpoint secrets
@@ -408,3 +418,112 @@ def test_a_command_naming_two_registries_refuses_a_single_user_name() -> None:
     )
     assert r.exit_code == 2 and "one registry" in r.output, r.output
     assert CI_PASSWORD not in r.output
+
+
+# --------------------------------------------------------------------------- redirect targets
+class BlobHost:
+    """The host a registry redirects blob GETs to (distribution's ``redirect`` storage
+    middleware, as a CDN is wired): on 127.0.0.2, another host. ``mode`` "challenge" answers
+    every GET 401 with a Bearer realm on itself (and its /token hands out tokens); "serve" serves
+    the registry's stored blob files without asking for anything. Every Authorization it
+    receives is recorded."""
+
+    def __init__(self, storage: Path, mode: str) -> None:
+        self.seen: list[tuple[str, str | None]] = []
+        host = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                host.seen.append((self.path, self.headers.get("Authorization")))
+                path = self.path.split("?", 1)[0]
+                body, status, headers = b"", 404, {}
+                if path == "/token":
+                    status, body = 200, b'{"token": "cdn-token"}'
+                elif mode == "challenge" and self.headers.get("Authorization") != "Bearer cdn-token":
+                    status = 401
+                    headers["WWW-Authenticate"] = f'Bearer realm="http://{host.host}/token",service="cdn"'
+                else:
+                    file = storage / path.lstrip("/")
+                    if file.is_file():
+                        status, body = 200, file.read_bytes()
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.2", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.2:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _redirecting_registry(
+    registry_factory: RegistryFactory, checkpoint: Path, mode: str
+) -> tuple[RegistryServer, BlobHost]:
+    """A real Basic-auth registry holding a model whose blob GETs 307 to a ``BlobHost``."""
+    server = registry_factory.start(basic_auth=True)
+    opts = TargetOptions(username=TEST_USER, password=TEST_PASSWORD)
+    transfer.push(str(checkpoint), server.ref("cdn/model", "v1"), target_options=opts, progress="off")
+    blob_host = BlobHost(server.storage, mode)
+    with server.config_path.open("a") as f:
+        f.write(
+            "middleware:\n  storage:\n    - name: redirect\n      options:\n"
+            f"        baseurl: http://{blob_host.host}/\n"
+        )
+    registry_factory.restart(server)
+    return server, blob_host
+
+
+@pytest.mark.parametrize("mode", ["challenge", "serve"])
+def test_a_redirect_target_never_collects_the_registry_password(
+    registry_factory: RegistryFactory, checkpoint: Path, tmp_path: Path, mode: str
+) -> None:
+    """Issue 22 item 5: the registry's password sits in docker's config.json; blob GETs 307 to
+    another host. That host's 401 and Bearer realm on itself must not get the password: the
+    challenge belongs to the host that sent it, and the pull either gets the blob without
+    credentials or stops with a typed error naming that host."""
+    server, blob_host = _redirecting_registry(registry_factory, checkpoint, mode)
+    try:
+        _docker_login(tmp_path, server.host, TEST_USER, TEST_PASSWORD)
+        secret = base64.b64encode(f"{TEST_USER}:{TEST_PASSWORD}".encode()).decode()
+        r = CliRunner().invoke(
+            main, ["pull", server.ref("cdn/model", "v1"), str(tmp_path / "out"), "--retry-for", "0"]
+        )
+        assert any("/docker/registry/v2/blobs/" in p for p, _ in blob_host.seen), blob_host.seen
+        leaked = [(p, a) for p, a in blob_host.seen if a and (secret in a or a.startswith("Basic"))]
+        assert not leaked, leaked
+        if mode == "serve":
+            assert r.exit_code == 0, r.output
+            assert (tmp_path / "out" / "config.json").is_file()
+        else:
+            assert r.exit_code == 1, r.output
+            assert isinstance(r.exception, SystemExit)
+            assert blob_host.host in r.output and "redirect" in r.output, r.output
+            assert not any(p.startswith("/token") for p, _ in blob_host.seen), blob_host.seen
+    finally:
+        blob_host.close()
+
+
+def test_docker_config_credentials_never_go_to_a_realm_on_another_host(
+    bearer_registry: Recorder, realm: Recorder, tmp_path: Path
+) -> None:
+    """Issue 22 item 5: docker's config.json entries are bound to their registry host like
+    command-line and environment credentials (Docker Hub's documented token host aside)."""
+    _docker_login(tmp_path, bearer_registry.host, CI_USER, CI_PASSWORD)
+    r = CliRunner().invoke(main, ["inspect", f"{bearer_registry.host}/m/x:v1", "--retry-for", "0"])
+    assert r.exit_code == 1, r.output
+    assert "another host" in r.output and "127.0.0.2" in r.output, r.output
+    assert all(auth is None or CI_PASSWORD not in auth for _, auth in realm.seen), realm.seen
+    assert all(auth is None or not auth.startswith("Basic") for _, auth in realm.seen), realm.seen

@@ -11,9 +11,16 @@ command names (``TargetOptions.credentials_host``; for ``cp``, the destination u
 ``--src-creds`` says otherwise), environment credentials to ``MODELPACK_REGISTRY_HOST`` or else
 that same registry, and ``config.json`` entries are keyed by host as docker keys them. Without
 that binding a ``cp`` from a hostile registry that answers with a Basic challenge would collect
-the CI password meant for the destination. Command-line and environment credentials also never
-go to a token service on another host name (Docker Hub's documented ``auth.docker.io`` aside);
-``config.json`` entries follow the registry's realm the way docker does.
+the CI password meant for the destination. Wherever they came from, credentials also never go to
+a token service on another host name (the token hosts a registry's operator documents, such as
+Docker Hub's ``auth.docker.io``, aside: ``hosts.KNOWN_TOKEN_HOSTS``; and those the person running
+the command names in ``MODELPACK_TOKEN_HOSTS``). Docker follows any realm;
+modelpack does not, because a registry (or a host it redirects to) could otherwise name a realm
+of its choosing and collect the password stored for the registry.
+
+A challenge is learnt only from the registry's own host: a 401 from a host a request was
+redirected to (a CDN, a hostile storage backend) is that host's business, never a reason to send
+this registry's credentials anywhere (``RegistryClient.request``).
 
 Bearer tokens are cached per (realm, service, scope): a pull-scoped token is never reused for a
 push (the bug that keeps the PyPI ``oras`` client from pushing to token registries). Nothing in
@@ -54,8 +61,8 @@ log = logging.getLogger("modelpack.targets.registry.auth")
 ENV_USERNAME = "MODELPACK_REGISTRY_USERNAME"
 ENV_PASSWORD = "MODELPACK_REGISTRY_PASSWORD"
 ENV_HOST = "MODELPACK_REGISTRY_HOST"
-#: where credentials that must stay on their registry host come from
-HOST_BOUND_SOURCES = frozenset({"command line", "environment"})
+#: token services on another host that a registry's credentials may go to (``REGISTRY=HOST`` …)
+ENV_TOKEN_HOSTS = "MODELPACK_TOKEN_HOSTS"
 MAX_TOKEN_RESPONSE = 1024 * 1024
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]+$")
 DOCKER_HUB_AUTH_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io")
@@ -70,12 +77,6 @@ class Credentials:
     password: str = field(repr=False)
     identity_token: str | None = field(default=None, repr=False)
     source: str = ""
-
-    @property
-    def host_bound(self) -> bool:
-        """Given on the command line or in the environment: sent to their registry host only,
-        never to a token service on another host name."""
-        return self.source in HOST_BOUND_SOURCES
 
     def basic_header(self) -> str:
         raw = f"{self.username}:{self.password}".encode()
@@ -290,12 +291,14 @@ class Authenticator:
                 f"refusing to send credentials to a plain-HTTP token realm {realm}", target=self.host
             )
         creds = self._credentials
-        if creds is not None and creds.host_bound and not token_host_allowed(self.host, realm):
+        if creds is not None and not token_host_allowed(
+            self.host, realm, os.environ.get(ENV_TOKEN_HOSTS, "")
+        ):
             raise AuthenticationError(
                 f"the registry sends token requests to another host ({host_name(realm)}); credentials "
-                f"from the {creds.source} belong to {canonical_host(self.host)} and are never sent "
-                "elsewhere (store them with 'modelpack login', whose entries follow the registry's "
-                "token service as docker's do)",
+                f"from the {creds.source or 'caller'} belong to {canonical_host(self.host)} and are "
+                f"never sent elsewhere (if that token service is the registry's own, say so: "
+                f"{ENV_TOKEN_HOSTS}={canonical_host(self.host)}={host_name(realm)})",
                 target=self.host,
             )
         log.debug(

@@ -11,7 +11,10 @@ this module as a ``RegistryConnectionError`` naming the registry and what was be
 
 The Authorization header goes to the registry's own host only: an upload ``Location`` or a
 redirect to another host gets none (``requests`` strips it from redirects; ``request`` does not
-add it to URLs on other hosts).
+add it to URLs on other hosts). A challenge belongs to the host that sent it: a 401 is learnt from
+only when the response came from the registry's own host (``resp.url``, after redirects), so a
+host a blob GET was redirected to cannot name a token realm that collects the registry's
+credentials; its 401 is an ``AuthenticationError`` naming it.
 
 ``trust_env`` is off so ``~/.netrc`` can never inject an Authorization header; proxies from the
 environment are still honoured, explicitly, for non-loopback registries.
@@ -49,7 +52,7 @@ from modelpack.targets.registry.bodies import (
     read_by_deadline,
 )
 from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
-from modelpack.targets.retry import RetryBudget
+from modelpack.targets.retry import OutageClock, RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
@@ -141,11 +144,12 @@ class RegistryClient:
             retry_for=retry_for,
         )
         self.retries = 0  # requests retried after a transport failure or a "not now" status
+        self.outage = OutageClock()  # --retry-for is one budget for everything this client does
         self._retries_lock = threading.Lock()
 
     def budget(self) -> RetryBudget:
-        """A fresh retry budget for one operation (``--retry-for``)."""
-        return RetryBudget(self.retry_for)
+        """A fresh retry budget for one operation, drawing on the client's one ``--retry-for``."""
+        return RetryBudget(self.retry_for, shared=self.outage)
 
     def count_retry(self) -> None:
         with self._retries_lock:
@@ -299,6 +303,9 @@ class RegistryClient:
                 resp.status_code,
                 (time.monotonic() - start) * 1e3,
             )
+            if resp.status_code == 401 and not self._own_host(resp.url or url):
+                resp.close()
+                raise self.foreign_challenge(label, resp.url)
             if resp.status_code == 401 and not auth_retried and self._own_host(url):
                 auth_retried = True
                 retry = self.auth.handle_401(resp, scopes)
@@ -321,6 +328,17 @@ class RegistryClient:
             if resp.status_code in ok or resp.status_code in allow:
                 return resp
             raise self.error_for(resp, label)
+
+    def foreign_challenge(self, what: str, url: str) -> AuthenticationError:
+        """A 401 from a host the request was redirected to: never answered with this registry's
+        credentials (the challenge, and any token realm it names, belong to that host)."""
+        return AuthenticationError(
+            f"{what}: the registry redirected to {canonical_host(urlsplit(url).netloc)}, which asks "
+            f"for credentials; credentials for {canonical_host(self.host)} are never sent to another "
+            "host (the registry's redirect target must serve the blob without them)",
+            status=401,
+            target=self.host,
+        )
 
     @staticmethod
     def _retryable_status(status: int, errors_500: int) -> bool:

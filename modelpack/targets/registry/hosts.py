@@ -18,7 +18,10 @@ DOCKER_HUB = "docker.io"
 DOCKER_HUB_ALIASES = frozenset({"docker.io", "index.docker.io", "registry-1.docker.io"})
 #: Token services that belong to a registry on another host name, as the registry's operator
 #: documents them (Docker Hub answers from registry-1.docker.io and issues tokens from here).
-KNOWN_TOKEN_HOSTS = {DOCKER_HUB: frozenset({"auth.docker.io"})}
+KNOWN_TOKEN_HOSTS = {
+    DOCKER_HUB: frozenset({"auth.docker.io"}),
+    "registry.gitlab.com": frozenset({"gitlab.com"}),  # GitLab.com's realm is gitlab.com/jwt/auth
+}
 
 
 def _split(host: str) -> tuple[str, str]:
@@ -76,10 +79,18 @@ def same_registry(a: str, b: str) -> bool:
     return canonical_host(a) == canonical_host(b)
 
 
-def token_host_allowed(registry: str, realm_url: str) -> bool:
+def token_host_allowed(registry: str, realm_url: str, trusted: str = "") -> bool:
     """Whether credentials bound to ``registry`` may go to the token service at ``realm_url``:
-    the same host name (another port of the same machine is the same operator), or a token host
-    the registry's operator documents (Docker Hub)."""
+    the same host name (another port of the same machine is the same operator), a token host
+    the registry's operator documents (Docker Hub, GitLab.com), or one the person running the
+    command named in ``trusted`` (``MODELPACK_TOKEN_HOSTS``: ``REGISTRY=TOKEN_HOST`` pairs,
+    comma or space separated, e.g. a self-hosted GitLab's ``registry.example.com=gitlab.example.com``)."""
     realm_name = host_name(realm_url)
     reg = canonical_host(registry)
-    return realm_name == host_name(reg) or realm_name in KNOWN_TOKEN_HOSTS.get(reg, frozenset())
+    if realm_name == host_name(reg) or realm_name in KNOWN_TOKEN_HOSTS.get(reg, frozenset()):
+        return True
+    for pair in trusted.replace(",", " ").split():
+        named_registry, sep, token_host = pair.partition("=")
+        if sep and canonical_host(named_registry) == reg and host_name(token_host) == realm_name:
+            return True
+    return False
