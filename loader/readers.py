@@ -9,21 +9,21 @@ and log where they came from (``reads``): the load attributes them to split kind
 - ``FileReader``: positional ``os.preadv`` (thread-safe: no shared file offset, so a few worker
   threads read one file in parallel), optional ``O_DIRECT`` for cold NVMe (page-aligned reads into
   aligned buffers, bypassing the page cache; falls back to buffered reads where the filesystem
-  refuses it, e.g. tmpfs), and ``gather_rows`` for dim-1 shards: rows are copied out of a
-  short-lived mmap of just the covering range, so only the rank's columns are read and the
-  mapping (and its RSS) is dropped right after.
+  refuses it, e.g. tmpfs), and ``gather_rows`` for dim-1 shards: only the rank's columns are
+  copied, by the kernel out of a short-lived mapping (``gather``), so a file that shrinks under
+  the load is a ``TruncatedSourceError``, never a SIGBUS.
 - ``TargetReader``: ``target.fetch_range`` (HTTP Range for a registry, ranged GET for S3, pread
   for an OCI layout); the pipeline keeps many 8–16 MiB ranges in flight.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from typing import Protocol
 
 import numpy as np
+from modelpack.loader.gather import gather_rows
 
 from modelpack.errors import SourceError, TruncatedSourceError
 from modelpack.oci.descriptor import Descriptor
@@ -148,23 +148,16 @@ class FileReader:
         self._count.add(got, offset)
 
     def gather_rows(self, offset: int, length: int, stride: int, rows: int, dest: np.ndarray) -> None:
-        """Copy ``rows`` runs of ``length`` bytes, ``stride`` apart, into ``dest`` (rows × length u8)."""
+        """Copy ``rows`` runs of ``length`` bytes, ``stride`` apart, into ``dest`` (rows × length u8).
+
+        SIGBUS-safe (``gather``): a file that shrinks under the load is a ``TruncatedSourceError``.
+        """
         if rows == 0 or length == 0:
             return
         end = offset + (rows - 1) * stride + length
         if end > self.size:
             raise TruncatedSourceError(self.path, offset, end - offset, max(0, self.size - offset))
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        m = mmap.mmap(self._fd, end - start, access=mmap.ACCESS_READ, offset=start)
-        try:
-            src = np.frombuffer(m, dtype=np.uint8)
-            view = np.lib.stride_tricks.as_strided(
-                src[offset - start :], shape=(rows, length), strides=(stride, 1), writeable=False
-            )
-            np.copyto(dest, view)
-            del src, view
-        finally:
-            m.close()
+        gather_rows(self._fd, self.path, offset, length, stride, rows, dest)
         self._count.add(rows * length, offset, end)
 
     def close(self) -> None:
