@@ -232,3 +232,41 @@ def test_pack_push_pull_load_verify_from_the_installed_wheel(
     assert 0 < loaded["bytesRead"] <= sum(p.stat().st_size for p in shards), loaded
     verified = _run([*mp, "verify", ref, "--key", tmp_path / "ci.pub", "--json"], env=env, cwd=tmp_path)
     assert digest in verified.stdout, verified.stdout
+
+
+def test_no_module_of_the_installed_package_is_in_an_import_cycle(built: Built, tmp_path: Path) -> None:
+    """import-linter's sibling contract misses a package and its own child importing each other
+    (``modelpack.api`` ↔ ``modelpack.api.transfer`` once did): any cycle at all, found with grimp
+    (import-linter's graph) over the unpacked wheel, lazy imports included."""
+    with zipfile.ZipFile(built.wheel) as zf:
+        zf.extractall(tmp_path / "installed")
+    script = """
+import json, sys
+import grimp
+graph = grimp.build_graph("modelpack", cache_dir=None)
+index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+sys.setrecursionlimit(20000)
+def visit(v):
+    index[v] = low[v] = len(index); stack.append(v); on_stack.add(v)
+    for w in graph.find_modules_directly_imported_by(v):
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on_stack:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        component = []
+        while True:
+            w = stack.pop(); on_stack.discard(w); component.append(w)
+            if w == v:
+                break
+        if len(component) > 1:
+            cycles.append(sorted(component))
+for module in sorted(graph.modules):
+    if module not in index:
+        visit(module)
+assert graph.find_modules_directly_imported_by("modelpack.api"), "graph is empty: wrong package found"
+print(json.dumps(cycles))
+"""
+    env = _clean_env(PYTHONPATH=str(tmp_path / "installed"))
+    cycles = json.loads(_run([DEV_PYTHON, "-c", script], env=env, cwd=tmp_path).stdout)
+    assert cycles == [], cycles
