@@ -6,14 +6,14 @@ has, lets a destination mount across repositories when it can (from the source r
 ``pushed_blobs``), runs transfers concurrently, and
 only then writes the manifest, so a tag never points at a manifest with missing blobs. Every
 blob read from a source goes through a target's verified write (see ``Target.push_blob``); the
-manifest bytes are copied exactly, never re-serialised.
+manifest bytes are copied exactly, never re-serialised. The first blob that fails stops the
+others: none queued after it starts, and those in flight stop within one chunk.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,9 @@ from modelpack.errors import RegistryError
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import BlobSource, ReadableTarget, Target
+from modelpack.transfer.download import Cancel, CancellableReader
 from modelpack.transfer.pushed_blobs import PushedBlobs, mount_candidates
+from modelpack.transfer.workers import run_all
 
 DEFAULT_JOBS = 4
 
@@ -55,22 +57,35 @@ class CopyResult:
             "seconds": round(self.seconds, 3),
         }
 
+    def add(self, sub: CopyResult) -> None:
+        """Count a child manifest's blobs (an index's) into this result."""
+        self.blobs_total += sub.blobs_total
+        self.blobs_copied += sub.blobs_copied
+        self.blobs_skipped += sub.blobs_skipped
+        self.blobs_mounted += sub.blobs_mounted
+        self.bytes_copied += sub.bytes_copied
+        self.bytes_skipped += sub.bytes_skipped
 
-def blob_source_for(src: ReadableTarget, desc: Descriptor, bar: TransferBar | None = None) -> BlobSource:
-    """A BlobSource reading ``desc`` from ``src``; offers a local path when the source has one."""
+
+def blob_source_for(
+    src: ReadableTarget, desc: Descriptor, bar: TransferBar | None = None, cancel: Cancel | None = None
+) -> BlobSource:
+    """A BlobSource reading ``desc`` from ``src``; offers a local path when the source has one.
+    With ``cancel``, a read after a sibling failed stops the transfer (``TransferCancelled``)."""
+
+    def wrap(raw: Any) -> Any:
+        if cancel is not None:
+            raw = CancellableReader(raw, cancel)
+        return CountingReader(raw, bar)
+
     local_source = getattr(src, "blob_source", None)
     if local_source is not None:
         source: BlobSource = local_source(desc)
-        if bar is None:
+        if bar is None and cancel is None:
             return source
         inner = source.opener
-        return BlobSource(
-            desc,
-            lambda off: CountingReader(inner(off), bar),  # type: ignore[arg-type,return-value]
-            source.local_path,
-            source.verified,
-        )
-    return BlobSource(desc, lambda off: CountingReader(src.fetch_blob(desc, off), bar))  # type: ignore[arg-type,return-value]
+        return BlobSource(desc, lambda off: wrap(inner(off)), source.local_path, source.verified)
+    return BlobSource(desc, lambda off: wrap(src.fetch_blob(desc, off)))
 
 
 def _blobs_of(manifest: Manifest, layer_filter: Callable[[Descriptor], bool] | None) -> list[Descriptor]:
@@ -82,6 +97,20 @@ def _blobs_of(manifest: Manifest, layer_filter: Callable[[Descriptor], bool] | N
             seen.add(d.digest)
             out.append(d)
     return out
+
+
+@dataclass
+class _CopyJob:
+    """What every level of one copy shares: the two ends, the settings, the mount record."""
+
+    src: ReadableTarget
+    dst: Target
+    jobs: int
+    progress: str
+    on_event: Callable[[dict[str, Any]], None] | None
+    mount_from: Sequence[str]
+    record: PushedBlobs | None
+    host: str | None
 
 
 def copy(
@@ -108,90 +137,24 @@ def copy(
     host = getattr(dst, "registry_host", None)
     if record is None and host is not None and getattr(dst, "try_mount_from", None) is not None:
         record = PushedBlobs()
+    job = _CopyJob(src, dst, jobs, progress, on_event, mount_from, record, host)
+    return _copy_manifest(job, src_ref, dst_tag, referrers)
+
+
+def _copy_manifest(job: _CopyJob, src_ref: str, dst_tag: str | None, referrers: bool) -> CopyResult:
+    """One manifest or index: its blobs (an index's child manifests) first, itself next, then
+    (``referrers``) the manifests that refer to it."""
     start = time.monotonic()
-    desc = src.resolve(src_ref)
-    raw, media_type = src.fetch_manifest(str(desc.digest))
+    desc = job.src.resolve(src_ref)
+    raw, media_type = job.src.fetch_manifest(str(desc.digest))
     parsed = parse_manifest_or_index(raw, media_type)
     result = CopyResult(descriptor=desc, manifest=parsed)
-
     if isinstance(parsed, Index):
         for child in parsed.manifests:
-            sub = copy(
-                src,
-                dst,
-                str(child.digest),
-                None,
-                jobs=jobs,
-                referrers=referrers,
-                progress=progress,
-                on_event=on_event,
-                mount_from=mount_from,
-                record=record,
-            )
-            result.blobs_total += sub.blobs_total
-            result.blobs_copied += sub.blobs_copied
-            result.blobs_skipped += sub.blobs_skipped
-            result.blobs_mounted += sub.blobs_mounted
-            result.bytes_copied += sub.bytes_copied
-            result.bytes_skipped += sub.bytes_skipped
+            result.add(_copy_manifest(job, str(child.digest), None, referrers))
     else:
-        blobs = _blobs_of(parsed, None)
-        result.blobs_total = len(blobs)
-        todo: list[Descriptor] = []
-        for b in blobs:
-            if dst.exists(b):
-                result.blobs_skipped += 1
-                result.bytes_skipped += b.size
-            else:
-                todo.append(b)
-        try_mount = getattr(dst, "try_mount", None)
-        try_mount_from = getattr(dst, "try_mount_from", None)
-        repository = getattr(dst, "repository", "")
-
-        def mounted(b: Descriptor) -> bool:
-            if try_mount is not None and try_mount(b, src):
-                return True
-            if try_mount_from is None or host is None:
-                return False
-            for repo in mount_candidates(record, host, repository, b.digest, mount_from):
-                try:
-                    if try_mount_from(b, repo):
-                        return True
-                except RegistryError:
-                    continue  # a hint, not a requirement: e.g. no pull access there; upload instead
-            return False
-
-        with Progress(sum(b.size for b in todo), f"copy {desc.digest.hex[:12]}", progress) as prog:
-
-            def transfer(b: Descriptor) -> str:
-                if mounted(b):
-                    prog.update(b.size)
-                    return "mounted"
-                bar = prog.transfer(b.size, b.digest.hex[:12]) if prog.enabled else None
-                try:
-                    dst.push_blob(blob_source_for(src, b, bar))
-                finally:
-                    if bar is not None:
-                        bar.close()
-                return "copied"
-
-            workers = max(1, min(jobs, len(todo)))
-            if todo:
-                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="modelpack-copy") as pool:
-                    for b, outcome in zip(todo, pool.map(transfer, todo), strict=True):
-                        if outcome == "mounted":
-                            result.blobs_mounted += 1
-                        else:
-                            result.blobs_copied += 1
-                            result.bytes_copied += b.size
-                        if on_event:
-                            on_event({"event": f"blob.{outcome}", "digest": str(b.digest), "bytes": b.size})
-
-        if record is not None and host is not None:
-            record.remember(host, repository, [str(b.digest) for b in blobs])
-            record.save()
-
-    pushed = dst.push_manifest(raw, desc.media_type, dst_tag)
+        _copy_blobs(job, desc, parsed, result)
+    pushed = job.dst.push_manifest(raw, desc.media_type, dst_tag)
     result.descriptor = Descriptor(
         pushed.media_type,
         pushed.digest,
@@ -199,8 +162,87 @@ def copy(
         artifact_type=pushed.artifact_type or desc.artifact_type,
     )
     if referrers:
-        for r in src.referrers(desc):
-            copy(src, dst, str(r.digest), None, jobs=jobs, referrers=True, progress="off", on_event=on_event)
+        for r in job.src.referrers(desc):
+            copy(
+                job.src,
+                job.dst,
+                str(r.digest),
+                None,
+                jobs=job.jobs,
+                referrers=True,
+                progress="off",
+                on_event=job.on_event,
+            )
             result.referrers.append(r)
     result.seconds = time.monotonic() - start
     return result
+
+
+def _copy_blobs(job: _CopyJob, desc: Descriptor, manifest: Manifest, result: CopyResult) -> None:
+    """The config and layers the destination lacks, mounted when it can, else streamed."""
+    blobs = _blobs_of(manifest, None)
+    result.blobs_total = len(blobs)
+    todo = _missing(job.dst, blobs, result)
+    mounted = _mounter(job)
+    cancel = Cancel()
+    with Progress(sum(b.size for b in todo), f"copy {desc.digest.hex[:12]}", job.progress) as prog:
+
+        def transfer(b: Descriptor) -> str:
+            if mounted(b):
+                prog.update(b.size)
+                return "mounted"
+            bar = prog.transfer(b.size, b.digest.hex[:12]) if prog.enabled else None
+            try:
+                job.dst.push_blob(blob_source_for(job.src, b, bar, cancel))
+            finally:
+                if bar is not None:
+                    bar.close()
+            return "copied"
+
+        outcomes = run_all(todo, transfer, job.jobs, cancel)
+    for b, outcome in zip(todo, outcomes, strict=True):
+        if outcome == "mounted":
+            result.blobs_mounted += 1
+        else:
+            result.blobs_copied += 1
+            result.bytes_copied += b.size
+        if job.on_event:
+            job.on_event({"event": f"blob.{outcome}", "digest": str(b.digest), "bytes": b.size})
+    if job.record is not None and job.host is not None:
+        job.record.remember(job.host, getattr(job.dst, "repository", ""), [str(b.digest) for b in blobs])
+        job.record.save()
+
+
+def _missing(dst: Target, blobs: list[Descriptor], result: CopyResult) -> list[Descriptor]:
+    """The blobs ``dst`` does not have yet; the others are counted as skipped."""
+    todo: list[Descriptor] = []
+    for b in blobs:
+        if dst.exists(b):
+            result.blobs_skipped += 1
+            result.bytes_skipped += b.size
+        else:
+            todo.append(b)
+    return todo
+
+
+def _mounter(job: _CopyJob) -> Callable[[Descriptor], bool]:
+    """Whether a blob could be mounted into ``dst`` instead of sent: from the source repository,
+    then from the ``mount_from`` hints and the push record's repositories."""
+    try_mount = getattr(job.dst, "try_mount", None)
+    try_mount_from = getattr(job.dst, "try_mount_from", None)
+    repository = getattr(job.dst, "repository", "")
+
+    def mounted(b: Descriptor) -> bool:
+        if try_mount is not None and try_mount(b, job.src):
+            return True
+        if try_mount_from is None or job.host is None:
+            return False
+        for repo in mount_candidates(job.record, job.host, repository, b.digest, job.mount_from):
+            try:
+                if try_mount_from(b, repo):
+                    return True
+            except RegistryError:
+                continue  # a hint, not a requirement: e.g. no pull access there; upload instead
+        return False
+
+    return mounted

@@ -69,6 +69,12 @@ class CancellableReader:
             self._bar.update(len(data))
         return data
 
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
     def close(self) -> None:
         close = getattr(self._raw, "close", None)
         if close is not None:

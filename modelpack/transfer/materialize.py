@@ -23,9 +23,8 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from modelpack.errors import (
     DestinationConflictError,
@@ -33,7 +32,6 @@ from modelpack.errors import (
     FileWriteError,
     LayerFormatError,
     PullError,
-    TransferCancelled,
 )
 from modelpack.files import DirSyncs, free_bytes, write_error
 from modelpack.mediatypes.annotations import layer_filepath
@@ -47,9 +45,7 @@ from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, d
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
 from modelpack.transfer.staging import StagingDir, partial_path, sweep
 from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_layer
-
-T = TypeVar("T")
-R = TypeVar("R")
+from modelpack.transfer.workers import run_all
 
 # How each layer becomes files (raw, or which tar with which prefix stripped and which members
 # passed over) is transfer.layer_formats' one table, shared with the node cache and the loader.
@@ -151,56 +147,6 @@ class PullResult:
             "bytesBySource": self.bytes_by_source,
             "seconds": round(self.seconds, 3),
         }
-
-
-def run_all(
-    items: Sequence[T],
-    fn: Callable[[T], R],
-    jobs: int,
-    cancel: Cancel,
-    discard: Callable[[R], None] | None = None,
-) -> list[R]:
-    """``fn`` over ``items`` on up to ``jobs`` threads. The first failure (or a signal in this
-    thread) cancels the rest; returns only once every worker has stopped and cleaned up, then
-    raises the failure that came first (not a sibling's cancellation). Results of the workers
-    that did finish are handed to ``discard`` first, so nothing they staged outlives the failure."""
-    if not items:
-        return []
-    with ThreadPoolExecutor(max(1, min(jobs, len(items))), thread_name_prefix="modelpack-pull") as pool:
-        futures: list[Future[R]] = [pool.submit(fn, it) for it in items]
-
-        def stop_all() -> None:
-            cancel.set()
-            for f in futures:
-                f.cancel()
-            wait(futures)
-            _discard(futures, discard)
-
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-        except BaseException:
-            stop_all()
-            raise
-        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception() is not None]
-        if failed:
-            stop_all()
-            errors = [f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()]
-            first = next((e for e in errors if not _is_cancellation(e)), errors[0])
-            assert first is not None
-            raise first
-        return [f.result() for f in futures]
-
-
-def _discard(futures: Sequence[Future[R]], discard: Callable[[R], None] | None) -> None:
-    if discard is None:
-        return
-    for f in futures:
-        if f.done() and not f.cancelled() and f.exception() is None:
-            discard(f.result())
-
-
-def _is_cancellation(exc: BaseException | None) -> bool:
-    return isinstance(exc, TransferCancelled)
 
 
 def _budget(dest: str, max_bytes: int | None, raw_bytes: int) -> ExpansionBudget:

@@ -351,7 +351,7 @@ class RegistryClient:
         how long it was retried (a traceback names none of these)."""
         reason = type(exc).__name__ if exc is not None else "connection lost"
         tried = ""
-        if budget is not None and budget.retries:
+        if budget is not None and (budget.retries or budget.exhausted):
             tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
         return RegistryConnectionError(
             f"{what} failed: cannot reach the registry ({reason}){tried}", target=self.host

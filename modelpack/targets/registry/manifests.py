@@ -8,6 +8,13 @@ costs one request.
 Referrers: the referrers API when the registry has it, else the ``sha256-<hex>`` tag-schema index,
 which ``push`` maintains for manifests that carry a ``subject`` (as oras and cosign do; like
 them, two concurrent writers of the same index can lose an entry).
+
+A manifest PUT is idempotent (the same bytes to the same name) and retried like a GET. One more
+answer is retried: distribution 2.8 refuses some of several concurrent identical PUTs with
+``400 DIGEST_INVALID`` while another writer is linking the same blobs (1 to 4 of 10 concurrent
+pushes of one model failed so); since the digest is computed here from the bytes sent, that
+answer cannot be this client's fault, and the PUT is sent again (``MAX_DIGEST_INVALID_RETRIES``
+times, within the retry budget).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from modelpack.errors import (
     DocumentError,
     ManifestError,
     ManifestTooLargeError,
+    RegistryError,
     RegistryNotFoundError,
     UploadError,
 )
@@ -46,6 +54,8 @@ MANIFEST_ACCEPT = ", ".join(
     ]
 )
 MANIFEST_TYPES = frozenset(MANIFEST_ACCEPT.split(", "))
+#: concurrent identical manifest PUTs that distribution 2.8 refused with DIGEST_INVALID, re-sent
+MAX_DIGEST_INVALID_RETRIES = 4
 
 
 class ManifestStore:
@@ -187,18 +197,32 @@ class ManifestStore:
             raise ManifestTooLargeError(
                 f"manifest is {len(raw)} bytes; registries accept at most 4 MiB", target=self._repo.name
             )
-        resp = self._repo.client.request(
-            "PUT",
-            self._repo.path("manifests", reference),
-            scopes=self._repo.scopes(push=True),
-            headers={"Content-Type": media_type},
-            body=raw,
-            ok=(201, 200),
-            idempotent=True,  # same bytes to the same name: safe to repeat
-            what=f"push manifest {self._repo.name}:{reference}",
-        )
-        got = resp.headers.get("Docker-Content-Digest")
         digest = Digest.from_bytes(raw)
+        budget = self._repo.client.budget()
+        refused = 0
+        while True:
+            try:
+                resp = self._repo.client.request(
+                    "PUT",
+                    self._repo.path("manifests", reference),
+                    scopes=self._repo.scopes(push=True),
+                    headers={"Content-Type": media_type},
+                    body=raw,
+                    ok=(201, 200),
+                    idempotent=True,  # same bytes to the same name: safe to repeat
+                    what=f"push manifest {self._repo.name}:{reference}",
+                    budget=budget,
+                )
+                break
+            except RegistryError as exc:
+                # a concurrent writer of the same manifest (the digest is ours: not a real mismatch)
+                if exc.status != 400 or exc.code != "DIGEST_INVALID" or refused >= MAX_DIGEST_INVALID_RETRIES:
+                    raise
+                refused += 1
+                if not budget.wait():
+                    raise
+                self._repo.client.count_retry()
+        got = resp.headers.get("Docker-Content-Digest")
         if got and got != digest:
             raise UploadError(f"registry stored manifest as {got}, expected {digest}", target=self._repo.name)
         self._cache_put(digest, raw, media_type)

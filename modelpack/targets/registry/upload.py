@@ -9,11 +9,20 @@ the blob it commits. A session the registry no longer knows (or that it cancelle
 2.8 cancels one whose stored size disagrees with the last acknowledged offset, which happens when
 a PATCH was cut mid-body) restarts that blob from zero.
 
-Within one run the same holds for a cut: a POST, PATCH or PUT that dies with the connection (or
-gets a proxy's 502/503/504) is not blindly re-sent, since it is not idempotent; the uploader
-asks the registry whether the blob is already committed (the answer to a final PUT can be lost
-after it landed), else where the session stands, and continues from that offset or restarts only
-this blob, within the client's retry budget (``--retry-for``).
+Within one run the same holds for every interruption, none of which fails the push while the
+retry budget (``--retry-for``, one per command) lasts:
+
+- a POST, PATCH or PUT that dies with the connection, or is answered "not now" (408, 429 with its
+  ``Retry-After`` honoured, 502/503/504, and a 500 up to four times per blob) is not blindly
+  re-sent, since it is not idempotent: the uploader asks the registry whether the blob is already
+  committed (the answer to a final PUT can be lost after it landed), else where the session
+  stands, and continues from that offset;
+- a session the registry lost between two requests (``404 BLOB_UPLOAD_UNKNOWN``: restarted with
+  its ``_uploads`` purged; ``BLOB_UPLOAD_INVALID``: restarted with a new ``http.secret``, or a
+  replica that does not share it) restarts that blob in a new session, at most
+  ``MAX_SESSION_RESTARTS`` times, after which the error says why sessions keep vanishing.
+
+Every acknowledged chunk is progress: it ends the outage on the budget's clock.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest, VerifyingReader
 from modelpack.targets.base import BlobSource
-from modelpack.targets.registry.client import RETRY_STATUSES
+from modelpack.targets.registry.client import MAX_500_RETRIES, RETRY_STATUSES, RegistryClient
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.retry import RetryBudget
 
@@ -56,6 +65,12 @@ log = logging.getLogger("modelpack.targets.registry")
 DEFAULT_CHUNK_SIZE = 64 * 1024 * 1024
 DEFAULT_MONOLITHIC_MAX = 64 * 1024 * 1024
 _RANGE_RE = re.compile(r"^(?:bytes=)?0-(\d+)$")
+#: the registry no longer knows the session (purged uploads, a new http.secret, another replica)
+SESSION_LOST_CODES = frozenset({"BLOB_UPLOAD_UNKNOWN", "BLOB_UPLOAD_INVALID"})
+#: new sessions one blob may start after losing one, within one run
+MAX_SESSION_RESTARTS = 3
+#: answers to upload requests this module reads itself (the client would raise on them)
+_HANDLED_STATUSES = (400, 404, 408, 429, 500, 502, 503, 504)
 
 
 def _upload_state_root() -> str:
@@ -141,6 +156,17 @@ class _Attempt:
     committing: bool = False
 
 
+class _Interrupted(Exception):
+    """An upload request the registry answered with "not now" (``retry_after`` its hint) or with
+    "no such session" (``lost``); ``error`` is what the command reports if the retries run out."""
+
+    def __init__(self, error: RegistryError, *, lost: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.lost = lost
+        self.retry_after = retry_after
+
+
 def _transient(exc: RegistryError) -> bool:
     """A cut or a "not now" from the registry (worth asking where the upload stands), as opposed
     to a refusal (bad digest, denied, TLS)."""
@@ -196,12 +222,12 @@ class BlobUploader:
 
     def start(self) -> str:
         """Open an upload session (a POST, never retried); its absolute location."""
-        resp = self._repo.client.request(
+        resp = self._request(
             "POST",
             self._repo.path("blobs/uploads"),
-            scopes=self._repo.scopes(push=True),
             ok=(202,),
             what=f"start upload to {self._repo.name}",
+            in_session=False,
         )
         location = resp.headers.get("Location")
         if not location:
@@ -269,11 +295,23 @@ class BlobUploader:
         desc = source.descriptor
         session = self._saved_session(desc) if persist else None
         budget = self._repo.client.budget()
+        restarts = errors_500 = 0
         while True:
             attempt = _Attempt(*(session or (None, 0)))
+            lost = False
             try:
-                self._send(source, attempt, persist)
+                self._send(source, attempt, persist, budget)
                 return
+            except _Interrupted as exc:
+                if exc.lost:
+                    lost = True
+                    restarts += 1
+                    if restarts > MAX_SESSION_RESTARTS:
+                        raise self._sessions_vanish(desc, restarts, exc.error) from None
+                else:
+                    errors_500 += exc.error.status == 500
+                    if errors_500 > MAX_500_RETRIES or not budget.wait(exc.retry_after):
+                        raise self._gave_up(exc.error, budget) from None
             except RegistryError as exc:
                 if not _transient(exc) or not budget.wait():
                     raise
@@ -288,11 +326,65 @@ class BlobUploader:
             if self._committed(desc, budget):
                 self._drop_state(desc.digest)
                 return  # the commit landed; only its answer was lost
+            if lost:
+                log.debug("registry lost the upload session of %s; restarting that blob", desc.digest)
+                self._drop_state(desc.digest)
+                session = None
+                continue
             session = self.upload_status(attempt.location, budget) if attempt.location else None
             if session is not None and session[1] > desc.size:
                 session = None
             if session is None:
                 log.debug("upload session of %s is gone; restarting that blob", desc.digest)
+
+    def _gave_up(self, error: RegistryError, budget: RetryBudget) -> RegistryError:
+        """``error`` saying how long it was retried (a status the budget ran out on)."""
+        if not (budget.retries or budget.exhausted):
+            return error
+        spent = type(error)(f"{error} (retried for {budget.spent_s:.0f} s; --retry-for sets how long)")
+        spent.status, spent.code, spent.target = error.status, error.code, error.target
+        return spent
+
+    def _sessions_vanish(self, desc: Descriptor, restarts: int, error: RegistryError) -> UploadError:
+        return UploadError(
+            f"the registry lost the upload session of {desc.digest} {restarts} times in this push "
+            f"({error}); a registry restarted with its uploads purged, or replicas behind one "
+            "address that do not share http.secret or storage",
+            target=self._repo.name,
+        )
+
+    def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        ok: tuple[int, ...],
+        what: str,
+        headers: dict[str, str] | None = None,
+        body: object = None,
+        in_session: bool = True,
+    ) -> requests.Response:
+        """One upload request; a "not now" or a lost session is raised as ``_Interrupted`` (the
+        retry loop decides), any other refusal as the client's typed error."""
+        resp = self._repo.client.request(
+            method,
+            url,
+            scopes=self._repo.scopes(push=True),
+            headers=headers,
+            body=body,
+            ok=ok,
+            allow=tuple(s for s in _HANDLED_STATUSES if s not in ok),
+            what=what,
+        )
+        if resp.status_code in ok:
+            return resp
+        retry_after = RegistryClient._retry_after(resp)
+        error = self._repo.client.error_for(resp, what)
+        if in_session and (resp.status_code == 404 or error.code in SESSION_LOST_CODES):
+            raise _Interrupted(error, lost=True)
+        if resp.status_code in RETRY_STATUSES or resp.status_code == 500:
+            raise _Interrupted(error, retry_after=retry_after)
+        raise error
 
     def _saved_session(self, desc: Descriptor) -> tuple[str, int] | None:
         """The session a killed push saved for this blob, if the registry still holds exactly the
@@ -328,7 +420,7 @@ class BlobUploader:
         length = resp.headers.get("Content-Length", "")
         return resp.status_code == 200 and (not length.isdigit() or int(length) == desc.size)
 
-    def _send(self, source: BlobSource, attempt: _Attempt, persist: bool) -> None:
+    def _send(self, source: BlobSource, attempt: _Attempt, persist: bool, budget: RetryBudget) -> None:
         """One try at the blob from ``attempt``'s session and offset (a new session when it has
         none); ``attempt`` follows the location and offset the registry acknowledged."""
         desc = source.descriptor
@@ -364,6 +456,7 @@ class BlobUploader:
             while offset < desc.size:
                 n = min(self.chunk_size, desc.size - offset)
                 location = self._patch(location, reader, offset, n, desc)
+                budget.progressed()  # an acknowledged chunk ends the outage on the clock
                 offset += n
                 attempt.location, attempt.offset = location, offset
                 if persist:
@@ -386,16 +479,15 @@ class BlobUploader:
     def _put_monolithic(self, location: str, reader: _Reader, desc: Descriptor) -> None:
         url = _with_query(location, {"digest": str(desc.digest)})
         try:
-            resp = self._repo.client.request(
+            resp = self._request(
                 "PUT",
                 url,
-                scopes=self._repo.scopes(push=True),
                 headers={"Content-Type": "application/octet-stream"},
                 body=_Slice(reader, desc.size, desc) if desc.size else b"",
                 ok=(201,),
                 what=f"upload {desc.digest} to {self._repo.name}",
             )
-        except RegistryError:
+        except (RegistryError, _Interrupted):
             # the registry refuses bytes that do not hash to the digest (DIGEST_INVALID); if that
             # was our source's fault, say so with the digest and the file at fault
             if _reader_complete(reader, desc.size):
@@ -406,10 +498,9 @@ class BlobUploader:
         self._repo.count("bytes_sent", desc.size)
 
     def _patch(self, location: str, reader: _Reader, offset: int, n: int, desc: Descriptor) -> str:
-        resp = self._repo.client.request(
+        resp = self._request(
             "PATCH",
             location,
-            scopes=self._repo.scopes(push=True),
             headers={
                 "Content-Type": "application/octet-stream",
                 "Content-Range": f"{offset}-{offset + n - 1}",
@@ -431,10 +522,9 @@ class BlobUploader:
         return self._repo.client.resolve_location(new_location) if new_location else location
 
     def _commit(self, location: str, desc: Descriptor) -> None:
-        resp = self._repo.client.request(
+        resp = self._request(
             "PUT",
             _with_query(location, {"digest": str(desc.digest)}),
-            scopes=self._repo.scopes(push=True),
             headers={"Content-Type": "application/octet-stream"},
             body=b"",
             ok=(201,),
