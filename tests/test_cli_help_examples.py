@@ -110,13 +110,37 @@ def test_examples_name_real_commands_and_flags(top: str) -> None:
             _check_example(example, path)
 
 
+def _check_values(command: click.Command, ctx: click.Context, argv: list[str], example: str) -> None:
+    """Each value of ``argv`` converted by its parameter's type, as the command would on a run.
+
+    ``resilient_parsing`` (needed so that a missing required argument or an existing-path check
+    does not fail the parse) swallows conversion errors, so ``--max-bytes 0`` under a SIZE that
+    must be positive passed unnoticed: the values are checked here again, strictly. Paths are
+    left alone (whether ``./ckpt`` exists is the reader's machine's business)."""
+    opts, _args, _order = command.make_parser(ctx).parse_args(list(argv))
+    for param in command.get_params(ctx):
+        if param.name not in opts or isinstance(param.type, (click.Path, click.File)):
+            continue
+        try:
+            param.type_cast_value(ctx, opts[param.name])
+        except click.BadParameter as exc:
+            pytest.fail(f"{example!r}: {param.get_error_hint(ctx)}: {exc.format_message()}")
+
+
 def _check_example(example: str, path: tuple[str, ...]) -> None:
     argv = _argv(example)[1:]
     command: click.Command = main
     ctx = click.Context(main, info_name="modelpack", resilient_parsing=True)
-    # global options (``modelpack --debug pull …``) come before the command
+    # global options (``modelpack --debug pull …``, ``--timeout 30s``) come before the command
+    root_args = []
     while argv and argv[0].startswith("-"):
-        argv.pop(0)
+        word = argv.pop(0)
+        root_args.append(word)
+        option = next((p for p in main.params if word in getattr(p, "opts", ())), None)
+        assert isinstance(option, click.Option), f"{example!r}: no global option {word!r}"
+        if not option.is_flag and argv:
+            root_args.append(argv.pop(0))
+    _check_values(main, ctx, root_args, example)
     names = []
     while isinstance(command, click.Group) and argv and not argv[0].startswith("-"):
         sub = command.get_command(ctx, argv[0])
@@ -127,6 +151,17 @@ def _check_example(example: str, path: tuple[str, ...]) -> None:
         ctx = click.Context(command, info_name=names[-1], parent=ctx, resilient_parsing=True)
     assert names, f"{example!r}: names no command"
     try:
-        command.make_context(names[-1], list(argv), parent=ctx.parent, resilient_parsing=True)
+        sub_ctx = command.make_context(names[-1], list(argv), parent=ctx.parent, resilient_parsing=True)
     except click.UsageError as exc:
         pytest.fail(f"{example!r} in 'modelpack {' '.join(path)} --help': {exc.format_message()}")
+    _check_values(command, sub_ctx, argv, example)
+
+
+def test_an_example_with_a_value_its_command_rejects_fails_here() -> None:
+    """The checker itself: an out-of-range value (the old ``cache gc --max-bytes 0``) and a
+    global option's bad value are caught, a plausible line passes."""
+    with pytest.raises(pytest.fail.Exception, match="max-bytes"):
+        _check_example("modelpack cache gc --cache /c --max-bytes 0", ("cache", "gc"))
+    with pytest.raises(pytest.fail.Exception, match="timeout"):
+        _check_example("modelpack --timeout 0 ls reg.example/m", ())
+    _check_example("modelpack --timeout 30s cache gc --cache /c --max-bytes 500G --min-age 0", ())

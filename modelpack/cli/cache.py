@@ -90,10 +90,19 @@ def cache_pull(
     as_json: bool = False,
     progress: str = "auto",
     hold: float | None = None,
+    allow_rollback: bool = False,
 ) -> PullResult:
     """What ``modelpack pull REF --cache DIR`` does: pull into the node cache, print the snapshot."""
     cache = open_cache(cache_dir, events, max_cache_bytes=max_cache_bytes, create=True)
-    result = cache.pull(reference, target_options, policy=policy, jobs=jobs, progress=progress, hold=hold)
+    result = cache.pull(
+        reference,
+        target_options,
+        policy=policy,
+        jobs=jobs,
+        progress=progress,
+        hold=hold,
+        allow_rollback=allow_rollback,
+    )
     if as_json:
         emit_json(result.to_json())
     else:
@@ -263,7 +272,7 @@ def cache_gc(
     Examples:
       modelpack cache gc --cache /var/cache/modelpack --keep-versions 2
       modelpack cache gc --cache /var/cache/modelpack --max-bytes 500G --dry-run
-      modelpack cache gc --cache /var/cache/modelpack --max-bytes 0 --min-age 0 --json
+      modelpack cache gc --cache /var/cache/modelpack --keep-versions 0 --min-age 0 --json  # all that may go
     """
     res = open_cache(cache_dir, events).gc(
         keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run, min_age=min_age
