@@ -279,6 +279,7 @@ def login(registry: str, username: str, password: str, *, target_options: Target
         ca_file=opts.ca_file,
         insecure_skip_verify=opts.insecure_skip_verify,
         credentials=creds,
+        timeout=opts.timeout,
     )
     try:
         client.ping()

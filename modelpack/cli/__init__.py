@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
-from modelpack.cli.options import PASS_THROUGH, parse_size, report_failure
+from modelpack.cli.options import PASS_THROUGH, TIMEOUT, parse_size, report_failure
 
 # name → where the command lives and its short help for ``modelpack --help`` (kept equal to
 # the command's own docstring by tests/test_cli_structure.py).
@@ -121,7 +121,17 @@ class MainGroup(LazyGroup):
     is_flag=True,
     help="Log requests and decisions to stderr, and a failure's traceback (credentials are never logged).",
 )
-def main(debug: bool) -> None:
+@click.option(
+    "--timeout",
+    type=TIMEOUT,
+    envvar="MODELPACK_TIMEOUT",
+    default=None,
+    metavar="SECONDS",
+    help="How long one registry request may wait for an answer (connect at most 30 s, each read, "
+    "a whole manifest or tag list); each retry within --retry-for waits this long again. "
+    "Durations as 2, 30s, 5m. Else MODELPACK_TIMEOUT; default 300 s.",
+)
+def main(debug: bool, timeout: float | None) -> None:
     """modelpack: safetensors checkpoints as verified, signed CNCF ModelPack OCI artifacts.
 
     \b
@@ -130,6 +140,7 @@ def main(debug: bool) -> None:
       modelpack push ./ckpt registry.example/m:v1     # CI: pack + upload straight from the files
       modelpack pull registry.example/m:v1 ./model    # node: verified files at their paths
       modelpack --debug pull registry.example/m:v1 ./model   # a failure's traceback and requests
+      modelpack --timeout 30s ls registry.example/m   # give up on a registry silent for 30 s
 
     References: host[:port]/repo[:tag][@sha256:…], oci:DIR[:TAG|@DIGEST], s3://BUCKET/PREFIX[:TAG].
 

@@ -222,6 +222,28 @@ class DurationType(click.ParamType):
 DURATION = DurationType()
 
 
+class TimeoutType(DurationType):
+    """A positive duration (``--timeout 2``, ``30s``): zero would mean a client that never waits."""
+
+    name = "SECONDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        seconds = super().convert(value, param, ctx)
+        if not seconds > 0:
+            self.fail(f"{value!r} must be a positive number of seconds", param, ctx)
+        return seconds
+
+
+TIMEOUT = TimeoutType()
+
+
+def global_timeout() -> float | None:
+    """``modelpack --timeout SECONDS`` (or ``MODELPACK_TIMEOUT``) of the running command."""
+    ctx = click.get_current_context(silent=True)
+    value = ctx.find_root().params.get("timeout") if ctx is not None else None
+    return float(value) if value is not None else None
+
+
 def target_options(fn: F) -> F:
     """Connection flags every command that touches a registry or bucket accepts."""
     opts = [
@@ -293,6 +315,7 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
         password=password,
         credentials_host=host,
         retry_for=kwargs.pop("retry_for", None),
+        timeout=global_timeout(),
         mirrors=list(kwargs.pop("mirrors", None) or ()),
         hosts_dir=kwargs.pop("hosts_dir", None),
         s3_endpoint=kwargs.pop("s3_endpoint", None),

@@ -34,6 +34,11 @@ class TargetOptions:
     registry_credentials: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
     #: how long to keep retrying through an outage, in seconds (None: the default, 60 s)
     retry_for: float | None = None
+    #: how long one registry request may wait: to connect (at most 30 s), for each read, and for
+    #: a whole document (manifest, index, tag list) to arrive, in seconds (``--timeout``, else
+    #: ``MODELPACK_TIMEOUT``; None: the registry client's default, 300 s). Each retry within
+    #: ``retry_for`` gets its own.
+    timeout: float | None = None
     #: mirrors asked for blobs before the origin, in order (``--mirror``; else ``MODELPACK_MIRRORS``)
     mirrors: list[str] = field(default_factory=list)
     #: containerd-style ``<dir>/<host>/hosts.toml`` mirror config (else ``MODELPACK_HOSTS_DIR``,

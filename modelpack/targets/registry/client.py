@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
+import urllib3
 from requests.adapters import HTTPAdapter
 
 from modelpack.errors import (
@@ -61,6 +62,12 @@ RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})
 #: a 500 is more often a lasting fault than an outage: retried a few times only
 MAX_500_RETRIES = 4
 SOCKET_BLOCKSIZE = 1024 * 1024  # urllib3 sends streamed bodies in blocks of this size
+#: seconds one request may wait for a read or a whole document (``--timeout``, ``MODELPACK_TIMEOUT``)
+DEFAULT_TIMEOUT_S = 300.0
+#: connecting never waits longer than this, whatever ``--timeout`` says
+MAX_CONNECT_S = 30.0
+#: the loopback scheme probe (HTTPS or HTTP?) never waits longer than this
+MAX_PROBE_S = 10.0
 DOCKER_HUB_API = "registry-1.docker.io"
 
 # bytes, a stream with read() and __len__, or a factory returning a fresh one per attempt
@@ -113,7 +120,7 @@ class RegistryClient:
         ca_file: str | None = None,
         insecure_skip_verify: bool = False,
         credentials: Credentials | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = None,
         retry_for: float | None = None,
         pool_size: int = 16,
     ) -> None:
@@ -122,7 +129,9 @@ class RegistryClient:
         self.api_host = DOCKER_HUB_API if host in ("docker.io", "index.docker.io") else host
         self.plain_http = plain_http
         self.retry_for = retry_for
-        self.timeout = timeout
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
         self.verify: bool | str = False if insecure_skip_verify else (ca_file or True)
         self._scheme: str | None = "http" if plain_http else ("https" if not is_loopback_host(host) else None)
         self._scheme_lock = threading.Lock()
@@ -140,7 +149,7 @@ class RegistryClient:
             self.session,
             credentials,
             verify=self.verify,
-            timeout=min(timeout, 60.0),
+            timeout=min(self.timeout, 60.0),
             retry_for=retry_for,
         )
         self.retries = 0  # requests retried after a transport failure or a "not now" status
@@ -178,7 +187,10 @@ class RegistryClient:
         while True:
             try:
                 self.session.get(
-                    f"https://{self.api_host}/v2/", timeout=10, verify=self.verify, allow_redirects=False
+                    f"https://{self.api_host}/v2/",
+                    timeout=min(MAX_PROBE_S, self.timeout),
+                    verify=self.verify,
+                    allow_redirects=False,
                 ).close()
                 return "https"
             except requests.exceptions.SSLError as exc:
@@ -195,15 +207,9 @@ class RegistryClient:
                 if budget.wait():  # a GET: retried like any idempotent request
                     self.count_retry()
                     continue
-                raise RegistryConnectionError(
-                    f"cannot connect: {type(exc).__name__} (retried for {budget.spent_s:.0f} s; "
-                    "--retry-for sets how long)",
-                    target=self.host,
-                ) from None
+                raise self.connection_error("registry check", exc, budget) from None
             except requests.RequestException as exc:
-                raise RegistryConnectionError(
-                    f"cannot connect: {type(exc).__name__}", target=self.host
-                ) from None
+                raise self.connection_error("registry check", exc) from None
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -270,7 +276,7 @@ class RegistryClient:
                     headers=hdrs,
                     data=data,
                     stream=True,
-                    timeout=(30.0, self.timeout),
+                    timeout=(min(MAX_CONNECT_S, self.timeout), self.timeout),
                     verify=self.verify,
                     proxies=self._proxies,
                     allow_redirects=method in ("GET", "HEAD"),
@@ -350,6 +356,8 @@ class RegistryClient:
         """The typed error for a transport failure: the registry, what was being done, why, and
         how long it was retried (a traceback names none of these)."""
         reason = type(exc).__name__ if exc is not None else "connection lost"
+        if exc is not None and _timed_out(exc):
+            reason = f"no answer within {self.timeout:g} s; --timeout sets the limit"
         tried = ""
         if budget is not None and (budget.retries or budget.exhausted):
             tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
@@ -447,6 +455,13 @@ class RegistryClient:
         self.session.close()
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """A connect or read timeout, whichever layer (requests, urllib3, the socket) noticed it."""
+    return isinstance(
+        exc, (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError)
+    ) or "timed out" in str(exc)
+
+
 def _untrusted_certificate(exc: BaseException) -> bool:
     """A certificate verification failure (fatal), as opposed to a handshake cut by a restart."""
     text = str(exc)
@@ -454,6 +469,7 @@ def _untrusted_certificate(exc: BaseException) -> bool:
 
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "TRANSPORT_ERRORS",
     "BodyTooLarge",
     "Document",

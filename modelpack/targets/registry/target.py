@@ -90,6 +90,7 @@ class RegistryTarget:
             insecure_skip_verify=opts.insecure_skip_verify,
             credentials=creds,
             retry_for=opts.retry_for,
+            timeout=opts.timeout,
         )
         extra = dict(getattr(opts, "extra", None) or {})
         chunk_size = int(extra.get("chunk_size") or DEFAULT_CHUNK_SIZE)
