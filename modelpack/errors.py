@@ -306,6 +306,31 @@ class DirectorySignatureError(SignatureRefused):
     """A materialised model directory does not match its signed file list."""
 
 
+class RollbackRefused(SignatureRefused):
+    """A tag names a version signed earlier than one this node cache already accepted for it
+    (a rollback, or a replay of an old signed version): both digests and signing times are
+    named. ``pull --allow-rollback`` accepts it; pulling by digest is not a tag pull."""
+
+    def __init__(
+        self, reference: str, digest: str, signed_at: str, newest_digest: str, newest_signed_at: str
+    ) -> None:
+        super().__init__(
+            reference,
+            digest,
+            f"rollback: {digest} was signed {signed_at}, before {newest_digest} (signed "
+            f"{newest_signed_at}), which this node cache already accepted for the tag; "
+            "pull with --allow-rollback to accept the older version",
+        )
+        self.signed_at = signed_at
+        self.newest_digest = newest_digest
+        self.newest_signed_at = newest_signed_at
+
+
+class TagHistoryError(SignatureRefused):
+    """The node cache's record of a tag's newest signed version cannot be trusted (another uid's
+    file, writable by others, malformed): the bar it sets is unknown, so the tag pull is refused."""
+
+
 class ChunkTableError(ModelpackError):
     """A chunk-digest table referrer exists but is unsigned by a trusted key, bound to another
     manifest, or malformed. Never silently ignored: a loader would otherwise fall back to trusting

@@ -9,6 +9,7 @@ else ``~/.cache/modelpack``), and the module that owns each part::
     snapshots/<hex>{,.ready,.lease}         published models, ready markers      ``mount.snapshots``
     snapshots/<hex>.trust.json              what verified a digest's signature   ``mount.trust``
     refs/<key>.json, pins/<hex>             reference → digest at pull time; pins ``mount.refs``
+    tag-history/<key>.json                  per tag: newest signed version accepted ``mount.rollback``
     leases/<id>.json, locks/gc.lock         running pulls' digests, GC handshake ``mount.leases``
     leases/hold-<id>.json                   ``pull --hold``: kept from GC until a deadline
     events.jsonl                            one JSON line per decision
@@ -36,6 +37,7 @@ from modelpack.mount.modes import FILE_MODE, open_private
 from modelpack.mount.pull import Puller
 from modelpack.mount.refs import Pins, RefRecords
 from modelpack.mount.reports import CacheEntry, GCResult, PullResult, VerifyReport
+from modelpack.mount.rollback import RollbackGuard, TagHistory
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords
@@ -95,6 +97,7 @@ class NodeCache:
         self.leases_dir = self.leases.dir
         self.blobs = BlobIngest(self.store, stale_after=stale_after)
         self.trust = TrustRecords(self.store, self.snapshots)
+        self.tags = TagHistory(self.root, owner)
         self.max_cache_bytes = max_cache_bytes
         self.reserve_bytes = reserve_bytes
         self.stale_after = stale_after
@@ -151,6 +154,7 @@ class NodeCache:
         start_id: str | None = None,
         progress: str = "off",
         hold: float | None = None,
+        allow_rollback: bool = False,
     ) -> PullResult:
         """Make ``reference`` available as a verified snapshot; returns where and what it cost.
 
@@ -158,7 +162,9 @@ class NodeCache:
         ``source`` overrides the target the reference names (tests, custom backings).
         ``progress`` is ``auto|on|off`` (bars on stderr while blobs download). ``hold`` keeps the
         snapshot from GC for that many seconds after the pull, so the process it is handed to
-        finds it (``result.hold_path``; ``release_hold`` ends it early).
+        finds it (``result.hold_path``; ``release_hold`` ends it early). Under a policy, a tag
+        naming a version signed before the newest one accepted for it here is refused
+        (``RollbackRefused``) unless ``allow_rollback`` (``mount.rollback``).
         """
         log = self.events if events is None else self._event_log(events)
         puller = Puller(
@@ -174,6 +180,7 @@ class NodeCache:
             usage=self.usage,
             progress=progress,
             hold=hold,
+            rollback=RollbackGuard(self.tags, allow_rollback) if policy is not None else None,
         )
         return puller.pull(
             reference, target_options, policy=policy, jobs=jobs, log=log, source=source, start_id=start_id

@@ -28,6 +28,7 @@ from modelpack.mount.leases import Hold, PullLeases
 from modelpack.mount.locks import acquire
 from modelpack.mount.refs import RefRecords
 from modelpack.mount.reports import PullResult, to_ms
+from modelpack.mount.rollback import PendingAcceptance, RollbackGuard
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords
@@ -66,6 +67,7 @@ class Puller:
     usage: Callable[[], int]
     progress: str = "off"  # --progress auto|on|off: bars on stderr for the blobs a miss downloads
     hold: float | None = None  # --hold: keep the snapshot from GC this many seconds after the pull
+    rollback: RollbackGuard | None = None  # tag pulls under a policy: no older signed version
 
     def pull(
         self,
@@ -102,7 +104,6 @@ class Puller:
                 desc = target.resolve(ref.identifier)
                 digest = desc.digest
                 timings["resolve"] = to_ms(time.monotonic() - t0)
-                self.refs.record(ref, digest)
             info = self.snapshots.ready(digest)
             if info is not None:
                 signature = "not-checked"
@@ -110,6 +111,9 @@ class Puller:
                     target, signature = self.trust.on_hit(
                         info, ref, target, target_options, policy, log, ev, timings
                     )
+                    self._no_rollback_on_hit(ref, str(info.digest), policy, ev).accept()
+                if desc is not None:  # the tag names this digest here only once it was accepted
+                    self.refs.record(ref, digest)
                 return self._hit(info, ref_text, sid, t0, timings, ev, signature=signature)
             ev("cache.miss", digest=str(digest))
             if target is None:
@@ -126,6 +130,22 @@ class Puller:
                 duration_ms=to_ms(time.monotonic() - t0),
             )
             raise
+
+    def _no_rollback(
+        self, ref: Reference, digest: str, signed_at: float | None, ev: Callable[..., None]
+    ) -> PendingAcceptance:
+        """``mount.rollback``: refuse a tag's version signed before the newest one accepted."""
+        if self.rollback is None:
+            return PendingAcceptance(None, ref, digest, signed_at or 0.0)
+        return self.rollback.check(ref, digest, signed_at, ev)
+
+    def _no_rollback_on_hit(
+        self, ref: Reference, digest: str, policy: Any, ev: Callable[..., None]
+    ) -> PendingAcceptance:
+        """A hit under a policy: its signing time is in the trust record ``on_hit`` checked."""
+        if self.rollback is None:
+            return PendingAcceptance(None, ref, digest, 0.0)
+        return self.rollback.check(ref, digest, self.trust.signed_time(digest, ref, policy), ev)
 
     def _hit(
         self,
@@ -219,6 +239,9 @@ class Puller:
                 signature = "not-checked"
                 if policy is not None:
                     _, signature = self.trust.on_hit(info, ref, target, None, policy, log, ev, timings)
+                    self._no_rollback_on_hit(ref, str(digest), policy, ev).accept()
+                if not ref.digest:
+                    self.refs.record(ref, digest)
                 return self._hit(
                     info, ref_text, sid, t0, timings, ev, waited_s=mlock.waited_s, signature=signature
                 )
@@ -238,10 +261,14 @@ class Puller:
                 duration_ms=to_ms(time.monotonic() - t0),
             )
             verification = None
+            pending = PendingAcceptance(None, ref, str(digest), 0.0)
             if policy is not None:
                 t = time.monotonic()
                 verification = self.trust.check(target, ref, manifest, policy, log, ev, record=False)
                 timings["signature"] = to_ms(time.monotonic() - t)
+                pending = self._no_rollback(ref, str(digest), verification.signed_at, ev)
+            if not ref.digest:  # only a version that passed the checks becomes the tag's here
+                self.refs.record(ref, digest)
 
             blobs = _unique_blobs(manifest)
             with self.leases.hold([str(digest), *(str(b.digest) for b in blobs)]):
@@ -254,6 +281,7 @@ class Puller:
                     result.hold_path, result.hold_until = hold.path, hold.until
             if verification is not None:
                 self.trust.record(str(digest), verification)
+                pending.accept()
                 result.signature = str(verification.status)
             return result
         finally:

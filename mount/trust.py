@@ -21,7 +21,7 @@ from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 
 from modelpack.boundedjson import loads_object
-from modelpack.errors import DocumentError, SignatureRefused
+from modelpack.errors import DocumentError, ModelpackError, SignatureRefused
 from modelpack.events import EventLog
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -66,6 +66,7 @@ class TrustRecords:
         """Remember which keys verified this digest, so a hit under the same trust needs no network."""
         doc = self.read(digest) or {"digest": digest, "key_ids": []}
         doc["key_ids"] = sorted(set(doc.get("key_ids", [])) | set(result.key_ids))
+        doc["signed_at"] = _merge_signed_times(doc.get("signed_at"), result.signed_times)
         for field_name, attr in (
             ("directory_signature", "directory_signature"),
             ("chunk_table", "chunk_table"),
@@ -85,9 +86,32 @@ class TrustRecords:
         signed_by_trusted = bool(set(rp.key_ids) & set(rec.get("key_ids", [])))
         if rp.require_signature and not signed_by_trusted:
             return False
+        if signed_by_trusted and ref.tag and not ref.digest and self.signed_time(digest, ref, policy) is None:
+            return False  # recorded before signing times were: a tag pull learns it online once
         if rp.require_directory_signature and rec.get("directory_signature") != "verified":
             return False
         return not (rp.require_chunk_table and rec.get("chunk_table") != "verified")
+
+    def signed_time(self, digest: str, ref: Reference, policy: Any) -> float | None:
+        """The newest signing time recorded for ``digest`` by a key ``policy`` trusts for ``ref``
+        (0: untimed or unsigned); None when the record predates signing times."""
+        from modelpack.signing.signing_time import parse_signing_time
+        from modelpack.signing.verify import resolve_policy
+
+        rec = self.read(digest)
+        times = rec.get("signed_at")
+        trusted = set(resolve_policy(load_policy(policy), ref).key_ids) & set(rec.get("key_ids", []))
+        if not trusted:
+            return 0.0
+        if not isinstance(times, dict):
+            return None
+        known = [times[k] for k in trusted if isinstance(times.get(k), str)]
+        if not known:
+            return None
+        try:
+            return max(parse_signing_time(t) if t else 0.0 for t in known)
+        except ModelpackError:
+            return None
 
     def on_hit(
         self,
@@ -148,3 +172,19 @@ class TrustRecords:
         if record:
             self.record(str(manifest.digest), result)
         return result
+
+
+def _merge_signed_times(recorded: Any, verified: dict[str, float]) -> dict[str, str]:
+    """Per key id, the newest signing time seen (RFC 3339; '' for untimed signatures)."""
+    from modelpack.signing.signing_time import format_signing_time, parse_signing_time
+
+    out: dict[str, float] = {}
+    if isinstance(recorded, dict):
+        for key_id, text in recorded.items():
+            try:
+                out[str(key_id)] = parse_signing_time(text) if text else 0.0
+            except ModelpackError:
+                continue
+    for key_id, seconds in verified.items():
+        out[key_id] = max(out.get(key_id, 0.0), seconds)
+    return {k: format_signing_time(v) if v else "" for k, v in sorted(out.items())}

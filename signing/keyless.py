@@ -19,6 +19,7 @@ from typing import Any
 
 from modelpack.signing.bundle import Bundle
 from modelpack.signing.referrers import ARTIFACT_TYPE_SIGNATURE, confirm_referrers, push_bundle_referrer
+from modelpack.signing.signing_time import signing_time_now
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
 from modelpack.errors import SigningError
@@ -41,7 +42,9 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
     if raw_token is None:  # interactive fallback (browser flow) for a person at a terminal
         raw_token = str(Issuer(trust.signing_config.get_oidc_url()).identity_token())
     token = IdentityToken(raw_token)
-    statement = dsse.Statement(manifest_statement(manifest_desc.digest.hex).to_bytes())
+    statement = dsse.Statement(
+        manifest_statement(manifest_desc.digest.hex, signed_at=signing_time_now()).to_bytes()
+    )
     ctx = SigningContext.from_trust_config(trust)
     with ctx.signer(token) as signer:
         bundle_json = signer.sign_dsse(statement).to_json().encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from modelpack.signing.bundle import sign_statement
 from modelpack.signing.keys import PrivateKey, PublicKey
@@ -21,6 +22,7 @@ from modelpack.signing.referrers import (
     push_bundle_referrer,
     skipped,
 )
+from modelpack.signing.signing_time import format_signing_time, signing_time_now
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
 
 from modelpack.errors import BundleError
@@ -30,12 +32,19 @@ from modelpack.targets.base import ReadableTarget, Target
 
 
 def sign_manifest(
-    target: Target, manifest_desc: Descriptor, private_key: PrivateKey, *, confirm: bool = True
+    target: Target,
+    manifest_desc: Descriptor,
+    private_key: PrivateKey,
+    *,
+    confirm: bool = True,
+    signed_at: str | None = None,
 ) -> Descriptor:
     """Push the signature referrer; with ``confirm`` (the default) return only once it is listed
     among the manifest's referrers (``SigningError`` otherwise). ``sign_artifact`` confirms all
-    its referrers together instead."""
-    bundle = sign_statement(manifest_statement(manifest_desc.digest.hex), private_key)
+    its referrers together instead. The statement carries ``signed_at`` (RFC 3339 UTC; default:
+    now) as its signing time (``signing_time``)."""
+    statement = manifest_statement(manifest_desc.digest.hex, signed_at=signed_at or signing_time_now())
+    bundle = sign_statement(statement, private_key)
     started = time.monotonic()
     desc = push_bundle_referrer(
         target,
@@ -51,22 +60,31 @@ def sign_manifest(
 
 @dataclass(frozen=True)
 class SignatureCheck:
-    """The outcome for one signature referrer. ``status``: verified | invalid | untrusted."""
+    """The outcome for one signature referrer. ``status``: verified | invalid | untrusted.
+    ``signed_at``: the signed statement's signing time (seconds; 0 when untimed), known only for
+    a verified signature."""
 
     referrer: str
     kind: str
     status: str
     key_id: str = ""
     reason: str = ""
+    signed_at: float | None = None
 
-    def to_json(self) -> dict[str, str]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "referrer": self.referrer,
             "kind": self.kind,
             "status": self.status,
             "keyId": self.key_id,
             "reason": self.reason,
+            "signedAt": format_signed_at(self.signed_at),
         }
+
+
+def format_signed_at(seconds: float | None) -> str | None:
+    """RFC 3339 for JSON output; None when unknown or untimed."""
+    return format_signing_time(seconds) if seconds else None
 
 
 def check_stored_signature(
@@ -103,7 +121,11 @@ def check_stored_signature(
             signer.key_id,
             f"signature {ref[:19]} is for {shown}, not for {manifest_desc.digest} (replayed signature)",
         )
-    return SignatureCheck(ref, kind, "verified", signer.key_id)
+    try:
+        signed_at = st.signed_at
+    except BundleError as exc:
+        return SignatureCheck(ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: {exc}")
+    return SignatureCheck(ref, kind, "verified", signer.key_id, signed_at=signed_at)
 
 
 def check_manifest_signatures(

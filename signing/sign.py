@@ -104,9 +104,11 @@ def sign_artifact(
     reference: Reference | str | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     events: EventLog | None = None,
+    signed_at: str | None = None,
 ) -> SignResult:
     """Sign an artifact already stored in ``target``. ``chunk_table`` may be a precomputed table
-    (the pusher hashed the files anyway); else the weight blobs are read back and hashed.
+    (the pusher hashed the files anyway); else the weight blobs are read back and hashed. The
+    manifest signature carries ``signed_at`` (RFC 3339 UTC, default now) as its signing time.
 
     Returns once every referrer written is discoverable; raises ``SigningError`` if one is not."""
     key = private_key if isinstance(private_key, PrivateKey) else load_private_key(private_key)
@@ -132,7 +134,7 @@ def sign_artifact(
         longest = max(longest, time.monotonic() - t)
         return desc
 
-    signature = timed(lambda: sign_manifest(target, manifest_desc, key, confirm=False))
+    signature = timed(lambda: sign_manifest(target, manifest_desc, key, confirm=False, signed_at=signed_at))
     result = SignResult(str(manifest_desc.digest), key.key_id, signature)
     if directory_signature:
         try:

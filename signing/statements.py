@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from modelpack.signing.signing_time import ANNOTATION_SIGNED_AT, UNTIMED, parse_signing_time
+
 from modelpack import boundedjson
 from modelpack.errors import BundleError, DocumentError
 from modelpack.oci.descriptor import canonical_json
@@ -51,6 +53,19 @@ class Statement:
             out.append(v.lower() if isinstance(v, str) else "")
         return out
 
+    @property
+    def signed_at(self) -> float:
+        """The signing time in the first subject's annotations (``signing_time``), seconds since
+        the epoch; ``UNTIMED`` (0) when there is none. ``BundleError`` when it is malformed."""
+        annotations = self.subjects[0].get("annotations") if self.subjects else None
+        if annotations is None:
+            return UNTIMED
+        if not isinstance(annotations, dict):
+            raise BundleError("in-toto statement subject annotations must be an object")
+        if ANNOTATION_SIGNED_AT not in annotations:
+            return UNTIMED
+        return parse_signing_time(annotations[ANNOTATION_SIGNED_AT], where=ANNOTATION_SIGNED_AT)
+
     @classmethod
     def from_bytes(cls, raw: bytes) -> Statement:
         try:
@@ -75,6 +90,12 @@ class Statement:
         return cls(tuple(subjects), pt, predicate)
 
 
-def manifest_statement(manifest_hex: str) -> Statement:
-    """The cosign-style signature statement over a manifest digest (empty predicate)."""
-    return Statement(({"digest": {"sha256": manifest_hex}},), PREDICATE_COSIGN_SIGN, {})
+def manifest_statement(manifest_hex: str, *, signed_at: str | None = None) -> Statement:
+    """The cosign-style signature statement over a manifest digest (empty predicate). With
+    ``signed_at`` (RFC 3339 UTC) the subject carries it as the ``dev.modelpack.signed-at``
+    annotation, inside what the signature covers; without, the signature is untimed (time 0)."""
+    subject: dict[str, Any] = {"digest": {"sha256": manifest_hex}}
+    if signed_at is not None:
+        parse_signing_time(signed_at)  # never sign a time a verifier would refuse
+        subject["annotations"] = {ANNOTATION_SIGNED_AT: signed_at}
+    return Statement((subject,), PREDICATE_COSIGN_SIGN, {})

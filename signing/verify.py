@@ -19,7 +19,11 @@ from typing import Any
 
 from modelpack.signing.bundle import MAX_BUNDLE_BYTES, Bundle
 from modelpack.signing.keys import PublicKey
-from modelpack.signing.manifest_signature import SignatureCheck, check_manifest_signatures
+from modelpack.signing.manifest_signature import (
+    SignatureCheck,
+    check_manifest_signatures,
+    format_signed_at,
+)
 from modelpack.signing.model_signing import (
     compare_files,
     files_from_manifest,
@@ -60,6 +64,22 @@ class VerificationResult:
     def verified(self) -> bool:
         return self.status == "verified"
 
+    @property
+    def signed_times(self) -> dict[str, float]:
+        """Per trusted key id, the newest signing time of its verified signatures (0: untimed)."""
+        out: dict[str, float] = {}
+        for c in self.signatures:
+            if c.status == "verified":
+                out[c.key_id] = max(out.get(c.key_id, 0.0), c.signed_at or 0.0)
+        return out
+
+    @property
+    def signed_at(self) -> float | None:
+        """The newest signing time among the verified signatures (0: none carries one); None
+        when no signature was verified."""
+        times = self.signed_times
+        return max(times.values()) if times else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "reference": self.reference,
@@ -72,6 +92,7 @@ class VerificationResult:
             "directorySignature": self.directory_signature,
             "chunkTable": self.chunk_table,
             "rule": self.rule,
+            "signedAt": format_signed_at(self.signed_at),
         }
 
 

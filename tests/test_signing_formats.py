@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,9 +64,16 @@ def test_cosign_bundle_referrer_structure(checkpoint: Path, tmp_path: Path) -> N
     env = bundle["dsseEnvelope"]
     assert env["payloadType"] == "application/vnd.in-toto+json"
     payload = base64.b64decode(env["payload"])
-    assert json.loads(payload) == {
+    statement = json.loads(payload)
+    # the signing time is an annotation of the subject (in-toto ResourceDescriptor.annotations,
+    # the project's own key), inside the signed payload; cosign's predicate stays empty
+    signed_at = statement["subject"][0]["annotations"]["dev.modelpack.signed-at"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", signed_at), signed_at
+    assert statement == {
         "_type": "https://in-toto.io/Statement/v1",
-        "subject": [{"digest": {"sha256": p.desc.digest.hex}}],
+        "subject": [
+            {"digest": {"sha256": p.desc.digest.hex}, "annotations": {"dev.modelpack.signed-at": signed_at}}
+        ],
         "predicateType": "https://sigstore.dev/cosign/sign/v1",
         "predicate": {},
     }

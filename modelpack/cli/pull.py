@@ -54,6 +54,12 @@ def pull_trust_options(fn: Any) -> Any:
         click.option(
             "--events", "trust_events", help="Append JSON events (signing.*) here ('-' for stderr)."
         ),
+        click.option(
+            "--allow-rollback",
+            is_flag=True,
+            help="With --cache and a policy: accept a tag's version signed before the newest one this "
+            "cache accepted for the tag (refused otherwise); it becomes the tag's newest.",
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -68,6 +74,10 @@ def verify_before_pull(
     returns state for ``after_pull``. Refusal raises ``SignatureRefused`` (event written)."""
     keys = kwargs.pop("trust_keys", ())
     policy = kwargs.pop("trust_policy", None)
+    if kwargs.pop("allow_rollback", False):
+        raise click.UsageError(
+            "--allow-rollback applies to --cache pulls (the node cache keeps the tag history)"
+        )
     state: dict[str, Any] = {
         "signature": kwargs.pop("signature_path", None),
         "events": kwargs.pop("trust_events", None),
@@ -123,6 +133,7 @@ def pull_into_cache(
     topts = build_target_options(kwargs)
     policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
     events = kwargs.pop("trust_events", None)
+    allow_rollback = bool(kwargs.pop("allow_rollback", False))
     from modelpack.cli.cache import SECONDS, cache_pull
 
     try:
@@ -140,6 +151,7 @@ def pull_into_cache(
         as_json=as_json,
         progress=progress,
         hold=hold_s,
+        allow_rollback=allow_rollback,
     )
 
 

@@ -273,6 +273,35 @@ def _audit_rows(repo_doc: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _attach_tag_history(repos: list[Any], cache_dir: str) -> bool:
+    """``audit --cache``: each repository's tag records from the node cache; any rollback?"""
+    from modelpack.inspection.tag_history import attach_tag_history
+    from modelpack.mount import NodeCache
+
+    cache = NodeCache(cache_dir, create=False)
+    rolled_back = False
+    for r in repos:
+        name = parse_reference(r.repository).canonical_name
+        rolled_back = attach_tag_history(r, cache.tags.for_repository(name)) or rolled_back
+    return rolled_back
+
+
+def _print_tag_history(repo_doc: dict[str, Any]) -> None:
+    for h in repo_doc.get("tagHistory", []):
+        where = f"{repo_doc['repository']}:{h['tag']}"
+        for v in h["history"]:
+            flag = " (accepted with --allow-rollback)" if v.get("rollback") else ""
+            click.echo(
+                f"HISTORY {where}: {v['digest']} signed {v['signedAt'] or '-'}, accepted {v['acceptedAt']}{flag}"
+            )
+        if h["rollback"]:
+            newest = h["newest"]
+            click.echo(
+                f"ROLLBACK {where}: the registry names {h['current']}, signed before {newest['digest']} "
+                f"(signed {newest['signedAt'] or '-'}), which this node cache accepted"
+            )
+
+
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
@@ -293,6 +322,12 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
 @click.option(
     "--page-size", type=click.IntRange(1, 10000), default=100, show_default=True, help="Catalog page size."
 )
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(exists=True, file_okay=False),
+    help="Also show the tag history this node cache accepted, and flag tags the registry moved back.",
+)
 @target_options
 @json_option
 @handle_errors
@@ -304,6 +339,7 @@ def audit_cmd(
     since_digests: str | None,
     page_size: int,
     as_json: bool,
+    cache_dir: str | None,
     **kwargs: Any,
 ) -> None:
     """Audit REGISTRY/REPO (or oci:DIR, s3://…), or every repository of a bare REGISTRY host.
@@ -312,12 +348,14 @@ def audit_cmd(
     Per version: tags (tags sharing a digest are grouped), digest, artifact type, size, layer
     count, created, model name/version/precision, signature status (verified / invalid /
     unsigned; 'signed' when no --key/--policy was given) with key ids, referrers by type.
-    Exit status 1 when a tag moved since --since-digests.
+    Exit status 1 when a tag moved since --since-digests, or (with --cache) when the registry
+    names a version signed before the newest one the node cache accepted for the tag.
 
     \b
     Examples:
       modelpack audit registry.example.com/models/llama --key ./keys/modelpack-ci.pub
       modelpack audit registry.example.com --repo 'models/*' --policy policy.yaml --json
+      modelpack audit registry.example.com/models/llama --key ./keys/modelpack-ci.pub --cache /var/cache/modelpack
     """
     from modelpack.inspection.audit import audit_registry, audit_repository, load_since
 
@@ -347,8 +385,9 @@ def audit_cmd(
         target = open_readable(ref, topts)
         name = ref.repo_name
         repos = [audit_repository(target, name, policy_or_keys=pol, since=since, reference=ref)]
+    rolled_back = _attach_tag_history(repos, cache_dir) if cache_dir else False
     docs = [r.to_json() for r in repos]
-    moved = any(r.moved for r in repos)
+    moved = any(r.moved for r in repos) or rolled_back
     if as_json:
         emit_json({"repositories": docs})
     else:
@@ -370,6 +409,7 @@ def audit_cmd(
                 click.echo(
                     f"MOVED {d['repository']}:{m['tag']}: {m['previous']} → {m['current'] or '(deleted)'}"
                 )
+            _print_tag_history(d)
             if d["error"]:
                 click.echo(f"ERROR {d['repository']}: {d['error']}", err=True)
     if moved:

@@ -25,6 +25,15 @@ from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import ReadableTarget
 
+
+def format_signed_at(seconds: float | None) -> str | None:
+    if not seconds:
+        return None
+    from modelpack.signing.signing_time import format_signing_time
+
+    return format_signing_time(seconds)
+
+
 MAX_SINCE_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
@@ -44,6 +53,7 @@ class VersionAudit:
     signature: str = "unsigned"  # verified | invalid | unsigned | signed (no keys given)
     key_ids: list[str] = field(default_factory=list)
     signature_reasons: list[str] = field(default_factory=list)
+    signed_at: float | None = None  # newest signing time of a verified signature (0: untimed)
     referrers: dict[str, int] = field(default_factory=dict)
     error: str | None = None
 
@@ -61,6 +71,7 @@ class VersionAudit:
                 "status": self.signature,
                 "keyIds": sorted(self.key_ids),
                 "reasons": list(self.signature_reasons),
+                "signedAt": format_signed_at(self.signed_at),
             },
             "referrers": dict(sorted(self.referrers.items())),
             "error": self.error,
@@ -74,19 +85,23 @@ class RepositoryAudit:
     versions: list[VersionAudit] = field(default_factory=list)
     moved: list[dict[str, str | None]] = field(default_factory=list)
     error: str | None = None
+    tag_history: list[dict[str, Any]] = field(default_factory=list)  # inspection.tag_history
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "repository": self.repository,
             "tags": dict(sorted(self.tags.items())),
             "versions": [v.to_json() for v in self.versions],
             "moved": list(self.moved),
             "error": self.error,
         }
+        if self.tag_history:
+            doc["tagHistory"] = list(self.tag_history)
+        return doc
 
 
 def _signature_status(
-    target: ReadableTarget, desc: Descriptor, keys: list[Any] | None
+    target: ReadableTarget, desc: Descriptor, keys: list[Any] | None, version: VersionAudit | None = None
 ) -> tuple[str, list[str], list[str]]:
     from modelpack.signing.manifest_signature import check_manifest_signatures
 
@@ -95,6 +110,8 @@ def _signature_status(
         return "unsigned", [], []
     verified = [c.key_id for c in checks if c.status == "verified"]
     if verified:
+        if version is not None:  # the signing time only a verified signature vouches for
+            version.signed_at = max(c.signed_at or 0.0 for c in checks if c.status == "verified")
         return "verified", verified, []
     if keys is None:
         # no keys to check against: report what is there and by which key hint
@@ -143,7 +160,7 @@ def audit_version(
         else:
             v.total_size = sum(m.size for m in parsed.manifests)
             v.layer_count = len(parsed.manifests)
-        v.signature, v.key_ids, v.signature_reasons = _signature_status(target, desc, keys)
+        v.signature, v.key_ids, v.signature_reasons = _signature_status(target, desc, keys, v)
         for r in target.referrers(Descriptor(desc.media_type, desc.digest, desc.size)):
             at = r.artifact_type or "unknown"
             v.referrers[at] = v.referrers.get(at, 0) + 1
