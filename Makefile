@@ -5,12 +5,17 @@ PYTEST_ARGS ?=
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 
-.PHONY: deps demo test lint typecheck fmt bench clean
+.PHONY: deps demo-deps demo test lint typecheck fmt bench clean
 
+# deps: everything `make test` needs; demo-deps: only what the demo uses (a first `make demo` on a
+# fresh machine skips the vLLM and peer venvs, containerd, skopeo and the test extras)
 deps:
-	@bash .ci/bootstrap.sh
+	@bash .ci/bootstrap.sh test
 
-demo: deps
+demo-deps:
+	@bash .ci/bootstrap.sh demo
+
+demo: demo-deps
 	$(PY) examples/demo.py
 
 # The tests run after the lint: formatting, types and the layer contracts are part of the suite.
