@@ -141,6 +141,18 @@ class LoadEngine:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
         return ids
 
+    def adopt(self, t: TensorRead, view: torch.Tensor) -> int:
+        """A tensor handed out as it is (a view of a mapped store blob): complete, nothing to read."""
+        idx = len(self.tensors)
+        self.tensors.append(t)
+        self.dest.append(view)
+        self.dest_bytes.append(None)
+        self.remaining.append(0)
+        self.held.append(False)
+        self.ready.append(idx)
+        self.prog.update(t.nbytes)
+        return idx
+
     # ------------------------------------------------------------------ scheduling
     def submit(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> Iterator[int]:
         """Queue a task; while the window is full, finish the oldest (FIFO keeps hashing ordered)."""

@@ -29,6 +29,10 @@ class LoaderOptions:
     # Chunks verified while reading the headers are kept for the data pass, so each is fetched once;
     # past this budget (in plan order) a file's first chunk is fetched again with its data.
     verified_chunk_cache_bytes: int = 256 * MiB
+    # CPU loads of node-cache store blobs trusted by inode: "shard" hands out this rank's shards as
+    # views of the mapped blob (no allocation, no copy), "full" the whole tensors (for an engine
+    # that narrows them itself); "off" reads into fresh memory. See mapped.py.
+    views: str = "off"
 
     @property
     def local_workers(self) -> int:
@@ -47,6 +51,7 @@ class LoadStats:
     state: str = ""
     bytes_to_read: int = 0
     bytes_read: int = 0
+    mapped_bytes: int = 0  # bytes handed out as views of mapped store blobs (LoaderOptions.views)
     tensors: int = 0
     read_start: float = 0.0
     read_done: float = 0.0

@@ -89,6 +89,8 @@ def prepare(
 ) -> PreparedLoad:
     """Resolve the source, read (and verify, where a table exists) the headers, plan this rank."""
     opts = options or LoaderOptions()
+    if opts.views not in ("off", "shard", "full"):
+        raise LoaderError(f"LoaderOptions.views must be 'off', 'shard' or 'full', got {opts.views!r}")
     src = resolve_source(
         source,
         expected_digest=expected_digest,

@@ -3,7 +3,9 @@
 ``weight_files.WeightFile.mode`` says what vouches for a file's bytes:
 
 - ``trusted`` (node-cache snapshot, verified when it was filled): ``trusted.read_trusted_direct``
-  on CPU, ``trusted.read_trusted_staged`` on CUDA or with ``direct_io``;
+  on CPU, ``trusted.read_trusted_staged`` on CUDA or with ``direct_io``; with
+  ``LoaderOptions.views`` on the CPU, a store blob trusted by inode is not read at all but
+  mapped, and its tensors are views of it (``mapped.read_mapped``);
 - ``chunks`` (a signed chunk table covers the layer): ``chunked.read_chunked``;
 - ``whole`` (only the manifest's layer digest): ``whole_layer.read_whole_layer``.
 
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 
 from modelpack.loader.chunked import read_chunked
 from modelpack.loader.engine import LoadEngine
+from modelpack.loader.mapped import read_mapped
+from modelpack.loader.readers import FileReader
 from modelpack.loader.trusted import read_trusted_direct, read_trusted_staged
 from modelpack.loader.whole_layer import read_whole_layer
 
@@ -25,16 +29,18 @@ def run(load: LoadEngine) -> Iterator[int]:
     """Tensor ids, each once its tensor is complete and may be handed to the consumer."""
     for rel, fp in load.plan.files.items():
         f = load.files[rel]
-        ids = load.alloc(fp)
         reader = load.readers[rel]
-        if f.mode == "trusted" and not load.cuda and not load.opts.direct_io:
-            yield from read_trusted_direct(load, reader, ids)
+        if f.mappable and load.opts.views != "off" and not load.cuda and not load.opts.direct_io:
+            assert isinstance(reader, FileReader)
+            yield from read_mapped(load, reader, fp)
+        elif f.mode == "trusted" and not load.cuda and not load.opts.direct_io:
+            yield from read_trusted_direct(load, reader, load.alloc(fp))
         elif f.mode == "trusted":
-            yield from read_trusted_staged(load, reader, ids)
+            yield from read_trusted_staged(load, reader, load.alloc(fp))
         elif f.mode == "chunks":
-            yield from read_chunked(load, reader, f, fp, ids)
+            yield from read_chunked(load, reader, f, fp, load.alloc(fp))
         else:
-            yield from read_whole_layer(load, reader, f, fp, ids)
+            yield from read_whole_layer(load, reader, f, fp, load.alloc(fp))
         while load.ready:
             yield load.ready.popleft()
     yield from load.drain()

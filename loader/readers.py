@@ -114,6 +114,13 @@ class FileReader:
     def reads(self) -> list[tuple[int, int, int]]:
         return self._count.reads
 
+    def fileno(self) -> int:
+        return self._fd
+
+    def count(self, n: int, offset: int, end: int) -> None:
+        """Record bytes the engine reads itself from a mapping of this file (``mapped``)."""
+        self._count.add(n, offset, end)
+
     def fstat(self) -> os.stat_result:
         """The open file's identity (the snapshot binding compares it with the store's blob)."""
         return os.fstat(self._fd)

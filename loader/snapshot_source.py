@@ -134,7 +134,9 @@ def _open_bound_snapshot(
         for b in bound:
             if b.trusted:
                 opener = file_opener(b.path, b.layer.size, direct, identity=b.identity)
-                files.append(WeightFile(b.relpath, b.layer.size, opener, "trusted", descriptor=b.layer))
+                files.append(
+                    WeightFile(b.relpath, b.layer.size, opener, "trusted", descriptor=b.layer, mappable=True)
+                )
             else:
                 opener = file_opener(b.path, b.layer.size, direct)
                 files.append(

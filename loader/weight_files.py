@@ -54,6 +54,8 @@ class WeightFile:
     descriptor: Descriptor | None = None
     chunks: Any = None  # a modelpack.signing.chunks.ChunkTable covering this layer (mode chunks)
     verification: str = ""  # what vouches for the bytes (LoadStats.verification); defaults to mode
+    # a node-cache store blob trusted by inode (snapshot_binding): its views may be handed out
+    mappable: bool = False
 
 
 @dataclass

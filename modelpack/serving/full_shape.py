@@ -10,7 +10,11 @@ tensor is allocated but never read, never written and never looked at.
   straight into that view of the full tensor (its ``out=`` destinations), no copy;
 - ``dim1`` slices are strided: the loader gathers the rank's columns into a shard tensor, which is
   copied into the full tensor's column slice (the only extra copy, 1/TP of those bytes);
-- replicated tensors are read whole and passed through.
+- replicated tensors are read whole and passed through;
+- with ``LoaderOptions(views="full")``, every tensor of a node-cache store blob trusted by inode
+  is a view of the mapped blob, whole (``loader.mapped``): passed through, no allocation and no
+  read here, vLLM's ``narrow`` + ``copy_`` is the only pass over those bytes, as with its default
+  loader.
 
 Tensors are allocated lazily, one file at a time as the loader reaches it, and this module keeps
 no reference once a tensor is handed over, so memory holds about one file's share at a time (the
@@ -99,6 +103,9 @@ def iter_full_shape(
                 yield name, full
                 continue
             t = reads[name]
+            if tuple(shard.shape) == t.full_shape:  # whole (replicated, or a view of a mapped blob)
+                yield name, shard
+                continue
             if t.rule is ShardRule.DIM1 and t.sharded:
                 full = torch.empty(t.full_shape, dtype=shard.dtype)
                 b, e = shard_bounds(t.full_shape[1], tp_size, tp_rank, uneven=uneven[0], what=name)

@@ -22,10 +22,10 @@ import torch
 
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.loader import LoadStats, ReadPlan
+from modelpack.loader import LoaderOptions, LoadStats, ReadPlan
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
-from modelpack.serving.model_dir import check_model_dir
+from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
 from modelpack.serving.settings import ServingSettings
 from modelpack.serving.shard_rules import vllm_shard_rules
 
@@ -70,6 +70,8 @@ class RankLoad:
             state=self.state,
             stats=self.stats,
             on_plan=on_plan,
+            # store blobs trusted by inode go to vLLM as views of the mapped file (one copy: vLLM's)
+            options=LoaderOptions(views="full"),
         )
 
     def summary(self) -> dict[str, Any]:
@@ -191,6 +193,8 @@ def _resolve(
     if settings.source is None:
         source: Any = model_dir
         state = "image-volume" if settings.trust == "runtime" else "hit"
+        if settings.trust == "snapshot":
+            check_snapshot_dir(model_dir, settings)  # again here: vllm_plugin checked it first
     else:
         source, state = _remote_source(settings, model_dir, keys, events, target_factory)
     return RankLoad(
@@ -236,6 +240,8 @@ def _remote_source(
         from modelpack.signing.verify import verify_artifact
 
         verify_artifact(target, ref, target.resolve(pinned), TrustPolicy.load(settings.policy), events=events)
-    check_model_dir(model_dir, manifest, where=str(ref.with_digest(pinned)))
+    check_model_dir(
+        model_dir, manifest, where=str(ref.with_digest(pinned)), allow_extra=settings.allow_extra_files
+    )
     # a tag named beside the pin is handed on: the loader refuses it if it moved off the pin
     return (target, ref.tag if ref.tag and not ref.digest else pinned), "streamed"
