@@ -58,3 +58,4 @@ fi
 [ "$MODE" = test ] || exit 0
 [ "${MODELPACK_SKIP_VLLM:-}" = 1 ] || bash .ci/vllm-venv.sh  # vLLM (CPU) for tests/test_vllm.py, own venv
 bash .ci/peers-venv.sh  # modelpack-client for tests/test_interop_*.py, own venv (its script is also `modelpack`)
+bash .ci/sigstore-js.sh  # sigstore-js (pinned, npm) in .node/ for tests/test_interop_sigstore_js.py
