@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from modelpack.boundedjson import loads
 from modelpack.errors import DocumentError, UnsafePathError
+from modelpack.terminal import has_control_characters
 
 ANNOTATION_FILEPATH = "org.cncf.model.filepath"
 ANNOTATION_FILE_METADATA = "org.cncf.model.file.metadata+json"
@@ -62,11 +63,18 @@ def safe_relative_path(path: str, *, what: str = "layer path") -> str:
     """Return ``path`` normalised if it is a safe relative POSIX path, else raise.
 
     Fails closed: absolute paths, ``..`` components, backslashes, NUL and empty names are refused,
-    because annotations come from untrusted manifests and name files we create.
+    because annotations come from untrusted manifests and name files we create. So are control
+    characters (C0, DEL, C1, bidirectional overrides: ``modelpack.terminal``): a file name is
+    printed by ``ls``, shells and progress bars, where ``ESC [2J`` or a newline is obeyed.
     """
     shown = repr(path if len(path) <= 200 else path[:200] + "…")
     if not path or "\x00" in path or "\\" in path:
         raise UnsafePathError(f"{what} {shown} is empty or contains NUL/backslash")
+    if has_control_characters(path):
+        raise UnsafePathError(
+            f"{what} {shown} contains a control character (terminal escapes, newlines and "
+            "bidirectional overrides are refused in file names)"
+        )
     if path.startswith("/"):
         raise UnsafePathError(f"{what} {shown} is absolute")
     parts = path.split("/")

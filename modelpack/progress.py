@@ -14,6 +14,7 @@ import threading
 from typing import Any, BinaryIO
 
 from modelpack.errors import OutputClosedError
+from modelpack.terminal import for_terminal, unfiltered
 
 
 def progress_enabled(mode: str = "auto") -> bool:
@@ -61,14 +62,15 @@ class Progress:
         self._lock = threading.Lock()
         self._bar: Any = None
         self._positions: set[int] = set()
-        self._out = _GuardedStream(sys.stderr)
+        # the bars' own cursor moves must reach the terminal; outside names in them are escaped
+        self._out = _GuardedStream(unfiltered(sys.stderr))
         if self.enabled:
             from tqdm import tqdm
 
             self._tqdm = tqdm
             self._bar = tqdm(
                 total=total,
-                desc=desc,
+                desc=for_terminal(desc),
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1024,
@@ -98,7 +100,7 @@ class Progress:
             self._positions.add(pos)
             bar = self._tqdm(
                 total=total,
-                desc=desc[:40],
+                desc=for_terminal(desc)[:40],
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1024,

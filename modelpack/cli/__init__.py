@@ -18,6 +18,7 @@ import click
 
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import PASS_THROUGH, TIMEOUT, parse_size, report_failure
+from modelpack.terminal import terminal_safe_output
 
 # name → where the command lives and its short help for ``modelpack --help`` (kept equal to
 # the command's own docstring by tests/test_cli_structure.py).
@@ -97,7 +98,13 @@ COMMANDS = {
 
 class MainGroup(LazyGroup):
     """The root group, and the net under every command: whatever escapes a command (or loading
-    it, or writing its last output to a closed pipe) becomes one line, never a traceback."""
+    it, or writing its last output to a closed pipe) becomes one line, never a traceback; and
+    while it runs, stdout and stderr escape every control character (``modelpack.terminal``), so
+    text from a registry or an artifact is shown, never obeyed by the terminal."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        with terminal_safe_output():
+            return super().main(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

@@ -129,6 +129,32 @@ def describe_os_error(exc: OSError) -> str:
     return f"{' → '.join(paths)}: {reason}" if paths else f"{type(exc).__name__}: {reason}"
 
 
+#: the lines of a traceback that are its own layout (every other chunk but frames is a message)
+_TRACEBACK_LAYOUT = frozenset(
+    {
+        "Traceback (most recent call last):\n",
+        "\nThe above exception was the direct cause of the following exception:\n\n",
+        "\nDuring handling of the above exception, another exception occurred:\n\n",
+    }
+)
+
+
+def debug_traceback(exc: BaseException) -> str:
+    """``--debug``'s traceback, each exception's message one inert line (``for_terminal``): a
+    message may quote a registry, and its newlines must not print lines of their own."""
+    import traceback
+
+    from modelpack.terminal import for_terminal
+
+    out = []
+    for chunk in traceback.format_exception(exc):
+        if chunk.startswith("  File ") or chunk in _TRACEBACK_LAYOUT:
+            out.append(chunk)
+        else:
+            out.append(for_terminal(chunk.rstrip("\n")) + "\n")
+    return "".join(out)
+
+
 def report_failure(exc: BaseException) -> NoReturn:
     """Print one line for ``exc`` (the traceback too under ``--debug``) and exit.
 
@@ -142,10 +168,8 @@ def report_failure(exc: BaseException) -> NoReturn:
         exit_on_closed_pipe()
     debug = debug_requested()
     if debug:
-        import traceback
-
         try:
-            traceback.print_exception(exc, file=sys.stderr)
+            sys.stderr.write(debug_traceback(exc))
         except (OSError, ValueError):
             pass
     if isinstance(exc, ModelpackError):

@@ -23,6 +23,7 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+from modelpack.terminal import for_terminal
 
 
 def check_checkpoint_dir(path: str) -> None:
@@ -139,23 +140,26 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
     if as_json:
         emit_json(summary.to_json())
         return
+    # every value below came from the artifact: each shown as one inert line (for_terminal)
     cfg = summary.config or {}
     desc = cfg.get("descriptor", {})
     mc = cfg.get("config", {})
-    click.echo(f"Reference:     {summary.reference}")
+    click.echo(f"Reference:     {for_terminal(summary.reference)}")
     click.echo(f"Digest:        {summary.digest}")
-    click.echo(f"Artifact type: {summary.artifact_type or '-'}")
+    click.echo(f"Artifact type: {for_terminal(summary.artifact_type or '-')}")
     if cfg:
-        click.echo(f"Model:         {desc.get('name', '-')} {desc.get('version', '')}".rstrip())
+        name = f"{desc.get('name', '-')} {desc.get('version', '')}".rstrip()
+        click.echo(f"Model:         {for_terminal(name)}")
         for key in ("family", "architecture", "format", "paramSize", "precision", "quantization"):
             value = desc.get(key) if key == "family" else mc.get(key)
             if value:
-                click.echo(f"  {key + ':':<15}{value}")
+                click.echo(f"  {key + ':':<15}{for_terminal(value)}")
     click.echo(f"Layers:        {len(summary.layers)}, total {human_size(summary.total_size)}")
-    width = max((len(layer.path or "-") for layer in summary.layers), default=4)
-    for layer in summary.layers:
+    paths = [for_terminal(layer.path or "-") for layer in summary.layers]
+    width = max((len(p) for p in paths), default=4)
+    for layer, path in zip(summary.layers, paths, strict=True):
         click.echo(
-            f"  {layer.path or '-':<{width}}  {layer.kind or layer.media_type:<14} "
+            f"  {path:<{width}}  {for_terminal(layer.kind or layer.media_type):<14} "
             f"{human_size(layer.size):>10}  {layer.digest[:19]}…"
         )
 
@@ -180,4 +184,5 @@ def ls_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
         emit_json(tags)
         return
     for t in tags:
-        click.echo(f"{t['tag']:<30} {t['digest']}  {t['artifactType'] or t['mediaType']}")
+        kind = for_terminal(t["artifactType"] or t["mediaType"])
+        click.echo(f"{for_terminal(t['tag']):<30} {for_terminal(t['digest'])}  {kind}")

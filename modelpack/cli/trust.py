@@ -26,6 +26,7 @@ from modelpack.errors import InvalidReferenceError, ModelpackError
 from modelpack.events import EventLog
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
+from modelpack.terminal import for_terminal
 
 _HOST_ONLY = re.compile(
     r"^(localhost|[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+|[A-Za-z0-9.-]+:[0-9]+|\[[0-9A-Fa-f:]+\](:[0-9]+)?)$"
@@ -235,12 +236,11 @@ def verify_cmd(
     if as_json:
         emit_json(doc)
         return
-    click.echo(f"{ref}: {result.status} ({result.reason})")
+    click.echo(f"{ref}: {result.status} ({for_terminal(result.reason)})")
     click.echo(f"  digest: {result.digest}")
     for s in result.signatures:
-        click.echo(
-            f"  {s.kind} signature {s.referrer[:19]}: {s.status}{' — ' + s.reason if s.reason else ''}"
-        )
+        reason = " — " + for_terminal(s.reason) if s.reason else ""
+        click.echo(f"  {s.kind} signature {for_terminal(s.referrer[:19])}: {s.status}{reason}")
     click.echo(f"  directory signature: {result.directory_signature}; chunk table: {result.chunk_table}")
     if directory:
         click.echo(f"  {directory}: {doc['directory']['files']} files match the signed list")
@@ -303,6 +303,7 @@ def _print_tag_history(repo_doc: dict[str, Any]) -> None:
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    rows = [[for_terminal(c) for c in r] for r in rows]  # registry text: one inert line per row
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     click.echo("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
     for r in rows:
