@@ -6,8 +6,12 @@ truth is the manifest in the store, checked against its digest (the snapshot's n
 it implies (``mount.contents``) must be exactly what the marker lists and exactly what the
 directory holds, each with the manifest's digest and size, read-only and the cache owner's. A
 planted file, a file dropped from the marker, an edited marker entry or blob list: all damage.
-Repair removes the marker first, so no reader trusts the snapshot while its files and bad blobs
-are removed.
+Repair goes in an order that a kill at any step cannot undo: first every blob found corrupt is
+moved out of ``blobs/`` into ``quarantine/`` (one rename each, fsynced), so no later pull can
+link it into a snapshot again; then the ready marker is removed, so no reader trusts the
+snapshot; then the snapshot's files. A verify killed between the first two steps leaves a marker
+over a quarantined blob: the next pull (``mount.pull``) and the next verify see the quarantine
+and finish the repair.
 """
 
 from __future__ import annotations
@@ -137,6 +141,8 @@ def verify_snapshots(
                     continue
                 truth[rel] = ExpectedFile(rel, f.digest, f.size, f.linked)
         bad_blobs = _disk_problems(info, truth, store.owner, report)
+        for b in sorted(store.quarantined_since(info.blob_digests(), info.created)):
+            report.problems.append(f"{b}: found corrupt by an earlier verify (quarantined); rebuilding")
         report.files = len(truth)
         report.ok = not report.problems
         report.seconds = time.monotonic() - t
@@ -148,10 +154,10 @@ def verify_snapshots(
                 path=info.path,
             )
             if repair:
+                for b in sorted(bad_blobs):  # first: out of the store, whatever happens next
+                    store.quarantine_blob(b)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(snapshots.marker_path(info.digest))
-                for b in bad_blobs:
-                    store.remove_blob(b)
                 with contextlib.suppress(SnapshotInUseError):
                     snapshots.remove(info.digest)
         else:

@@ -16,6 +16,8 @@ typed refusal as a download that would not fit. With ``hold`` the snapshot is he
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import time
 import uuid
@@ -41,6 +43,7 @@ from modelpack.errors import (
     QuotaExceededError,
 )
 from modelpack.events import EventLog
+from modelpack.files import write_error
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
@@ -104,7 +107,7 @@ class Puller:
                 desc = target.resolve(ref.identifier)
                 digest = desc.digest
                 timings["resolve"] = to_ms(time.monotonic() - t0)
-            info = self.snapshots.ready(digest)
+            info = self._ready_unquarantined(digest, ev)
             if info is not None:
                 signature = "not-checked"
                 if policy is not None:
@@ -122,13 +125,16 @@ class Puller:
                 self.refs.record(ref, digest)
             return self._miss(ref, ref_text, digest, target, policy, jobs, sid, t0, timings, ev, log)
         except BaseException as exc:
+            failure = _full_disk(exc, self.store.root)
             ev(
                 "cache.pull_failed",
                 digest=str(desc.digest) if desc else (str(ref.digest) if ref.digest else None),
-                error=type(exc).__name__,
-                reason=str(exc),
+                error=type(failure).__name__,
+                reason=str(failure),
                 duration_ms=to_ms(time.monotonic() - t0),
             )
+            if failure is not exc:
+                raise failure from exc
             raise
 
     def _no_rollback(
@@ -146,6 +152,22 @@ class Puller:
         if self.rollback is None:
             return PendingAcceptance(None, ref, digest, 0.0)
         return self.rollback.check(ref, digest, self.trust.signed_time(digest, ref, policy), ev)
+
+    def _ready_unquarantined(self, digest: str, ev: Callable[..., None]) -> SnapshotInfo | None:
+        """The ready snapshot, unless a blob it holds was quarantined after it was published (a
+        ``cache verify`` killed between quarantine and unmarking): then the repair is finished
+        here (the marker removed) and the pull rebuilds it from verified blobs."""
+        info = self.snapshots.ready(digest)
+        if info is None:
+            return None
+        bad = self.store.quarantined_since(info.blob_digests(), info.created)
+        if not bad:
+            return info
+        ev("cache.verify_failed", digest=str(digest), reason=f"quarantined blobs: {', '.join(sorted(bad))}")
+        # a read-only cache cannot unmark it: it is still never served (the miss path says why)
+        with contextlib.suppress(OSError):
+            os.unlink(self.snapshots.marker_path(digest))
+        return None
 
     def _hit(
         self,
@@ -455,3 +477,14 @@ def _unique_blobs(manifest: Manifest) -> list[Descriptor]:
             seen.add(d.digest)
             out.append(d)
     return out
+
+
+def _full_disk(exc: BaseException, root: str) -> BaseException:
+    """A bare full-disk ``OSError`` from anywhere in the pull (a lease, a record, a lock) as the
+    typed one-line error naming the file, else the cache it happened in; anything else as is."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        path = os.fsdecode(exc.filename) if exc.filename else root
+        return write_error(
+            path, exc, kept=f"in the node cache {root}; free space or run 'modelpack cache gc'"
+        )
+    return exc

@@ -5,13 +5,19 @@ Layout (under the cache root, one filesystem so renames and hard links work)::
     oci-layout, index.json, blobs/sha256/<hex>     the store (``skopeo`` reads it as ``oci:DIR``)
     ingest/<hex>.partial                           a resumable download in progress
     locks/<hex>.lock                               per-digest file locks
+    quarantine/<hex>.<ns>                          a blob ``cache verify`` found corrupt
 
 A blob becomes visible at ``blobs/sha256/<hex>`` only after its size and sha256 match: it is
 written to ``ingest/`` (same filesystem), fsynced, made read-only, renamed, and the directory
 fsynced. A blob counts as present only if it is a regular, read-only file of the cache owner
 that nobody else can write (``mount.modes``): a same-size file someone else put there is fetched
 and verified again. Downloading and resuming live in ``mount.ingest``; this module owns the
-paths, the commit step, ``index.json`` and deletion.
+paths, the commit step, ``index.json``, quarantine and deletion.
+
+A blob found corrupt is moved out of ``blobs/`` into ``quarantine/`` with one rename before
+anything else of a repair changes, so whatever interrupts the repair, the store never offers it
+again (``has()`` is false, the next pull downloads it afresh), and a snapshot published before
+the quarantine is known to hold it (``quarantined_since``).
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ from modelpack.mount.modes import (
 )
 
 from modelpack.boundedjson import loads_object
-from modelpack.errors import ModelpackError, NotFoundError, StoreError
-from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
+from modelpack.errors import FileWriteError, ModelpackError, NotFoundError, StoreError
+from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, write_error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 
@@ -50,6 +56,8 @@ PARTIAL_SUFFIX = ".partial"
 LAYOUT_FILE = b'{"imageLayoutVersion":"1.0.0"}'
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_SMALL_BLOB_BYTES = 4 * 1024 * 1024
+#: quarantined blobs are kept this long (evidence for a person), then swept
+QUARANTINE_TTL_S = 7 * 86400.0
 
 
 class Store:
@@ -65,6 +73,7 @@ class Store:
         self.blobs_dir = os.path.join(self.root, "blobs", "sha256")
         self.ingest_dir = os.path.join(self.root, "ingest")
         self.locks_dir = os.path.join(self.root, "locks")
+        self.quarantine_dir = os.path.join(self.root, "quarantine")
         self.index_path = os.path.join(self.root, "index.json")
         self.index_lock_path = os.path.join(self.root, ".index.lock")
         self.lock_timeout = default_lock_timeout() if lock_timeout is None else lock_timeout
@@ -138,16 +147,24 @@ class Store:
         fsync_dir(self.blobs_dir)
 
     def put_bytes(self, desc: Descriptor, data: bytes) -> None:
-        """Commit small already-verified content (manifests, configs)."""
+        """Commit small already-verified content (manifests, configs). On any failure (a full
+        disk included) the temp file is removed and the error names the path it was writing."""
         if self.has(desc):
             return
         tmp = os.path.join(self.ingest_dir, f"{TEMP_PREFIX}{desc.digest.hex[:16]}-{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self.commit(tmp, desc.digest)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            self.commit(tmp, desc.digest)
+        except BaseException as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise store_write_error(self.blob_path(desc.digest), exc, tmp) from exc
+            raise
 
     def read_small(self, digest: str, limit: int = MAX_SMALL_BLOB_BYTES) -> bytes:
         """A small committed blob (manifest, config); callers verify it against its digest."""
@@ -206,6 +223,36 @@ class Store:
     def _write_index(self, doc: dict[str, Any]) -> None:
         atomic_write_bytes(self.index_path, json.dumps(doc, separators=(",", ":")).encode(), mode=FILE_MODE)
 
+    # ------------------------------------------------------------------ quarantine
+    def quarantine_blob(self, digest: str) -> str | None:
+        """Move a blob found corrupt out of ``blobs/`` (one rename, then both directories
+        fsynced); the path it now has, or None when it was not there."""
+        ensure_dir(self.quarantine_dir, PRIVATE_DIR_MODE, self.owner)
+        dst = os.path.join(self.quarantine_dir, f"{Digest(digest).hex}.{time.time_ns()}")
+        try:
+            os.rename(self.blob_path(digest), dst)
+        except FileNotFoundError:
+            return None
+        fsync_dir(self.blobs_dir)
+        fsync_dir(self.quarantine_dir)
+        return dst
+
+    def quarantined_since(self, digests: set[str], since: float) -> set[str]:
+        """Which of ``digests`` were quarantined at or after ``since`` (a snapshot's creation
+        time: a snapshot published before its blob was found corrupt holds the corrupt bytes).
+        One directory listing, none when nothing was ever quarantined."""
+        try:
+            names = os.listdir(self.quarantine_dir)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return set()
+        found = set()
+        for name in names:
+            hexd, _, ns = name.partition(".")
+            digest = "sha256:" + hexd
+            if digest in digests and ns.isdigit() and int(ns) / 1e9 >= since:
+                found.add(digest)
+        return found
+
     # ------------------------------------------------------------------ deletion & sweeping
     def remove_blob(self, digest: str) -> int:
         path = self.blob_path(digest)
@@ -236,10 +283,17 @@ class Store:
 
         Temp files (``.tmp-modelpack-*``) older than ``temp_ttl`` go; a ``.partial`` goes when
         nobody holds its digest lock and either its blob is committed or it is older than
-        ``partial_ttl`` (a younger one is kept so the next pull can resume it).
+        ``partial_ttl`` (a younger one is kept so the next pull can resume it); a quarantined
+        blob goes after ``QUARANTINE_TTL_S``.
         """
         removed: list[str] = []
         now = time.time()
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            for entry in list(os.scandir(self.quarantine_dir)):
+                with contextlib.suppress(FileNotFoundError):
+                    if now - entry.stat(follow_symlinks=False).st_ctime >= QUARANTINE_TTL_S:
+                        os.unlink(entry.path)
+                        removed.append(entry.path)
         for directory in (self.blobs_dir, self.ingest_dir, self.root):
             for entry in list(os.scandir(directory)):
                 if not entry.name.startswith(TEMP_PREFIX):
@@ -274,11 +328,20 @@ class Store:
         for entry in os.scandir(self.blobs_dir):
             with contextlib.suppress(FileNotFoundError):
                 total += entry.stat(follow_symlinks=False).st_size
-        with contextlib.suppress(PermissionError):  # a reader of another uid cannot list ingest/
-            for entry in os.scandir(self.ingest_dir):
-                with contextlib.suppress(FileNotFoundError):
-                    total += entry.stat(follow_symlinks=False).st_size
+        for directory in (self.ingest_dir, self.quarantine_dir):
+            # a reader of another uid cannot list ingest/ or quarantine/
+            with contextlib.suppress(PermissionError, FileNotFoundError):
+                for entry in os.scandir(directory):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat(follow_symlinks=False).st_size
         return total
+
+
+def store_write_error(path: str, exc: OSError, tmp: str) -> FileWriteError:
+    """A failed write into the cache as one line naming the path, and the temp file (removed)."""
+    return write_error(
+        path, exc, kept=f"its temp file {tmp} was removed; free space or run 'modelpack cache gc'"
+    )
 
 
 def _empty_index() -> dict[str, Any]:
