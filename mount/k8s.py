@@ -11,6 +11,11 @@
    container mounts it read-only. Works on every runtime.
 3. **pre-warm DaemonSet**: keeps chosen models pulled on selected nodes so starts are cache hits.
 
+Every string that lands in a container's ``command``, ``args`` or ``env[].value`` is literal
+(``literal``): the kubelet expands ``$(VAR)`` there and turns ``$$`` into ``$`` before the
+process starts, so a cache path holding ``$(MODELPACK_CACHE)`` would otherwise be rewritten
+beneath ``shlex`` quoting (which only protects against the shell that runs later).
+
 Every reference is pinned by digest: a tag would let two replicas run different weights. The
 generated dicts are checked against the ``kubernetes`` client models (``validate``); the tests
 also validate them strictly against the published OpenAPI schemas of 1.33 and the newest release.
@@ -51,6 +56,22 @@ IMAGE_VOLUME_NOTES = [
     "containerd >= 2.1 mounts only images: push with 'modelpack push --format image' and read <mount>/models/.",
     "The reference is pinned by digest; pullPolicy IfNotPresent then never re-pulls a changed tag.",
 ]
+
+
+def literal(value: str) -> str:
+    """``value`` as the kubelet will hand it to the process from ``command``, ``args`` or an env
+    ``value``: it replaces ``$(NAME)`` with a variable's value and ``$$`` with ``$`` (anything
+    else after a ``$`` is left alone), so doubling every ``$`` is exactly undone by it."""
+    return value.replace("$", "$$")
+
+
+def _env(name: str, value: str) -> dict[str, str]:
+    return {"name": name, "value": literal(value)}
+
+
+def snapshot_path(cache_path: str, digest_hex: str) -> str:
+    """Where a node-cache snapshot of the manifest ``digest_hex`` is inside a pod (not escaped)."""
+    return f"{cache_path.rstrip('/')}/snapshots/{digest_hex}"
 
 
 # The pod UID groups the init container's and the server's events into one start (``modelpack timeline``).
@@ -122,7 +143,7 @@ def _credential_env_and_mounts(
             )
         )
         mounts.append({"name": "registry-credentials", "mountPath": DOCKER_CONFIG_MOUNT, "readOnly": True})
-        env.append({"name": "DOCKER_CONFIG", "value": DOCKER_CONFIG_MOUNT})
+        env.append(_env("DOCKER_CONFIG", DOCKER_CONFIG_MOUNT))
     if policy_secret:
         volumes.append(_secret_volume("trust-policy", policy_secret))
         mounts.append({"name": "trust-policy", "mountPath": POLICY_MOUNT, "readOnly": True})
@@ -153,7 +174,7 @@ def image_volume_pod(
                 {
                     "name": container_name,
                     "image": image,
-                    "env": [{"name": "MODELPACK_MODEL_DIR", "value": mount_path}],
+                    "env": [_env("MODELPACK_MODEL_DIR", mount_path)],
                     "volumeMounts": [{"name": "model", "mountPath": mount_path, "readOnly": True}],
                 }
             ],
@@ -197,7 +218,7 @@ def init_container_pod(
     ref, image_ref = _pinned_image_ref(reference, what="init container")
     assert ref.digest is not None
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
-    snapshot = f"{cache_path.rstrip('/')}/snapshots/{ref.digest.hex}"
+    snapshot = snapshot_path(cache_path, ref.digest.hex)
     pull = _pull_command([image_ref], cache_path, policy_secret, policy_key)
     meta = _pod_metadata(ref, name, namespace)
     return {
@@ -209,8 +230,8 @@ def init_container_pod(
                 {
                     "name": "modelpack-pull",
                     "image": modelpack_image,
-                    "command": ["sh", "-c", pull[0]],
-                    "env": [*env, {"name": "MODELPACK_CACHE", "value": cache_path}, _start_id_env()],
+                    "command": ["sh", "-c", literal(pull[0])],
+                    "env": [*env, _env("MODELPACK_CACHE", cache_path), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
                     "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
                 }
@@ -219,7 +240,7 @@ def init_container_pod(
                 {
                     "name": "server",
                     "image": image,
-                    "env": [{"name": "MODELPACK_MODEL_DIR", "value": snapshot}, _start_id_env()],
+                    "env": [_env("MODELPACK_MODEL_DIR", snapshot), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": True}],
                 }
             ],
@@ -276,8 +297,8 @@ def prewarm_daemonset(
             {
                 "name": "prewarm",
                 "image": modelpack_image,
-                "command": ["sh", "-c", script],
-                "env": [*env, {"name": "MODELPACK_CACHE", "value": cache_path}],
+                "command": ["sh", "-c", literal(script)],
+                "env": [*env, _env("MODELPACK_CACHE", cache_path)],
                 "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
                 "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},

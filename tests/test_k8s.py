@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -92,3 +97,121 @@ def test_cli_emits_yaml_that_loads() -> None:
     assert yaml.safe_load(out.output)["kind"] == "DaemonSet"
     bad = runner.invoke(main, ["k8s", "pod", "--image-volume", "registry.example.com/m:v1"])
     assert bad.exit_code == 2 and "pinned by digest" in bad.output
+
+
+# --------------------------------------------------------------------------- $(VAR) expansion
+def kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """What the kubelet does to ``command``, ``args`` and ``env[].value`` before the container
+    starts (Kubernetes docs, "Define a Command and Arguments" / "Dependent Environment
+    Variables"; the code is k8s.io/kubernetes third_party/forked/golang/expansion): ``$(NAME)``
+    of a variable defined earlier is replaced by its value, an unknown one is left as written,
+    and ``$$`` is an escaped ``$``."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text[i] != "$" or i + 1 == len(text):
+            out.append(text[i])
+            i += 1
+            continue
+        nxt = text[i + 1]
+        if nxt == "$":
+            out.append("$")
+            i += 2
+        elif nxt == "(":
+            end = text.find(")", i + 2)
+            if end < 0:
+                out.append("$(")
+                i += 2
+                continue
+            name = text[i + 2 : end]
+            out.append(env.get(name, f"$({name})"))
+            i = end + 1
+        else:
+            out.append("$" + nxt)
+            i += 2
+    return "".join(out)
+
+
+def kubelet_view(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """The container's environment (each value expanded with the ones before it) and command as
+    the process receives them."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = kubelet_expand(e["value"], env)
+    command = [kubelet_expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
+    return env, command
+
+
+def test_kubelet_expansion_model_follows_the_documented_rules() -> None:
+    env = {"A": "x"}
+    assert kubelet_expand("$(A)/$(B)/$$(A)/$$$(A)/$x/$", env) == "x/$(B)/$(A)/$x/$x/$"
+    assert kubelet_expand("$(A", env) == "$(A"
+
+
+EVIL_CACHE = "/var/cache/$(MODELPACK_CACHE)/$(HOME)/$$(X)/mp$"
+
+
+def _sh_argv(tmp_path: Path, script: str, env: dict[str, str]) -> list[list[str]]:
+    """Run ``sh -c script`` for real with a ``modelpack`` on PATH that records its argv."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    log = tmp_path / "argv.jsonl"
+    fake = bindir / "modelpack"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+    subprocess.run(
+        ["sh", "-c", script.replace("while true", "for _ in 1").replace("sleep", ": sleep")],
+        env={**env, "PATH": f"{bindir}:/usr/bin:/bin", "HOME": "/root"},
+        check=True,
+        timeout=60,
+    )
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_cache_path_reaches_the_init_container_literally(tmp_path: Path) -> None:
+    """Issue 22 item 11: a ``--cache-path`` holding ``$(MODELPACK_CACHE)`` was expanded by the
+    kubelet before ``sh -c`` ran; every generated command, argument and env value is literal."""
+    args = ["init-container", REF, "--cache-path", EVIL_CACHE, "--policy-secret", "trust"]
+    args += ["--policy-key", "p$(HOME).yaml", "--vllm", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpack.cli", "k8s", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    pod = json.loads(proc.stdout)
+    init_env, init_cmd = kubelet_view(pod["spec"]["initContainers"][0])
+    assert init_env["MODELPACK_CACHE"] == EVIL_CACHE
+    assert init_cmd[:2] == ["sh", "-c"]
+    [argv] = _sh_argv(tmp_path, init_cmd[2], init_env)
+    assert argv[argv.index("--cache") + 1] == EVIL_CACHE
+    assert argv[argv.index("--policy") + 1] == "/etc/modelpack/policy/p$(HOME).yaml"
+    server_env, server_cmd = kubelet_view(pod["spec"]["containers"][0])
+    snapshot = f"{EVIL_CACHE}/snapshots/{DIGEST[7:]}"
+    assert server_env["MODELPACK_MODEL_DIR"] == snapshot
+    assert server_cmd[server_cmd.index("--model") + 1] == snapshot
+
+
+def test_prewarm_and_image_volume_commands_are_literal(tmp_path: Path) -> None:
+    ds = k8s.prewarm_daemonset(
+        [REF], node_selector={"gpu": "yes"}, cache_path=EVIL_CACHE, policy_secret="t", policy_key="$(X)"
+    )
+    env, cmd = kubelet_view(ds["spec"]["template"]["spec"]["containers"][0])
+    assert env["MODELPACK_CACHE"] == EVIL_CACHE
+    [argv] = _sh_argv(tmp_path, cmd[2], env)
+    assert argv[argv.index("--cache") + 1] == EVIL_CACHE
+    assert argv[argv.index("--policy") + 1] == "/etc/modelpack/policy/$(X)"
+    from modelpack.serving.k8s_vllm import vllm_server_pod
+
+    mount = "/models/$(MODELPACK_MODEL_DIR)$(HOME)"
+    pod = k8s.image_volume_pod(REF, mount_path=mount)
+    served = vllm_server_pod(pod, model_dir=mount, digest=DIGEST, trust="runtime", extra_args=["--x=$(HOME)"])
+    env, cmd = kubelet_view(served["spec"]["containers"][0])
+    assert env["MODELPACK_MODEL_DIR"] == mount
+    assert cmd[cmd.index("--model") + 1] == mount and cmd[-1] == "--x=$(HOME)"
+    k8s.validate(served)

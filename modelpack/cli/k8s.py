@@ -182,8 +182,8 @@ def k8s_init_container(
         "The serving container reads $MODELPACK_MODEL_DIR (read-only); hostPath caches are shared per node.",
     ]
     if vllm:
-        server_env = obj["spec"]["containers"][0]["env"]
-        snapshot = next(e["value"] for e in server_env if e["name"] == "MODELPACK_MODEL_DIR")
+        digest_hex = obj["metadata"]["annotations"]["modelpack.dev/model-digest"].split(":", 1)[1]
+        snapshot = k8s.snapshot_path(opts["cache_path"], digest_hex)  # not the escaped env value
         obj, notes = _as_vllm(obj, notes, snapshot, obj["metadata"]["annotations"], "snapshot", tp_size)
     _emit(obj, notes, as_json)
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from modelpack.errors import K8sError
+from modelpack.mount.k8s import literal
 from modelpack.serving.vllm_command import vllm_server_args
 
 VLLM_PORT = 8000
@@ -39,6 +40,8 @@ def vllm_server_pod(
 ) -> dict[str, Any]:
     """A copy of ``pod`` whose first container runs vLLM on ``model_dir`` with the pinned weights.
 
+    ``model_dir`` and ``extra_args`` are taken literally (never ``$(VAR)``-expanded by the kubelet).
+
     ``trust="runtime"`` for an image volume (the runtime verified the pinned image), ``snapshot``
     for a node-cache snapshot (the loader verifies the pin and holds the cache's lease).
     """
@@ -53,9 +56,11 @@ def vllm_server_pod(
     extra: dict[str, Any] = {"expected_digest": digest}
     if trust != "snapshot":
         extra["trust"] = trust
-    server["command"] = vllm_server_args(
+    argv = vllm_server_args(
         model_dir, python=python, extra_config=extra, tp_size=tp_size, host="0.0.0.0", port=port
     ) + list(extra_args)
+    # literal: the kubelet would expand $(VAR) in a model path or an extra argument
+    server["command"] = [literal(a) for a in argv]
     env = [
         e for e in server.get("env", []) if e.get("name") not in ("MODELPACK_START_ID", "MODELPACK_EVENTS")
     ]
