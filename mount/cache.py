@@ -97,7 +97,7 @@ class NodeCache:
         self.leases_dir = self.leases.dir
         self.blobs = BlobIngest(self.store, stale_after=stale_after)
         self.trust = TrustRecords(self.store, self.snapshots)
-        self.tags = TagHistory(self.root, owner)
+        self.tags = TagHistory(self.root, owner, locks_dir=self.store.locks_dir)
         self.max_cache_bytes = max_cache_bytes
         self.reserve_bytes = reserve_bytes
         self.stale_after = stale_after

@@ -140,9 +140,10 @@ def tag_key(ref: Reference) -> tuple[str, str] | None:
 class TagHistory:
     """``tag-history/``: per tag, the newest signed version accepted and the ones before it."""
 
-    def __init__(self, cache_root: str, owner: int) -> None:
+    def __init__(self, cache_root: str, owner: int, *, locks_dir: str | None = None) -> None:
         self.owner = owner
         self.dir = os.path.join(cache_root, HISTORY_DIR)
+        self.locks_dir = locks_dir or os.path.join(cache_root, "locks")
 
     def path(self, repository: str, tag: str) -> str:
         name = hashlib.sha256(f"{repository}:{tag}".encode()).hexdigest()[:40]
@@ -275,26 +276,47 @@ class TagHistory:
 
     # ------------------------------------------------------------------ recording
     def accept(self, ref: Reference, digest: str, signed_at: float, *, rollback: bool = False) -> None:
-        """Record ``digest`` as the tag's newest accepted version (after ``check``). Nothing is
-        written when it already is the bar (a hit costs a read, not a write)."""
+        """Record ``digest`` as accepted for the tag (after ``check``), under the tag's lock. The
+        bar only moves forward, unless ``rollback`` (``--allow-rollback``) says otherwise: a
+        concurrent pull that accepted a newer version meanwhile keeps its bar, and this version
+        joins the history. Nothing is written when it already is the bar (a hit costs a read)."""
         key = tag_key(ref)
         if key is None:
             return
+        if self._is_bar(ref, digest, signed_at):
+            return
         self._ensure_dir(rollback)
+        from modelpack.mount.locks import acquire, default_lock_timeout
+
+        path = self.path(*key)
+        lock = acquire(
+            os.path.join(self.locks_dir, "tag-" + os.path.basename(path)[:-5] + ".lock"),
+            timeout=default_lock_timeout(),
+        )
+        try:
+            try:
+                record = self.read(ref)
+            except TagHistoryError:
+                if not rollback:
+                    raise
+                record = None  # --allow-rollback: the untrusted record is replaced
+            version = TagVersion(digest, signed_at, time.time(), rollback)
+            newest = version
+            if record is not None and not rollback and record.newest.signed_at > signed_at:
+                newest = record.newest  # a newer version was accepted while this one was pulled
+            history = [*(record.history if record else ()), version][-MAX_HISTORY:]
+            new = TagRecord(key[0], key[1], newest, tuple(history))
+            self._replace_foreign(path)
+            atomic_write_bytes(path, json.dumps(new.to_json(), sort_keys=True).encode(), mode=FILE_MODE)
+        finally:
+            lock.release()
+
+    def _is_bar(self, ref: Reference, digest: str, signed_at: float) -> bool:
         try:
             record = self.read(ref)
         except TagHistoryError:
-            if not rollback:
-                raise
-            record = None  # --allow-rollback: the untrusted record is replaced
-        if record is not None and record.newest.digest == digest and record.newest.signed_at == signed_at:
-            return
-        version = TagVersion(digest, signed_at, time.time(), rollback)
-        history = [*(record.history if record else ()), version][-MAX_HISTORY:]
-        new = TagRecord(key[0], key[1], version, tuple(history))
-        path = self.path(*key)
-        self._replace_foreign(path)
-        atomic_write_bytes(path, json.dumps(new.to_json(), sort_keys=True).encode(), mode=FILE_MODE)
+            return False
+        return record is not None and record.newest.digest == digest and record.newest.signed_at == signed_at
 
     def _ensure_dir(self, repair: bool) -> None:
         try:

@@ -276,6 +276,7 @@ def test_a_record_forged_by_another_uid_does_not_lower_the_bar(
     assert stat.S_IMODE(os.stat(history.dir).st_mode) == 0o755
     # the directory was left writable (an older version, a careless chmod): nobody rewrites the
     # record so that v1 is the newest, or removes it so that nothing is known
+    os.chmod(cache, 0o755)  # a cache other uids may read (the default root is 0750)
     os.chmod(history.dir, 0o777)
     forged = dict(honest, newest=dict(honest["newest"], digest=published.digests["v1"], signedAt=""))
     out = subprocess.run(
@@ -358,6 +359,17 @@ def test_library_decisions(tmp_path: Path, registry: Any) -> None:
     no = cache.tags.decide(ref, d1, 199.0)
     assert not no.allowed and d1 in no.reason and d2 in no.reason
     assert cache.tags.read(ref.with_digest(d1)) is None
+    # two pulls racing: v1's check passed before v2 was accepted, v1 is recorded after it — the
+    # bar stays at v2 (it only moves forward), v1 joins the history
+    d3 = "sha256:" + "3" * 64
+    cache.tags.accept(ref, d3, 300.0)
+    cache.tags.accept(ref, d1, 250.0)
+    record = cache.tags.read(ref)
+    assert record is not None and record.newest.digest == d3
+    assert [v.digest for v in record.history] == [d2, d3, d1]
+    cache.tags.accept(ref, d1, 250.0, rollback=True)  # --allow-rollback does move it back
+    record = cache.tags.read(ref)
+    assert record is not None and record.newest.digest == d1 and record.newest.rollback
     # another spelling of the same registry is the same tag
     other = parse_reference(registry.ref("rollback/lib", "prod").replace("127.0.0.1", "127.000.000.001"))
     assert not cache.tags.decide(other, d1, 0.0).allowed
