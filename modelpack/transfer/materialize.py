@@ -41,6 +41,7 @@ from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.transfer import destination
+from modelpack.transfer.dest_lock import destination_locked
 from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
 from modelpack.transfer.staging import StagingDir, partial_path, sweep
@@ -297,8 +298,43 @@ def pull_to_directory(
 
     Files already present with the right digest are kept (a second pull downloads nothing); a
     file that differs is a ``DestinationConflictError`` unless ``force``; files the artifact does
-    not contain are listed in ``extra_files`` and removed only with ``delete``.
+    not contain are listed in ``extra_files`` and removed only with ``delete``. One pull at a
+    time per directory (``dest_lock``): a concurrent one waits, so a return means the directory
+    holds exactly this artifact's files.
     """
+    dest = os.path.abspath(dest_dir)
+    _ensure_dest(dest)
+    with destination_locked(dest):
+        return _pull_locked(
+            target,
+            identifier,
+            dest,
+            include=include,
+            exclude=exclude,
+            jobs=jobs,
+            progress=progress,
+            force=force,
+            delete=delete,
+            max_bytes=max_bytes,
+            keep_prefix=keep_prefix,
+        )
+
+
+def _pull_locked(
+    target: ReadableTarget,
+    identifier: str,
+    dest_dir: str,
+    *,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    jobs: int,
+    progress: str,
+    force: bool,
+    delete: bool,
+    max_bytes: int | None,
+    keep_prefix: bool,
+) -> PullResult:
+    """``pull_to_directory`` once the destination is held."""
     start = time.monotonic()
     manifest, digest = fetch_manifest(target, identifier)
     dest = os.path.abspath(dest_dir)
