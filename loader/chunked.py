@@ -21,15 +21,29 @@ from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import WeightFile
 
 
+def needed_chunks(fp: FilePlan, chunk_size: int) -> set[int]:
+    """Indexes of the chunks holding any byte of the plan's (covering) ranges."""
+    needed: set[int] = set()
+    for s, e in fp.extents(covering=True):
+        needed.update(range(s // chunk_size, (e - 1) // chunk_size + 1))
+    return needed
+
+
 def read_chunked(
-    load: LoadEngine, reader: RangeReader, f: WeightFile, fp: FilePlan, ids: list[int]
+    load: LoadEngine,
+    reader: RangeReader,
+    f: WeightFile,
+    fp: FilePlan,
+    ids: list[int],
+    only: set[int] | None = None,
 ) -> Iterator[int]:
+    """Read, verify and copy out the chunks this rank needs (``only``: just those of them)."""
     table = f.chunks
     layer = str(f.descriptor.digest) if f.descriptor else ""
     cs = table.chunk_size
-    needed: set[int] = set()
-    for s, e in fp.extents(covering=True):
-        needed.update(range(s // cs, (e - 1) // cs + 1))
+    needed = needed_chunks(fp, cs)
+    if only is not None:
+        needed &= only
     kept = load.verified.indexes(f.relpath) & needed if load.verified is not None else set()
     if load.verified is not None:
         for idx in load.verified.indexes(f.relpath) - needed:

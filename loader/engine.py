@@ -77,6 +77,7 @@ class LoadEngine:
         self.inflight: collections.deque[tuple[Future[Any], Callable[[Any], None]]] = collections.deque()
         self.prog = Progress(plan.bytes_to_read, "load", progress)
         self.remote = src.remote
+        self.peers: list[ReadPlan] = []  # every rank's plan when the ranks share reads (options.group)
 
     # ------------------------------------------------------------------ setup
     def _needs_ring(self) -> bool:
@@ -88,6 +89,8 @@ class LoadEngine:
             for f in self.src.files:
                 if f.mode == "chunks":
                     slot_bytes = max(slot_bytes, f.chunks.chunk_size)
+            if self.opts.group is not None:
+                slot_bytes += 4096  # room for the status byte a shared block carries after its data
             slots = self.opts.slots or (
                 (self.opts.remote_inflight if self.remote else self.opts.local_workers) + 2
             )
@@ -140,6 +143,10 @@ class LoadEngine:
             # kernels still read it; our copies run on the side stream, so order them after that work
             self.side.wait_stream(torch.cuda.current_stream(self.device))
         return ids
+
+    def received(self, n: int) -> None:
+        """Verified bytes a peer read and broadcast (``LoaderOptions.group``)."""
+        self.stats.bytes_received += n
 
     def adopt(self, t: TensorRead, view: torch.Tensor) -> int:
         """A tensor handed out as it is (a view of a mapped store blob): complete, nothing to read."""
@@ -283,6 +290,7 @@ class LoadEngine:
             stage="t4",
             **fields,
             bytes=self.stats.bytes_read,
+            bytes_received=self.stats.bytes_received,
             bytes_by_split=self.stats.bytes_by_split,
             verification=self.stats.verification,
             duration_ms=round((self.stats.read_done - self.stats.read_start) * 1000, 3),

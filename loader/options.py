@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelpack.loader.fingerprint import Fingerprint
 from modelpack.loader.plan import ReadPlan
@@ -33,6 +34,9 @@ class LoaderOptions:
     # views of the mapped blob (no allocation, no copy), "full" the whole tensors (for an engine
     # that narrows them itself); "off" reads into fresh memory. See mapped.py.
     views: str = "off"
+    # a torch.distributed process group of exactly the TP ranks (group rank = TP rank): the ranks
+    # share chunk-verified reads, each chunk read by one rank and broadcast (shared_read.py)
+    group: Any = None
 
     @property
     def local_workers(self) -> int:
@@ -51,6 +55,7 @@ class LoadStats:
     state: str = ""
     bytes_to_read: int = 0
     bytes_read: int = 0
+    bytes_received: int = 0  # chunk bytes other ranks read and broadcast to this one (options.group)
     mapped_bytes: int = 0  # bytes handed out as views of mapped store blobs (LoaderOptions.views)
     tensors: int = 0
     read_start: float = 0.0

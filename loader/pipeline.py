@@ -32,6 +32,7 @@ from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
+from modelpack.loader.shared_read import check_group, peer_plans
 from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
 
@@ -63,6 +64,8 @@ class PreparedLoad:
     header_bytes: dict[str, bytes] = field(default_factory=dict)
     # chunks verified while reading headers, handed to the data pass so each is fetched once
     verified: VerifiedChunks | None = None
+    # every rank's plan, when the ranks share reads over LoaderOptions.group
+    peers: list[ReadPlan] = field(default_factory=list)
 
     def close(self) -> None:
         if self.verified is not None:
@@ -136,7 +139,14 @@ def prepare(
             rank_layout=rank_layout_digest({t.name: (t.rule.value, t.shape) for t in plan.tensors}),
             device_arch=device_arch(dev),
         )
-        return PreparedLoad(src, headers, plan, fp, readers, header_bytes, verified)
+        peers: list[ReadPlan] = []
+        if opts.group is not None:
+            check_group(opts.group, plan, src)
+            peers = peer_plans(
+                plan,
+                lambda r: ReadPlan.build(headers, tp_size, r, rules, presets=presets, uneven=opts.uneven),
+            )
+        return PreparedLoad(src, headers, plan, fp, readers, header_bytes, verified, peers)
     except BaseException:
         verified.clear()
         for r in readers.values():
@@ -247,6 +257,7 @@ def iter_tensors(
         load.readers = prep.readers
         load.header_bytes = prep.header_bytes
         load.verified = prep.verified
+        load.peers = prep.peers
         load.setup()
         try:
             for idx in run(load):

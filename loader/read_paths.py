@@ -6,7 +6,9 @@
   on CPU, ``trusted.read_trusted_staged`` on CUDA or with ``direct_io``; with
   ``LoaderOptions.views`` on the CPU, a store blob trusted by inode is not read at all but
   mapped, and its tensors are views of it (``mapped.read_mapped``);
-- ``chunks`` (a signed chunk table covers the layer): ``chunked.read_chunked``;
+- ``chunks`` (a signed chunk table covers the layer): ``chunked.read_chunked``; with a process
+  group (``LoaderOptions.group``) the ranks split the reads and broadcast what several need
+  (``shared_read.read_chunked_shared``);
 - ``whole`` (only the manifest's layer digest): ``whole_layer.read_whole_layer``.
 
 Files are loaded in plan order; tensors are yielded as they complete, and the window is drained
@@ -21,6 +23,7 @@ from modelpack.loader.chunked import read_chunked
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.mapped import read_mapped
 from modelpack.loader.readers import FileReader
+from modelpack.loader.shared_read import read_chunked_shared
 from modelpack.loader.trusted import read_trusted_direct, read_trusted_staged
 from modelpack.loader.whole_layer import read_whole_layer
 
@@ -37,6 +40,9 @@ def run(load: LoadEngine) -> Iterator[int]:
             yield from read_trusted_direct(load, reader, load.alloc(fp))
         elif f.mode == "trusted":
             yield from read_trusted_staged(load, reader, load.alloc(fp))
+        elif f.mode == "chunks" and load.peers:
+            peers = [p.files[rel] for p in load.peers]
+            yield from read_chunked_shared(load, reader, f, fp, load.alloc(fp), peers)
         elif f.mode == "chunks":
             yield from read_chunked(load, reader, f, fp, load.alloc(fp))
         else:

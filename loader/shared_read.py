@@ -1,0 +1,221 @@
+"""Each byte read once per node: the ranks of a process group share the chunk-verified reads.
+
+Without a group every tensor-parallel rank reads every chunk its shard touches, so column-split
+(dim-1) and replicated tensors are fetched whole by every rank — TP times per node. With
+``LoaderOptions(group=…)`` (a ``torch.distributed`` process group holding exactly the TP ranks,
+group rank = TP rank) every rank plans every rank's shard from the same headers and the chunks
+of each chunk-verified file are split:
+
+- a chunk that only one rank needs (most of a dim-0 share) is read by that rank alone, as
+  without a group;
+- a chunk that several ranks need (dim-1 and replicated tensors, the boundary chunk of two dim-0
+  shares) has one owner: the shared chunks of a file, in order, are cut into ``group size``
+  contiguous runs, run ``r`` owned by rank ``r``. The owner reads and verifies it and
+  broadcasts it over the group (gloo: host memory; NCCL: the device scratch buffer);
+- the header chunks (every rank verified them to plan) are never exchanged.
+
+So a rank reads its own share plus 1/TP of the shared chunks, and the node reads every needed
+chunk once. Every rank **verifies every chunk it receives** against the signed table before using
+any byte (a peer is not a trust root), so a broken or hostile peer costs a
+``ChunkDigestMismatch``, never a wrong tensor. A read that fails at its owner is broadcast as a
+failure (one status byte after the data), so every rank raises instead of waiting.
+
+Every rank must load the same source with the same plan options: the first collective compares
+a summary of the load (digest, files, their modes and chunk sizes, TP layout) across the group
+and refuses a mismatch on every rank. A rank that stops early (its consumer broke off, or it
+failed outside a shared read) leaves the others waiting in the next broadcast until the group's
+own timeout, as any collective does. Files that are not chunk-verified (trusted snapshot files,
+whole-layer hashing) are read as without a group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from modelpack.loader.blocks import SpanIndex
+from modelpack.loader.chunked import needed_chunks, read_chunked
+from modelpack.loader.engine import LoadEngine
+from modelpack.loader.plan import FilePlan, ReadPlan
+from modelpack.loader.readers import RangeReader
+from modelpack.loader.staging import Slot
+from modelpack.loader.weight_files import ResolvedSource, WeightFile
+
+from modelpack.errors import LoaderError
+
+OK, FAILED = 1, 0
+
+
+def check_group(group: Any, plan: ReadPlan, src: ResolvedSource) -> None:
+    """The group is exactly the TP ranks and every rank loads the same thing (else refuse on all)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise LoaderError("LoaderOptions.group: torch.distributed is not initialized")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != plan.tp_size or rank != plan.tp_rank:
+        raise LoaderError(
+            f"LoaderOptions.group has {size} ranks and this process is rank {rank}; the load is rank "
+            f"{plan.tp_rank} of --tp-size {plan.tp_size}: the group must hold exactly the TP ranks in order"
+        )
+    doc = {
+        "digest": src.digest,
+        "files": sorted(
+            (f.relpath, f.mode, f.chunks.chunk_size if f.mode == "chunks" else 0, f.size) for f in src.files
+        ),
+        "tp": plan.tp_size,
+        "rules": plan.rules_digest,
+        "uneven": plan.uneven,
+    }
+    mine = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    everyone: list[Any] = [None] * size
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) != 1:
+        odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        raise LoaderError(
+            f"LoaderOptions.group: ranks {odd} load a different source or plan than rank 0 "
+            "(digest, files, chunk tables and shard rules must be the same on every rank)"
+        )
+
+
+def header_chunks(fp: FilePlan, chunk_size: int) -> set[int]:
+    """Chunks holding header bytes: every rank verified them already to plan the load."""
+    return set(range(0, max(1, -(-fp.header.data_start // chunk_size))))
+
+
+def chunk_owners(needs: Sequence[set[int]], local: set[int]) -> tuple[dict[int, int], list[int]]:
+    """(owner of every chunk some rank needs, except ``local``; the shared chunks in order).
+
+    A chunk one rank needs is that rank's; the chunks several ranks need are cut, in file order,
+    into ``len(needs)`` contiguous runs of (nearly) equal count, run ``r`` owned by rank ``r``.
+    """
+    users: dict[int, list[int]] = {}
+    for r, chunks in enumerate(needs):
+        for c in chunks - local:
+            users.setdefault(c, []).append(r)
+    owner = {c: rs[0] for c, rs in users.items() if len(rs) == 1}
+    shared = sorted(c for c, rs in users.items() if len(rs) > 1)
+    p = len(needs)
+    for i, c in enumerate(shared):
+        owner[c] = i * p // len(shared)
+    return owner, shared
+
+
+def read_chunked_shared(
+    load: LoadEngine,
+    reader: RangeReader,
+    f: WeightFile,
+    fp: FilePlan,
+    ids: list[int],
+    peers: Sequence[FilePlan],
+) -> Iterator[int]:
+    """This rank's chunks of a chunk-verified file: its own reads, then the group's exchange."""
+    import torch.distributed as dist
+
+    group = load.opts.group
+    me = load.plan.tp_rank
+    table = f.chunks
+    layer = str(f.descriptor.digest) if f.descriptor else ""
+    cs = table.chunk_size
+    local = header_chunks(fp, cs)
+    needs = [needed_chunks(peer, cs) for peer in peers]
+    owner, shared = chunk_owners(needs, local)
+    mine = needs[me]
+    shared_set = set(shared)
+    own_private = {c for c in mine if c in local or (c not in shared_set and owner.get(c) == me)}
+    yield from read_chunked(load, reader, f, fp, ids, only=own_private)
+
+    assert load.ring is not None
+    cap = max(1, (load.ring.slot_bytes - 1) // cs)  # the status byte follows the data
+    blocks: list[list[int]] = []
+    for c in shared:
+        last = blocks[-1] if blocks else None
+        if last and last[-1] == c - 1 and owner[last[-1]] == owner[c] and len(last) < cap:
+            last.append(c)
+        else:
+            blocks.append([c])
+    index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
+    nccl = dist.get_backend(group) == "nccl"
+    for block in blocks:
+        src_rank = owner[block[0]]
+        g0, _ = table.chunk_range(layer, block[0])
+        last0, last_len = table.chunk_range(layer, block[-1])
+        glen = last0 + last_len - g0
+        slot = yield from load.next_slot()
+        failure: list[BaseException] = []
+
+        def task(
+            slot: Slot = slot,
+            block: list[int] = block,
+            g0: int = g0,
+            glen: int = glen,
+            owned: bool = src_rank == me,
+            failure: list[BaseException] = failure,
+        ) -> None:
+            if not owned:
+                return
+            try:
+                reader.read_into(g0, slot.view[:glen])
+                for c in block:
+                    c0, clen = table.chunk_range(layer, c)
+                    table.verify_chunk(layer, c, slot.view[c0 - g0 : c0 - g0 + clen])
+                slot.view[glen] = OK
+            except BaseException as exc:  # broadcast the failure, then raise it (no rank waits forever)
+                failure.append(exc)
+                slot.view[glen] = FAILED
+
+        def done(
+            _: Any,
+            slot: Slot = slot,
+            block: list[int] = block,
+            g0: int = g0,
+            glen: int = glen,
+            src_rank: int = src_rank,
+            failure: list[BaseException] = failure,
+        ) -> None:
+            _exchange(slot, glen + 1, dist.get_global_rank(group, src_rank), group, nccl, src_rank == me)
+            if failure:
+                load.release(slot)
+                raise failure[0]
+            if slot.view[glen] != OK:
+                load.release(slot)
+                raise LoaderError(
+                    f"{load.src.name}/{f.relpath}: rank {src_rank} failed to read chunks "
+                    f"{block[0]}–{block[-1]} it shares with this rank; see its error"
+                )
+            if src_rank != me:
+                for c in block:  # a peer is not a trust root: every received chunk is checked
+                    c0, clen = table.chunk_range(layer, c)
+                    table.verify_chunk(layer, c, slot.view[c0 - g0 : c0 - g0 + clen])
+                load.received(glen)
+            if mine.intersection(block):
+                load.copy_out(slot, g0, g0 + glen, index.candidates(g0, g0 + glen))
+            load.release(slot)
+
+        yield from load.submit(task, done)
+
+
+def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool) -> None:
+    """Broadcast ``slot``'s first ``n`` bytes from global rank ``src`` (NCCL: via the device)."""
+    import torch.distributed as dist
+
+    if not nccl:
+        dist.broadcast(slot.host[:n], src=src, group=group)
+        return
+    assert slot.device is not None
+    dev = slot.device[:n]
+    stream = torch.cuda.current_stream(dev.device)
+    if owned:
+        dev.copy_(slot.host[:n], non_blocking=True)
+    dist.broadcast(dev, src=src, group=group)
+    if not owned:
+        slot.host[:n].copy_(dev, non_blocking=True)
+    stream.synchronize()
+
+
+def peer_plans(plan: ReadPlan, build: Any) -> list[ReadPlan]:
+    """Every rank's plan (``build(rank)``), this rank's being ``plan`` itself."""
+    return [plan if r == plan.tp_rank else build(r) for r in range(plan.tp_size)]

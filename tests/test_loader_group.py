@@ -1,0 +1,133 @@
+"""Each byte once per node (issue 25 item 2): TP ranks in a gloo group share chunk-verified reads.
+
+Real processes: one per rank, a real gloo group over loopback TCP, an OCI layout read by range with
+a chunk table. Every rank checks its tensors against ``safetensors``' own load of the checkpoint
+(sliced like ``torch.chunk``) and reports the bytes its reader fetched and the bytes it received
+from its peers. Goals: per rank ≤ 1/TP of the weight files + 5 % (+ one chunk per tensor and the
+header chunks every rank reads to plan), node total ≤ 1.05 × the files (+ headers per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.loader_helpers import pack_layout
+
+CHUNK = 64 * 1024
+SPEC = SyntheticSpec(
+    hidden=1024, intermediate=2816, layers=2, heads=8, kv_heads=8, vocab=4096, shards=2, seed=3
+)
+
+RANK = r"""
+import hashlib, json, os, sys
+import torch, torch.distributed as dist
+from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
+from modelpack.signing.chunks import ChunkTable
+from modelpack import api
+from modelpack.targets.layout import OCILayoutTarget
+from tests.loader_helpers import expected_shard, reference_tensors
+
+ckpt, layout, digest, table_path, mode = sys.argv[1:6]
+dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD"]))
+rank, world = dist.get_rank(), dist.get_world_size()
+manifest, _ = api.fetch_manifest(OCILayoutTarget(layout), digest)
+table = ChunkTable.from_predicate(json.load(open(table_path)), manifest)
+stats = LoadStats()
+opts = LoaderOptions(group=dist.group.WORLD if mode == "group" else None)
+sd = load_state_dict(f"oci:{layout}@{digest}", tp_size=world, tp_rank=rank, chunk_table=table,
+                     options=opts, stats=stats)
+ref = reference_tensors(ckpt)
+rules = {t.name: t.rule for t in stats.plan.tensors}
+bad = [n for n in ref if n not in sd or not torch.equal(sd[n], expected_shard(ref[n], rules[n], world, rank))]
+print("RESULT " + json.dumps({"rank": rank, "bad": bad, "read": stats.bytes_read, "received": stats.bytes_received,
+                              "tensors": len(ref), "by_split": stats.bytes_by_split}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from modelpack.signing.chunks import compute_chunk_table
+
+    root = tmp_path_factory.mktemp("group")
+    ckpt = root / "ckpt"
+    write_checkpoint(str(ckpt), SPEC)
+    lay = pack_layout(ckpt, root / "layout")
+    table = compute_chunk_table(lay.target, lay.manifest, CHUNK)
+    (root / "table.json").write_text(json.dumps(table.to_predicate()))
+    files = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+    return {
+        "ckpt": ckpt,
+        "layout": lay.path,
+        "digest": lay.digest,
+        "table": root / "table.json",
+        "files": files,
+    }
+
+
+def _run_ranks(model: dict[str, Any], world: int, mode: str) -> list[dict[str, Any]]:
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    root = Path(__file__).resolve().parent.parent
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1")
+        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [mode]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, *args],
+                env=env,
+                cwd=str(root),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-4000:]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    return sorted(results, key=lambda d: d["rank"])
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_ranks_of_a_group_read_each_byte_once_and_equal_safetensors(
+    model: dict[str, Any], world: int
+) -> None:
+    results = _run_ranks(model, world, "group")
+    files = model["files"]
+    headers = 2 * CHUNK  # the header chunk of each of the 2 files, read by every rank to plan
+    for r in results:
+        assert r["bad"] == [], f"rank {r['rank']}: tensors differ from safetensors: {r['bad'][:5]}"
+        slack = r["tensors"] * CHUNK + headers
+        assert r["read"] <= files / world * 1.05 + slack, (r["rank"], r["read"], files / world)
+        assert r["received"] > 0
+    node = sum(r["read"] for r in results)
+    assert node <= files * 1.05 + world * headers, (node, files)
+
+
+def test_without_a_group_each_rank_reads_its_column_split_and_replicated_tensors_whole(
+    model: dict[str, Any],
+) -> None:
+    results = _run_ranks(model, 2, "alone")
+    for r in results:
+        assert r["bad"] == [] and r["received"] == 0
+        dim1 = r["by_split"]["dim1"]
+        assert dim1["read"] >= dim1["tensorBytes"]  # every rank fetched them whole: what the group saves
