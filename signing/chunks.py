@@ -48,7 +48,7 @@ from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget, Target
 
-DEFAULT_CHUNK_SIZE = 16 * 1024 * 1024
+DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024  # fits row-split shares: see docs/loader.md, bytes per rank
 MIN_CHUNK_SIZE = 64 * 1024
 MAX_CHUNK_SIZE = 1024 * 1024 * 1024
 

@@ -84,7 +84,7 @@ def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
     "--no-directory-signature", is_flag=True, help="Do not publish the model_signing directory signature."
 )
 @click.option(
-    "--chunk-size", type=click.IntRange(64 * 1024, 1 << 30), default=16 * 1024 * 1024, show_default=True
+    "--chunk-size", type=click.IntRange(64 * 1024, 1 << 30), default=4 * 1024 * 1024, show_default=True
 )
 @target_options
 @json_option
