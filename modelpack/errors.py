@@ -377,6 +377,11 @@ class CacheError(ModelpackError):
     """A node-cache operation that cannot proceed; the message names the cache, reference or digest."""
 
 
+class EventLogError(ModelpackError):
+    """An event log file that cannot take events: a symlink, another user's file, a read-only or
+    special file, a write that failed. Names the file."""
+
+
 class InsufficientSpaceError(CacheError):
     """Not enough free space on the cache filesystem for the blobs still to download."""
 

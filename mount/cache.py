@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from modelpack.mount.gc import DEFAULT_MIN_AGE_S, GarbageCollector
+from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S, GarbageCollector
 from modelpack.mount.ingest import BlobIngest
 from modelpack.mount.integrity import verify_snapshots
 from modelpack.mount.leases import PullLeases
@@ -103,13 +103,17 @@ class NodeCache:
         self.stale_after = stale_after
         self.events_path = os.path.join(self.root, "events.jsonl")
         if writable:  # created 0644, never through a symlink another uid may have left there
-            os.close(open_private(self.events_path, os.O_WRONLY, owner, FILE_MODE))
+            with contextlib.suppress(OSError):
+                os.close(open_private(self.events_path, os.O_WRONLY, owner, FILE_MODE))
         self.events = self._event_log(events)
 
     def _event_log(self, events: EventLog | str | None) -> EventLog:
+        """The cache's ``events.jsonl`` is best effort (a read-only cache, or a reader of another
+        uid, cannot write it: never a reason to fail a read); ``events`` (``-`` or a file the
+        caller named) is required and checked now."""
         if isinstance(events, EventLog):
             return events
-        return EventLog.from_spec(self.events_path, events)
+        return EventLog.from_spec(self.events_path, events, best_effort=True)
 
     @property
     def gc_lock_path(self) -> str:
@@ -230,8 +234,12 @@ class NodeCache:
     def _collector(self) -> GarbageCollector:
         return GarbageCollector(self.store, self.snapshots, self.refs, self.pins, self.leases, self.events)
 
-    def rm(self, reference: str, *, force: bool = False) -> Digest:
-        return self._collector().rm(reference, self.resolve_local(reference), force=force)
+    def rm(
+        self, reference: str, *, force: bool = False, foreign_lease_s: float = DEFAULT_FOREIGN_LEASE_S
+    ) -> Digest:
+        return self._collector().rm(
+            reference, self.resolve_local(reference), force=force, foreign_lease_s=foreign_lease_s
+        )
 
     def sweep(self) -> list[str]:
         """Remove temp files, dead builders' snapshot dirs and finished partials."""
@@ -244,10 +252,16 @@ class NodeCache:
         max_bytes: int | None = None,
         dry_run: bool = False,
         min_age: float = DEFAULT_MIN_AGE_S,
+        foreign_lease_s: float = DEFAULT_FOREIGN_LEASE_S,
     ) -> GCResult:
         """Evict least-recently-used snapshots: beyond ``keep_versions`` per repository, then until
         the cache is under ``max_bytes``. Never a pinned, in-use, being-pulled or held model, nor
-        one used or published less than ``min_age`` seconds ago."""
+        one used or published less than ``min_age`` seconds ago. A reader lease held only by
+        other uids keeps a snapshot at most ``foreign_lease_s`` past its last use by the owner."""
         return self._collector().gc(
-            keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run, min_age=min_age
+            keep_versions=keep_versions,
+            max_bytes=max_bytes,
+            dry_run=dry_run,
+            min_age=min_age,
+            foreign_lease_s=foreign_lease_s,
         )

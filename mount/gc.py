@@ -1,35 +1,51 @@
 """Removing models from the node cache: ``rm``, LRU garbage collection and crash-leftover sweeps.
 
-Both ``rm`` and GC run under the exclusive ``locks/gc.lock`` (``mount.leases``; the wait for it
-is bounded), so they see every running pull's lease, and never delete a pinned, in-use,
+Both ``rm`` and GC delete under the exclusive ``locks/gc.lock`` (``mount.leases``; the wait for
+it is bounded), so they see every running pull's lease, and never delete a pinned, in-use,
 being-pulled or held model, nor one used or published less than ``min_age`` seconds ago (the
 pull that published it may not have handed it to its reader yet). Deletion order: refs →
 snapshot (marker first, then files) → manifest → blobs no remaining manifest or snapshot needs.
-GC never waits on a reader's lease or on ``index.json``'s lock: what it cannot lock now it skips,
-and the next GC finishes it.
+
+Pulls take the same lock (shared) to register, so GC keeps the time it holds it short: the
+sweep and the scan of every marker, lease and blob (``mount.gc_scan``) run before it is taken;
+under it GC reads the running pulls and holds, chooses victims from what it scanned
+(``mount.gc_plan``, linear) and re-checks only the victims (pin, lease, last use) before each
+deletion. GC never waits on a reader's lease or on ``index.json``'s lock: what it cannot lock
+now it skips, and the next GC finishes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
-from modelpack.mount.assets import version_kind
+from modelpack.mount.gc_plan import EvictionRule, Plan, choose_victims, protect
+from modelpack.mount.gc_scan import (
+    DEFAULT_FOREIGN_LEASE_S,
+    CacheScan,
+    ScannedSnapshot,
+    clamped_last_use,
+    lease_blocks_eviction,
+    manifest_blobs,
+    scan_cache,
+)
 from modelpack.mount.leases import PullLeases
 from modelpack.mount.listing import usage
 from modelpack.mount.refs import Pins, RefRecords
 from modelpack.mount.reports import GCResult, to_ms
-from modelpack.mount.snapshots import SnapshotInfo, Snapshots
+from modelpack.mount.snapshots import Snapshots
 from modelpack.mount.store import Store
 
-from modelpack.errors import CacheError, LockTimeoutError, ModelpackError, SnapshotInUseError
+from modelpack.errors import CacheError, LockTimeoutError, SnapshotInUseError
 from modelpack.events import EventLog
-from modelpack.oci.descriptor import Index, parse_manifest_or_index
 from modelpack.oci.digest import Digest
 
 # a snapshot used or published this recently is not evicted: its pull may still be handing it over
 DEFAULT_MIN_AGE_S = 300.0
+
+__all__ = ["DEFAULT_FOREIGN_LEASE_S", "DEFAULT_MIN_AGE_S", "GarbageCollector"]
 
 
 class GarbageCollector:
@@ -54,19 +70,28 @@ class GarbageCollector:
     def usage(self) -> int:
         return usage(self.store, self.snapshots)
 
-    def rm(self, reference: str, digest: Digest, *, force: bool = False) -> Digest:
-        """Remove one model; refused when pinned or in use unless ``force``."""
+    def rm(
+        self,
+        reference: str,
+        digest: Digest,
+        *,
+        force: bool = False,
+        foreign_lease_s: float = DEFAULT_FOREIGN_LEASE_S,
+    ) -> Digest:
+        """Remove one model; refused when pinned or in use (by the owner's or root's reader, or a
+        foreign one within ``foreign_lease_s``) unless ``force``."""
         d = str(digest)
         with self.leases.gc_exclusive():
             if self.pins.is_pinned(d) and not force:
                 raise CacheError(f"{reference}: {d} is pinned; 'modelpack cache unpin' it first (or --force)")
-            if self.snapshots.in_use(d) and not force:
+            holders = self.snapshots.lease_holders(d)
+            if self._lease_blocks(d, holders, foreign_lease_s) and not force:
                 raise SnapshotInUseError(f"{reference}: {d} is in use by a reader; retry when it is released")
             self.refs.remove_to(d)
-            self.snapshots.remove(d, force=force)
+            self.snapshots.remove(d, force=force or holders is not None)
             self.store.remove_manifest(d)
             self.pins.remove(d)
-            self._delete_unreferenced_blobs(self.leases.active_digests())
+            self._delete_unreferenced_blobs(self.leases.active_digests(), set(self.store.blob_digests()))
         self.events.emit("cache.evict", reference=reference, digest=d, reason="rm")
         return digest
 
@@ -81,116 +106,48 @@ class GarbageCollector:
         max_bytes: int | None = None,
         dry_run: bool = False,
         min_age: float = DEFAULT_MIN_AGE_S,
+        foreign_lease_s: float = DEFAULT_FOREIGN_LEASE_S,
     ) -> GCResult:
         """Evict least-recently-used snapshots: beyond ``keep_versions`` per repository, then until
         the cache is under ``max_bytes``. Never a pinned, in-use, being-pulled or held model, nor
-        one used less than ``min_age`` seconds ago. Deletes refs → snapshots → manifests → blobs
-        no remaining manifest needs. ``dry_run`` deletes nothing and reports what would go."""
+        one used less than ``min_age`` seconds ago; a lease held only by other uids counts for
+        ``foreign_lease_s`` past the last use. ``dry_run`` deletes nothing and reports what
+        would go."""
         res = GCResult()
+        res.swept = [] if dry_run else self.sweep()
+        scan = scan_cache(self.store, self.snapshots, self.pins, rewrite_clock=not dry_run)
+        res.bytes_before = scan.bytes_used(self.store)
         with self.leases.gc_exclusive():
-            res.swept = [] if dry_run else self.sweep()
-            res.bytes_before = self.usage()
             pulling_manifests, pulling = self.leases.active()
             res.kept_pulling = sorted(set(pulling_manifests))
             held = {h.digest for h in self.leases.holds(remove_expired=not dry_run)}
-            now = time.time()
-            infos = sorted(self.snapshots.list_ready(), key=lambda i: i.last_used)  # LRU first
-            protected: set[str] = set()
-            for info in infos:
-                d = str(info.digest)
-                if self.pins.is_pinned(d):
-                    res.kept_pinned.append(d)
-                    protected.add(d)
-                elif self.snapshots.in_use(d):
-                    res.kept_in_use.append(d)
-                    protected.add(d)
-                elif d in pulling:
-                    protected.add(d)
-                elif d in held:
-                    res.kept_held.append(d)
-                    protected.add(d)
-                elif now - info.last_used < min_age:
-                    res.kept_young.append(d)
-                    protected.add(d)
-            evict: list[SnapshotInfo] = []
-            reasons: dict[str, str] = {}
-            if keep_versions is not None:
-                # versions of one kind per repository: a model's runtime assets (compile caches,
-                # mount.assets) never count as versions of the model itself
-                by_repo: dict[tuple[str, str], list[SnapshotInfo]] = {}
-                for info in infos:
-                    key = (
-                        str(info.meta.get("repository", "")),
-                        version_kind(self.store, str(info.digest)),
-                    )
-                    by_repo.setdefault(key, []).append(info)
-                for group in by_repo.values():
-                    newest_first = sorted(group, key=lambda i: -i.last_used)
-                    for info in newest_first[max(0, keep_versions) :]:
-                        if str(info.digest) not in protected:
-                            evict.append(info)
-                            reasons[str(info.digest)] = "keep_versions"
-            if max_bytes is not None:
-                usage_now = res.bytes_before - sum(self._freed_by(evict, infos, pulling))
-                for info in infos:
-                    if usage_now <= max_bytes:
-                        break
-                    d = str(info.digest)
-                    if d in protected or d in reasons:
-                        continue
-                    freed = sum(self._freed_by([*evict, info], infos, pulling)) - sum(
-                        self._freed_by(evict, infos, pulling)
-                    )
-                    evict.append(info)
-                    reasons[d] = "max_bytes"
-                    usage_now -= freed
+            rule = EvictionRule(self.store.owner, pulling, held, time.time(), min_age, foreign_lease_s)
+            protection = protect(scan, rule)
+            res.kept_pinned, res.kept_in_use = protection.pinned, protection.in_use
+            res.kept_held, res.kept_young = protection.held, protection.young
+            plan = choose_victims(
+                scan,
+                protection.all(),
+                pulling,
+                bytes_before=res.bytes_before,
+                keep_versions=keep_versions,
+                max_bytes=max_bytes,
+            )
             if dry_run:
-                res.evicted = [str(i.digest) for i in evict]
-                res.bytes_freed = min(res.bytes_before, sum(self._freed_by(evict, infos, pulling)))
+                res.evicted = [s.digest for s in plan.victims]
+                res.bytes_freed = plan.bytes_freed
                 res.bytes_after = res.bytes_before - res.bytes_freed
                 return res
-            # leftovers of pulls that died after storing their manifest or renaming their snapshot
-            # directory but before the marker: never ready, so never trusted; remove them
-            ready = {str(i.digest) for i in infos}
-            for m in self.store.manifest_digests():
-                if m not in ready and m not in pulling:
-                    self._forget_manifest(m)
-            for entry in list(os.scandir(self.snapshots.dir)):
-                if len(entry.name) == 64 and entry.is_dir(follow_symlinks=False):
-                    d = "sha256:" + entry.name
-                    if d not in ready and d not in pulling:
-                        with contextlib.suppress(SnapshotInUseError):
-                            self.snapshots.remove(d)
-                            res.swept.append(entry.path)
-            evict.sort(key=lambda i: i.last_used)
-            for info in evict:
-                d = str(info.digest)
-                t = time.monotonic()
-                res.refs_removed += self.refs.remove_to(d)
-                try:
-                    self.snapshots.remove(d)
-                except SnapshotInUseError:  # a reader arrived after our check
-                    res.kept_in_use.append(d)
-                    continue
-                self._forget_manifest(d)
-                res.evicted.append(d)
-                self.events.emit(
-                    "cache.evict",
-                    digest=d,
-                    reason=reasons[d],
-                    bytes=info.size,
-                    last_used=info.last_used,
-                    idle_s=round(time.time() - info.last_used, 3),
-                    duration_ms=to_ms(time.monotonic() - t),
-                )
+            res.swept += self._remove_leftovers(scan, pulling)
+            freed = self._evict(plan, rule, res)
             keep = set(pulling)
-            for info in infos:
-                if str(info.digest) not in res.evicted:
-                    keep |= info.blob_digests() | {str(info.digest)}
-            removed, freed = self._delete_unreferenced_blobs(keep)
+            for s in scan.snapshots:
+                if s.digest not in res.evicted:
+                    keep |= s.blobs
+            removed, blob_bytes = self._delete_unreferenced_blobs(keep, set(scan.blob_sizes), scan)
             res.blobs_removed = removed
-            res.bytes_after = self.usage()
-            res.bytes_freed = max(0, res.bytes_before - res.bytes_after)
+        res.bytes_freed = min(res.bytes_before, freed + blob_bytes)
+        res.bytes_after = res.bytes_before - res.bytes_freed
         self.events.emit(
             "cache.gc",
             evicted=len(res.evicted),
@@ -204,49 +161,98 @@ class GarbageCollector:
         )
         return res
 
+    # ------------------------------------------------------------------ under the lock
+    def _remove_leftovers(self, scan: CacheScan, pulling: set[str]) -> list[str]:
+        """Leftovers of pulls that died after storing their manifest or renaming their snapshot
+        directory but before the marker: never ready, so never trusted. A marker written since
+        the scan (a pull that finished meanwhile) makes it not a leftover."""
+        removed = []
+        for m in self.store.manifest_digests():
+            if m not in scan.ready and m not in pulling and not self._marked(m):
+                self._forget_manifest(m)
+        for d in scan.unmarked_dirs:
+            if d not in pulling and not self._marked(d):
+                with contextlib.suppress(SnapshotInUseError):
+                    self.snapshots.remove(d)
+                    removed.append(self.snapshots.path(d))
+        return removed
+
+    def _marked(self, digest: str) -> bool:
+        return os.path.lexists(self.snapshots.marker_path(digest))
+
+    def _evict(self, plan: Plan, rule: EvictionRule, res: GCResult) -> int:
+        """Delete the victims that still may go (re-checked now); returns their extracted bytes."""
+        rule = dataclasses.replace(rule, now=time.time())
+        freed = 0
+        for victim in plan.victims:
+            d = victim.digest
+            t = time.monotonic()
+            now_seen = self._rescan(victim, rule.now)
+            reason = rule.reason(now_seen)
+            if reason is not None:
+                getattr(res, f"kept_{reason}", res.kept_in_use).append(d)
+                continue
+            res.refs_removed += self.refs.remove_to(d)
+            try:
+                # a lease held only by foreign readers past their bound does not stop the removal
+                self.snapshots.remove(d, force=now_seen.holders is not None)
+            except SnapshotInUseError:  # a reader arrived after our check
+                res.kept_in_use.append(d)
+                continue
+            self._forget_manifest(d)
+            res.evicted.append(d)
+            freed += victim.extracted
+            self.events.emit(
+                "cache.evict",
+                digest=d,
+                reason=plan.reasons[d],
+                bytes=victim.info.size,
+                last_used=now_seen.last_used,
+                idle_s=round(time.time() - now_seen.last_used, 3),
+                duration_ms=to_ms(time.monotonic() - t),
+            )
+        return freed
+
+    def _rescan(self, victim: ScannedSnapshot, now: float) -> ScannedSnapshot:
+        """The victim's pin, lease holders and last use as they are now (three small reads)."""
+        d = victim.digest
+        try:
+            last_used = os.stat(self.snapshots.lease_path(d), follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            last_used = victim.last_used
+        return dataclasses.replace(
+            victim,
+            pinned=self.pins.is_pinned(d),
+            holders=self.snapshots.lease_holders(d),
+            last_used=clamped_last_use(self.snapshots, d, last_used, now, rewrite=True),
+        )
+
+    def _lease_blocks(self, digest: str, holders: list[int | None] | None, foreign_lease_s: float) -> bool:
+        now = time.time()
+        info = self.snapshots.ready(digest)
+        last_used = clamped_last_use(
+            self.snapshots, digest, info.last_used if info else 0.0, now, rewrite=True
+        )
+        return lease_blocks_eviction(holders, self.store.owner, last_used, now, foreign_lease_s)
+
     def _forget_manifest(self, digest: str) -> None:
         """Drop a manifest from index.json without waiting for its lock: a held lock means this
         GC leaves the entry (and so its blobs) for the next one."""
         with contextlib.suppress(LockTimeoutError):
             self.store.remove_manifest(digest, timeout=0)
 
-    def _manifest_blobs(self, digest: str) -> set[str]:
-        """Digests a stored manifest keeps alive (itself, config, layers)."""
-        try:
-            raw = self.store.read_small(digest)
-            parsed = parse_manifest_or_index(raw)
-        except (OSError, ModelpackError):
-            return {digest}
-        if isinstance(parsed, Index):
-            return {digest, *(str(m.digest) for m in parsed.manifests)}
-        return {digest, str(parsed.config.digest), *(str(layer.digest) for layer in parsed.layers)}
-
-    def _delete_unreferenced_blobs(self, protected: set[str]) -> tuple[int, int]:
+    def _delete_unreferenced_blobs(
+        self, protected: set[str], candidates: set[str], scan: CacheScan | None = None
+    ) -> tuple[int, int]:
+        """Delete the ``candidates`` that neither ``protected`` nor any manifest in ``index.json``
+        (read now) needs. What a manifest references never changes, so the scan's answers are
+        reused and only manifests stored since are read."""
+        known = scan.manifest_blobs if scan is not None else {}
         live: set[str] = set(protected)
         for m in self.store.manifest_digests():
-            live |= self._manifest_blobs(m)
+            live |= known.get(m) or manifest_blobs(self.store, m)
         removed = freed = 0
-        for d in self.store.blob_digests():
-            if d not in live:
-                freed += self.store.remove_blob(d)
-                removed += 1
+        for d in sorted(candidates - live):
+            freed += self.store.remove_blob(d)
+            removed += 1
         return removed, freed
-
-    def _freed_by(self, evict: list[SnapshotInfo], infos: list[SnapshotInfo], pulling: set[str]) -> list[int]:
-        """Bytes that evicting ``evict`` would free: their extracted files + blobs nobody else uses."""
-        gone = {str(i.digest) for i in evict}
-        keep_blobs: set[str] = set(pulling)
-        for info in infos:
-            if str(info.digest) not in gone:
-                keep_blobs |= info.blob_digests() | {str(info.digest)}
-        sizes: dict[str, int] = {}
-        extracted = 0
-        for info in evict:
-            extracted += sum(f.size for f in info.files if not f.linked)
-            for b in info.blob_digests() | {str(info.digest)}:
-                if b not in keep_blobs and b not in sizes:
-                    try:
-                        sizes[b] = os.stat(self.store.blob_path(b)).st_size
-                    except FileNotFoundError:
-                        sizes[b] = 0
-        return [extracted, *sizes.values()]

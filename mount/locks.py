@@ -9,7 +9,10 @@ proceeds without the lock. That is safe because correctness never rests on the l
 writer ingests into its own temp file, verifies, and publishes with an atomic rename of
 identical content.
 
-No wait is unbounded. Download locks wait only while their holder's heartbeat is fresh; the GC
+No wait is unbounded. Download locks (blobs, manifests) wait only while their holder's heartbeat
+changes: a waiter watches the lock file's mtime on its own monotonic clock, so a holder that
+stops beating is skipped after ``stale_after`` seconds even when its last heartbeat lies in the
+future (the wall clock stepped back) — a wall-clock jump either way cannot stretch a wait. The GC
 gate, ``index.json``'s lock and reader leases wait at most ``lock_timeout`` seconds
 (``$MODELPACK_LOCK_TIMEOUT``, default 120) and then fail with ``LockTimeoutError`` naming the
 lock file and whoever holds it (from ``/proc/locks``: pid, uid and command, which works even for
@@ -118,11 +121,9 @@ class HeldLock:
             self.fd = None
 
 
-def lock_holders(path: str) -> list[str]:
-    """Who holds a flock on ``path`` now, from ``/proc/locks``: ``pid N (uid U, comm) [kind]``.
-
-    Empty when unknown (no procfs, the file is gone, or the holder lives in another pid namespace).
-    """
+def _flock_entries(path: str) -> list[tuple[str, str]]:
+    """``(pid, READ|WRITE)`` of every flock on ``path`` in ``/proc/locks``; a pid is ``0`` when the
+    holder lives in a pid namespace this process cannot see."""
     try:
         st = os.stat(path)
         with open("/proc/locks", encoding="ascii", errors="replace") as f:
@@ -135,14 +136,37 @@ def lock_holders(path: str) -> list[str]:
         parts = line.split()
         if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK" or parts[5] != want:
             continue
-        who = f"pid {parts[4]}"
+        out.append((parts[4], parts[3]))
+    return out
+
+
+def lock_holders(path: str) -> list[str]:
+    """Who holds a flock on ``path`` now, from ``/proc/locks``: ``pid N (uid U, comm) [kind]``.
+
+    Empty when unknown (no procfs, the file is gone, or the holder lives in another pid namespace).
+    """
+    out = []
+    for pid, kind in _flock_entries(path):
+        who = f"pid {pid}"
         with contextlib.suppress(OSError, ValueError):
-            uid = os.stat(f"/proc/{parts[4]}").st_uid
-            with open(f"/proc/{parts[4]}/comm", encoding="utf-8", errors="replace") as c:
+            uid = os.stat(f"/proc/{pid}").st_uid
+            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as c:
                 comm = c.read(64).strip()
             who += f" (uid {uid}, {comm})"
-        out.append(f"{who} [{'exclusive' if parts[3] == 'WRITE' else 'shared'}]")
+        out.append(f"{who} [{'exclusive' if kind == 'WRITE' else 'shared'}]")
     return out
+
+
+def lock_holder_uids(path: str) -> list[int | None]:
+    """The uid of each process holding a flock on ``path`` (None where it cannot be told: a
+    holder in another pid namespace, or one that exited and left the lock to a child)."""
+    uids: list[int | None] = []
+    for pid, _kind in _flock_entries(path):
+        try:
+            uids.append(os.stat(f"/proc/{int(pid)}").st_uid if int(pid) > 0 else None)
+        except (OSError, ValueError):
+            uids.append(None)
+    return uids
 
 
 def _holder_info(path: str) -> str:
@@ -168,6 +192,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+class _HeartbeatWatch:
+    """Tells a hung lock holder from a live one by watching its heartbeat (the lock file's mtime)
+    on this process's monotonic clock, so no wall-clock step can stretch a wait.
+
+    Stale when the mtime is more than ``stale_after`` seconds in the past (a holder that hung
+    before we came), or when it has not changed for ``stale_after`` monotonic seconds while we
+    watched — which also covers an mtime in the future (the clock stepped back after the last
+    heartbeat), where the wall-clock age is negative and would otherwise never grow."""
+
+    def __init__(self) -> None:
+        self.mtime: float | None = None
+        self.changed_at = time.monotonic()
+
+    def stale(self, fd: int, stale_after: float) -> bool:
+        try:
+            mtime = os.fstat(fd).st_mtime
+        except OSError:
+            return False
+        now = time.monotonic()
+        if mtime != self.mtime:
+            self.mtime, self.changed_at = mtime, now
+        age = time.time() - mtime
+        return age > stale_after or now - self.changed_at > stale_after
+
+
 def acquire(
     path: str,
     *,
@@ -177,8 +226,10 @@ def acquire(
 ) -> HeldLock:
     """Take an exclusive ``flock`` on ``path`` (created if missing).
 
-    Waits while the holder's heartbeat is fresh. Returns a non-exclusive ``HeldLock`` (``stale``
-    set) once the heartbeat is older than ``stale_after``: the caller must then work without
+    Waits while the holder's heartbeat is fresh (``_HeartbeatWatch``: older than ``stale_after``,
+    or unchanged for ``stale_after`` seconds of our monotonic clock, is stale — a future mtime
+    included), so even without ``timeout`` the wait ends once the holder stops making progress.
+    Returns a non-exclusive ``HeldLock`` (``stale`` set) then: the caller must work without
     sharing state with the holder. Raises ``LockTimeoutError`` after ``timeout`` seconds.
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -186,6 +237,7 @@ def acquire(
     owner = os.stat(os.path.dirname(path)).st_uid
     fd = open_private(path, os.O_RDWR, owner)
     announced = False
+    heartbeat = _HeartbeatWatch()
     try:
         while True:
             try:
@@ -213,11 +265,7 @@ def acquire(
             if not announced and on_wait is not None:
                 announced = True
                 on_wait(_holder_info(path))
-            try:
-                age = time.time() - os.fstat(fd).st_mtime
-            except OSError:
-                age = 0.0
-            if age > stale_after:
+            if heartbeat.stale(fd, stale_after):
                 os.close(fd)
                 fd = -1
                 return HeldLock(path, None, time.monotonic() - start, stale=True)

@@ -5,11 +5,18 @@ The cache is shared by every process on a node, and other local users may be abl
 pull publishes, so nothing here depends on the process umask (under ``umask 000`` every
 directory would otherwise be world-writable), and anything the cache reads back as a fact — a
 committed blob, a ready marker, a trust or ref record, ``index.json`` — counts only when the
-cache owner (the uid owning the cache root) or root wrote it and nobody else can write it now.
+cache owner or root wrote it and nobody else can write it now.
+
+The cache owner is whoever owns the cache root, and that must be the uid running the command or
+root: a root owned by anyone else is refused (``check_cache_path``), because its owner can rename
+anything inside it and put its own files there — which would then be "the owner's". For the same
+reason every directory above the root must belong to root or to the caller and be unwritable by
+others (or sticky, like ``/tmp``): whoever can rename the root can replace the whole cache.
 
 Modes::
 
-    cache root, blobs/, snapshots/, refs/, pins/   0755  readers of other uids may read models
+    cache root (created)                            0750  readers: the owner and the root's group
+    blobs/, snapshots/, refs/, pins/                0755  whoever may enter the root may read models
     ingest/, locks/, leases/                        0700  the owner's business only
     committed blobs, snapshot files, ready markers  0444  (snapshot directories 0555)
     records (refs, pins, trust, index.json)         0644
@@ -17,7 +24,8 @@ Modes::
     snapshot reader leases                          0644  readers take a shared flock on them
 
 Who may read the cache at all is decided by the cache root's own mode, which the cache never
-widens: create it ``0750`` with a readers' group, or ``0700``, to keep other users out entirely.
+widens: a root it creates is ``0750``; ``chgrp SERVING_GROUP ROOT`` lets a serving group read
+(and lease) models, ``chmod 0755 ROOT`` every local user, ``0700`` nobody else.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import stat
 from modelpack.errors import StoreError
 
 DIR_MODE = 0o755
+ROOT_MODE = 0o750
 PRIVATE_DIR_MODE = 0o700
 READ_ONLY_DIR_MODE = 0o555
 FILE_MODE = 0o644
@@ -41,8 +50,60 @@ _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 
 def cache_owner(root: str) -> int:
-    """The uid the cache trusts besides root: whoever owns the cache root."""
-    return os.stat(root).st_uid
+    """The uid the cache trusts besides root: the owner of the cache root, which must be the
+    caller or root (``StoreError`` otherwise, naming the fix)."""
+    return check_cache_path(root).st_uid
+
+
+def check_cache_path(root: str) -> os.stat_result:
+    """The cache root's stat, after checking that nobody but root and the caller controls it:
+    the root itself belongs to one of them, and so does every directory above it (lexically and
+    after resolving symlinks), none of them writable by others unless sticky."""
+    euid = os.geteuid()
+    st = os.stat(root)  # the root may be a symlink an administrator made (to an NVMe mount)
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"{root}: not a directory; use another --cache")
+    if st.st_uid not in (euid, 0):
+        raise StoreError(
+            f"{root}: the node cache root is owned by uid {st.st_uid}, not by you (uid {euid}) or root; "
+            "its owner could swap in its own files and the cache would trust them. "
+            f"Fix: 'chown -R {euid} {root}' (as root), run as uid {st.st_uid}, or use another --cache"
+        )
+    for parent in _parents(root):
+        pst = os.lstat(parent)
+        if stat.S_ISLNK(pst.st_mode):
+            continue  # its target is checked on the resolved path
+        mode = stat.S_IMODE(pst.st_mode)
+        loose = mode & _WRITABLE_BY_OTHERS and not mode & stat.S_ISVTX
+        if pst.st_uid not in (euid, 0) or loose:
+            why = f"owned by uid {pst.st_uid}" if pst.st_uid not in (euid, 0) else f"mode {mode:04o}"
+            raise StoreError(
+                f"{root}: the directory above it, {parent}, is {why}; whoever controls it can replace "
+                "the whole node cache. Put the cache under directories only root or you control "
+                f"(e.g. /var/cache/modelpack), or 'chown root {parent} && chmod go-w {parent}'"
+            )
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise StoreError(
+            f"{root}: the node cache root is mode {stat.S_IMODE(st.st_mode):04o} (uid {st.st_uid}, "
+            f"gid {st.st_gid}) and you (uid {euid}) may not read it; its owner can let a serving group "
+            f"read it with 'chgrp GROUP {root}' (docs/node.md, 'Sharing the cache with a serving group')"
+        )
+    return st
+
+
+def _parents(root: str) -> list[str]:
+    """Every directory above ``root``: on the path as given and on the path symlinks lead to."""
+    out: list[str] = []
+    for path in (os.path.abspath(root), os.path.realpath(root)):
+        parent = os.path.dirname(path)
+        while True:
+            if parent not in out:
+                out.append(parent)
+            up = os.path.dirname(parent)
+            if up == parent:
+                break
+            parent = up
+    return out
 
 
 def untrusted_reason(st: os.stat_result, owner: int, *, read_only: bool = False) -> str | None:
@@ -70,12 +131,14 @@ def _may_chmod(st: os.stat_result) -> bool:
     return euid == 0 or st.st_uid == euid
 
 
-def make_dirs(path: str, mode: int = DIR_MODE) -> None:
-    """``os.makedirs`` whose missing components get exactly ``mode`` (not ``0777 & ~umask``).
+def make_dirs(path: str, mode: int = DIR_MODE, *, leaf_mode: int | None = None) -> None:
+    """``os.makedirs`` whose missing components get exactly ``mode`` (not ``0777 & ~umask``), the
+    last one ``leaf_mode`` when given.
 
     Existing components are left alone: the parents of the cache root are not the cache's.
     """
     path = os.path.abspath(path)
+    leaf = path
     missing = []
     while not os.path.lexists(path):
         missing.append(path)
@@ -84,11 +147,12 @@ def make_dirs(path: str, mode: int = DIR_MODE) -> None:
             break
         path = parent
     for p in reversed(missing):
+        want = leaf_mode if leaf_mode is not None and p == leaf else mode
         try:
-            os.mkdir(p, mode)
+            os.mkdir(p, want)
         except FileExistsError:
             continue
-        os.chmod(p, mode)
+        os.chmod(p, want)
 
 
 def ensure_dir(path: str, mode: int, owner: int | None) -> None:
@@ -128,13 +192,13 @@ def ensure_dir(path: str, mode: int, owner: int | None) -> None:
 
 
 def ensure_root(root: str) -> int:
-    """Create the cache root (``0755``; missing parents too) or check an existing one; returns
-    the cache owner's uid. An existing root keeps its mode, except that write access for group
-    and others is removed when the process may change it (and refused when it may not)."""
-    make_dirs(root, DIR_MODE)
-    st = os.stat(root)  # the root may be a symlink an administrator made (to an NVMe mount)
-    if not stat.S_ISDIR(st.st_mode):
-        raise StoreError(f"{root}: not a directory; use another --cache")
+    """Create the cache root (``0750``; missing parents ``0755``) or check an existing one;
+    returns the cache owner's uid. The root must be the caller's or root's, and so must every
+    directory above it (``check_cache_path``). An existing root keeps its mode, except that write
+    access for group and others is removed when the process may change it (and refused when it
+    may not)."""
+    make_dirs(root, DIR_MODE, leaf_mode=ROOT_MODE)
+    st = check_cache_path(root)
     mode = stat.S_IMODE(st.st_mode)
     if mode & _WRITABLE_BY_OTHERS:
         if _may_chmod(st):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.mediatypes.annotations import layer_filepath
-from modelpack.mount.locks import flock_bounded, pid_alive, try_exclusive
+from modelpack.mount.locks import flock_bounded, lock_holder_uids, pid_alive, try_exclusive
 from modelpack.mount.modes import (
     DIR_MODE,
     LEASE_FILE_MODE,
@@ -43,6 +43,8 @@ from modelpack.mount.modes import (
     untrusted_reason,
 )
 from modelpack.mount.store import Store
+from modelpack.mount.treewalk import make_read_only
+from modelpack.mount.treewalk import remove_tree as _remove_tree
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import (
@@ -157,12 +159,18 @@ class Snapshots:
         return out
 
     def touch(self, digest: str) -> None:
-        """Record a use (LRU) on the lease file's mtime: one utime, no content write."""
+        """Record a use (LRU) on the lease file's mtime: one utime, no content write. Best effort:
+        a read-only cache, or a reader of another uid, cannot record it, and a read never fails
+        for that (the owner's next use records it)."""
         lease = self.lease_path(digest)
         try:
             os.utime(lease, follow_symlinks=False)
         except FileNotFoundError:
-            os.close(self._open_lease(lease))
+            with contextlib.suppress(OSError):
+                os.close(self._open_lease(lease))
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
 
     def _open_lease(self, lease: str) -> int:
         """The lease file, created ``0644`` (readers of other uids take shared locks on it)."""
@@ -214,6 +222,18 @@ class Snapshots:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+    def lease_holders(self, digest: str) -> list[int | None] | None:
+        """None when no reader holds the lease; else the uid of each holder (None where it cannot
+        be told, e.g. a holder in another pid namespace)."""
+        lease = self.lease_path(digest)
+        fd = try_exclusive(lease)
+        if fd is not None:
+            os.close(fd)
+            return None
+        if not os.path.lexists(lease):
+            return None
+        return lock_holder_uids(lease) or [None]
 
     def in_use(self, digest: str) -> bool:
         fd = try_exclusive(self.lease_path(digest))
@@ -471,25 +491,12 @@ def _safe_join(root: str, rel: str) -> str:
 
 
 def _make_read_only(root: str) -> None:
-    """Exactly 0444 files and 0555 directories below ``root``, whatever the umask made them."""
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != READ_ONLY_FILE_MODE:
-                os.chmod(p, READ_ONLY_FILE_MODE)
-        if dirpath != root:
-            os.chmod(dirpath, READ_ONLY_DIR_MODE)
+    """Exactly 0444 files and 0555 directories below ``root``, whatever the umask made them,
+    never through a symlink (``mount.treewalk``)."""
+    make_read_only(root, file_mode=READ_ONLY_FILE_MODE, dir_mode=READ_ONLY_DIR_MODE)
 
 
 def remove_tree(path: str) -> None:
-    """rmtree that first restores write permission on directories (snapshots are read-only)."""
-    if not os.path.lexists(path):
-        return
-    for dirpath, dirnames, _ in os.walk(path):
-        for d in dirnames:
-            with contextlib.suppress(OSError):
-                os.chmod(os.path.join(dirpath, d), PRIVATE_DIR_MODE)
-    with contextlib.suppress(OSError):
-        os.chmod(path, PRIVATE_DIR_MODE)
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a tree of the cache (snapshots are read-only) without ever following a symlink out
+    of it: a planted ``d -> /some/dir`` is unlinked, ``/some/dir`` untouched (``mount.treewalk``)."""
+    _remove_tree(path)

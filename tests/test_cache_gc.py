@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from modelpack.mount import NodeCache
@@ -106,3 +108,50 @@ def test_gc_removes_orphans_of_a_crashed_pull_but_not_its_partials(tmp_path: Pat
     assert not os.path.exists(res.path) and res.path in out.swept  # never ready: removed
     again = cache.pull(f"oci:{layout}:v0")
     assert again.state == "cold" and all(r.ok for r in cache.verify())
+
+
+# ------------------------------------------------------------------ issue 21 item 7: linear GC
+TINY = {"hidden": 16, "intermediate": 32, "layers": 1, "heads": 2, "kv_heads": 1, "vocab": 32}
+
+
+def _tiny_versions(tmp_path: Path, start: int, n: int) -> str:
+    layout = tmp_path / "tiny"
+    for i in range(start, start + n):
+        ck = tmp_path / f"tiny-ck{i}"
+        write_checkpoint(str(ck), SyntheticSpec(seed=i, **TINY))  # type: ignore[arg-type]
+        api.pack(str(ck), f"oci:{layout}:v{i}")
+    return str(layout)
+
+
+def _gc_stat_calls(cache_root: str, tmp_path: Path) -> int:
+    """stat-family system calls of one real ``cache gc`` process that would evict everything."""
+    out = tmp_path / "strace.txt"
+    modelpack = str(Path(sys.executable).with_name("modelpack"))
+    args = ["cache", "gc", "--cache", cache_root, "--max-bytes", "1", "--min-age", "0", "--dry-run", "--json"]
+    subprocess.run(
+        ["strace", "-f", "-qq", "-c", "-e", "trace=%stat,%lstat,%fstat", "-o", str(out), modelpack, *args],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    total = [line.split() for line in out.read_text().splitlines() if line.strip().endswith("total")]
+    return int(total[0][3])
+
+
+def test_gc_stat_work_grows_linearly_with_the_number_of_snapshots(tmp_path: Path) -> None:
+    """Before: every candidate re-counted every snapshot's blobs (O(n²) stats under the lock)."""
+    cache = NodeCache(str(tmp_path / "cache"))
+    base = _gc_stat_calls(cache.root, tmp_path)  # interpreter start-up and imports
+    small, large = 15, 45
+    layout = _tiny_versions(tmp_path, 0, small)
+    for i in range(small):
+        cache.pull(f"oci:{layout}:v{i}")
+    per_snapshot_small = (_gc_stat_calls(cache.root, tmp_path) - base) / small
+    _tiny_versions(tmp_path, small, large - small)
+    for i in range(small, large):
+        cache.pull(f"oci:{layout}:v{i}")
+    per_snapshot_large = (_gc_stat_calls(cache.root, tmp_path) - base) / large
+    print(f"stat calls per snapshot: {per_snapshot_small:.1f} at {small}, {per_snapshot_large:.1f} at {large}")
+    assert per_snapshot_large <= 1.25 * per_snapshot_small + 2, (per_snapshot_small, per_snapshot_large)
+    res = cache.gc(max_bytes=1, min_age=0)
+    assert len(res.evicted) == large and cache.store.blob_digests() == []

@@ -153,6 +153,7 @@ def test_a_foreign_or_writable_blob_is_never_present(planter: str, shared_root: 
     big = max(manifest_b.layers, key=lambda x: x.size)
     blob = cache.store.blob_path(big.digest)
     if planter == "nobody":
+        os.chmod(cache.root, 0o755)  # open to every local user (a new root is 0750)
         os.chmod(cache.store.blobs_dir, 0o777)
         out = as_nobody(PLANT, blob, str(big.size))
         assert out.stdout.split()[0] == "planted", out
@@ -172,6 +173,7 @@ def test_planted_markers_and_trust_records_are_not_trusted(shared_root: Path, tm
     cache.pull(ref_a)
     digest = str(manifest_a.digest)
     # another uid replaces the marker and trust record while snapshots/ was left writable
+    os.chmod(cache.root, 0o755)  # open to every local user (a new root is 0750)
     os.chmod(cache.snapshots.dir, 0o777)
     marker = cache.snapshots.marker_path(digest)
     doc = json.loads(Path(marker).read_bytes())
@@ -333,6 +335,7 @@ def test_another_uid_holding_a_lease_cannot_stall_readers_and_gc_skips_it(
     root = str(shared_root / "cache")
     cache = NodeCache(root)
     cache.pull(ref_a)
+    os.chmod(root, 0o755)  # open to every local user (a new root is 0750; or chgrp a serving group)
     lease = cache.snapshots.lease_path(manifest_a.digest)
     holder = _holder(lease, uid="nobody")  # readers may lease: the lease file is readable
     try:

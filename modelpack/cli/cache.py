@@ -16,7 +16,7 @@ import click
 
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
-from modelpack.mount.gc import DEFAULT_MIN_AGE_S
+from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S
 
 if TYPE_CHECKING:
     from modelpack.signing.policy import TrustPolicy
@@ -41,8 +41,9 @@ def events_option(fn: Any) -> Any:
         "events",
         default=None,
         metavar="-|FILE",
-        help="Also write the cache's JSON events to stderr (-) or FILE; they always go to "
-        "<cache>/events.jsonl.",
+        help="Also write the cache's JSON events to stderr (-) or FILE (never through a symlink, "
+        "never into another user's file). They go to <cache>/events.jsonl too when it can be "
+        "written; on a read-only cache that is skipped with one line on stderr.",
     )(fn)
 
 
@@ -251,6 +252,14 @@ def cache_unpin(reference: str, cache_dir: str | None) -> None:
     help="Never evict a snapshot used or published less than DURATION ago (its pull may still be "
     "handing it to the process that reads it).",
 )
+@click.option(
+    "--foreign-lease-limit",
+    type=SECONDS,
+    default=f"{DEFAULT_FOREIGN_LEASE_S:g}s",
+    show_default=True,
+    help="A reader lease held only by other users' processes keeps a snapshot at most DURATION "
+    "after the cache owner last used it (the owner's and root's leases count however old).",
+)
 @click.option("--dry-run", is_flag=True, help="Say what would be evicted and freed; delete nothing.")
 @events_option
 @json_option
@@ -260,6 +269,7 @@ def cache_gc(
     keep_versions: int | None,
     max_bytes: int | None,
     min_age: float,
+    foreign_lease_limit: float,
     dry_run: bool,
     events: str | None,
     as_json: bool,
@@ -275,7 +285,11 @@ def cache_gc(
       modelpack cache gc --cache /var/cache/modelpack --keep-versions 0 --min-age 0 --json  # all that may go
     """
     res = open_cache(cache_dir, events).gc(
-        keep_versions=keep_versions, max_bytes=max_bytes, dry_run=dry_run, min_age=min_age
+        keep_versions=keep_versions,
+        max_bytes=max_bytes,
+        dry_run=dry_run,
+        min_age=min_age,
+        foreign_lease_s=foreign_lease_limit,
     )
     if as_json:
         emit_json(res.to_json())
