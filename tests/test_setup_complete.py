@@ -45,3 +45,8 @@ def test_the_vllm_venv_exists_unless_left_out_on_purpose() -> None:
         pytest.skip("MODELPACK_SKIP_VLLM=1: the vLLM tests were left out on purpose")
     stamp = ROOT / ".venv-vllm" / ".modelpack-vllm-installed"
     assert stamp.exists(), f"{stamp} is missing: run .ci/vllm-venv.sh (make test's set-up does)"
+
+
+def test_sigstore_js_is_installed() -> None:
+    package = ROOT / ".node" / "sigstore-js" / "node_modules" / "@sigstore" / "verify" / "package.json"
+    assert package.exists(), f"{package} is missing: run .ci/sigstore-js.sh (make test's set-up does)"
