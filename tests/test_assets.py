@@ -255,7 +255,9 @@ def test_each_fingerprint_field_changed_in_turn_is_refused_and_nothing_is_materi
     for name in names:
         fp = running.replace(**{name: _changed(getattr(running, name))})
         dest = tmp_path / f"dest-{name}"
-        res = pull_asset(world.ref, dest, "inductor", fingerprint=fp, events=EventLog(str(log)))
+        res = pull_asset(
+            world.ref, dest, "inductor", fingerprint=fp, events=EventLog(str(log)), policy=[_pub(world)]
+        )
         assert (res.state, res.fields, res.asset) == ("refused", [name], pushed["asset"]), (name, res.reason)
         assert name in res.reason
         assert not dest.exists() and not _leftovers(tmp_path)
@@ -263,10 +265,17 @@ def test_each_fingerprint_field_changed_in_turn_is_refused_and_nothing_is_materi
     assert [e["fields"] for e in refused] == [[n] for n in names]
     assert all(e["asset_state"] == "refused" and e["asset"] == pushed["asset"] for e in refused)
     # fail closed: an empty field is a mismatch, never a wildcard
-    res = pull_asset(world.ref, tmp_path / "empty", "inductor", fingerprint=running.replace(device_arch=""))
+    res = pull_asset(
+        world.ref,
+        tmp_path / "empty",
+        "inductor",
+        fingerprint=running.replace(device_arch=""),
+        policy=[_pub(world)],
+    )
     assert res.state == "refused" and res.fields == ["device_arch"] and "empty" in res.reason
     # and the unchanged fingerprint is a hit
-    assert pull_asset(world.ref, tmp_path / "same", "inductor", fingerprint=running).state == "hit"
+    same = pull_asset(world.ref, tmp_path / "same", "inductor", fingerprint=running, policy=[_pub(world)])
+    assert same.state == "hit"
 
 
 def test_fingerprint_file_from_elsewhere_and_require_hit_through_the_cli(
@@ -283,7 +292,8 @@ def test_fingerprint_file_from_elsewhere_and_require_hit_through_the_cli(
         "print(json.dumps({'rc': rc, 'torch': any(m.split('.')[0] == 'torch' for m in sys.modules)}))\n"
     )
     dest = tmp_path / "from-file"
-    args = ["assets", "pull", world.ref, str(dest), "--kind", "inductor", "--fingerprint", str(fp_file)]
+    args = ["assets", "pull", world.ref, str(dest), "--kind", "inductor", "--fingerprint", str(fp_file),
+            "--key", world.public_key]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"rc": 0, "torch": False}
@@ -299,6 +309,8 @@ def test_fingerprint_file_from_elsewhere_and_require_hit_through_the_cli(
         "inductor",
         "--fingerprint",
         str(tmp_path / "gpu.json"),
+        "--key",
+        world.public_key,
         "--json",
     )
     doc = json.loads(miss.stdout)
@@ -306,7 +318,7 @@ def test_fingerprint_file_from_elsewhere_and_require_hit_through_the_cli(
     assert doc["fields"] == ["device_kind", "device_arch", "driver_version", "cuda_version"]
     strict = cli(
         "pull", world.ref, str(tmp_path / "gpu"), "--kind", "inductor", "--fingerprint", str(tmp_path / "gpu.json"),
-        "--require-hit", check=False,
+        "--key", world.public_key, "--require-hit", check=False,
     )  # fmt: skip
     assert strict.returncode == 1 and "device_arch" in strict.stderr
     assert not (tmp_path / "gpu").exists()
@@ -327,7 +339,7 @@ def test_a_tampered_asset_blob_is_refused_with_events_and_nothing_materialised(
     try:
         log = tmp_path / "events.jsonl"
         dest = tmp_path / "dest"
-        res = pull_asset(world.ref, dest, "inductor", events=EventLog(str(log)), policy=None)
+        res = pull_asset(world.ref, dest, "inductor", events=EventLog(str(log)), policy=[_pub(world)])
         assert res.state == "refused" and res.reason.startswith("content:"), res.reason
         assert str(stored.layer.digest) in res.reason
         assert not dest.exists() and not _leftovers(tmp_path)
@@ -336,13 +348,13 @@ def test_a_tampered_asset_blob_is_refused_with_events_and_nothing_materialised(
         assert _events(log, "assets.refused")[0]["asset_state"] == "refused"
         # through the node cache: refused there too, and no snapshot is published
         cache = NodeCache(str(tmp_path / "cache"))
-        res = pull_asset(world.ref, dest, "inductor", cache=cache)
+        res = pull_asset(world.ref, dest, "inductor", cache=cache, policy=[_pub(world)])
         assert res.state == "refused" and not dest.exists() and cache.ls() == []
         with pytest.raises(AssetRefused):
-            pull_asset(world.ref, dest, "inductor", require_hit=True)
+            pull_asset(world.ref, dest, "inductor", require_hit=True, policy=[_pub(world)])
     finally:
         data.write_bytes(original)
-    assert pull_asset(world.ref, dest, "inductor").state == "hit"
+    assert pull_asset(world.ref, dest, "inductor", policy=[_pub(world)]).state == "hit"
 
 
 def test_signatures_are_checked_under_the_models_policy(
@@ -387,7 +399,7 @@ def test_a_destination_modelpack_did_not_write_is_never_replaced(world: World, t
     dest.mkdir()
     (dest / "mine.txt").write_text("user data")
     with pytest.raises(AssetError, match="not empty"):
-        pull_asset(world.ref, dest, "inductor")
+        pull_asset(world.ref, dest, "inductor", policy=[_pub(world)])
     assert (dest / "mine.txt").read_text() == "user data"
 
 
@@ -407,7 +419,9 @@ def test_node_cache_keeps_assets_next_to_snapshots_with_the_same_gc_and_leases(
     assert snapshot.parent == Path(cache.snapshot_path(world.ref)).parent  # next to the model's
     a_file = next(p for p in snapshot.rglob("*") if p.is_file())
     rel = a_file.relative_to(snapshot)
-    assert os.path.samefile(a_file, tmp_path / "view-1" / rel)  # a view: hard links, no copy
+    # a view: a copy, never a hard link into the shared snapshot (tests/test_assets_trust.py)
+    assert (tmp_path / "view-1" / rel).read_bytes() == a_file.read_bytes()
+    assert not os.path.samefile(a_file, tmp_path / "view-1" / rel)
     mark = world.registry.log_mark()
     second = pull_asset(world.ref, tmp_path / "view-2", "inductor", cache=cache, policy=[_pub(world)])
     assert second.state == "hit"
@@ -424,7 +438,7 @@ def test_node_cache_keeps_assets_next_to_snapshots_with_the_same_gc_and_leases(
         assert pushed["asset"] in res.kept_in_use and str(world.model.digest) in res.evicted
     res = cache.gc(max_bytes=0, min_age=0)
     assert pushed["asset"] in res.evicted and not snapshot.exists()
-    assert (tmp_path / "view-1" / rel).read_bytes()  # views survive GC: the inodes stay
+    assert (tmp_path / "view-1" / rel).read_bytes()  # views survive GC: they are copies
 
 
 def _pub(world: World) -> Any:

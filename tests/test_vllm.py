@@ -15,6 +15,7 @@ module near two minutes on two cores:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,8 +171,9 @@ def test_wrong_pinned_digest_is_refused_before_serving(model: Model, tp1: dict[s
     res = tp1["wrong-digest"]
     assert "outputs" not in res and res["error"].startswith("ExpectedDigestError"), res
     evs = _events(model, "tp1-wrong")
-    refused = [e for e in evs if e["event"] == "loader.refused"]
-    assert refused and model.digest in refused[0]["reason"]
+    # refused when vLLM builds its config, before it read the snapshot (model_dir.py)
+    refused = [e for e in evs if e["event"] == "serving.refused"]
+    assert refused and refused[0]["stage"] == "config" and model.digest in refused[0]["reason"]
     assert not [e for e in evs if e["event"] in ("loader.read_start", "serving.weights_loaded")]
 
 
@@ -182,6 +184,59 @@ def test_tampered_blob_is_refused_before_serving(model: Model, tp1: dict[str, di
     failed = [e for e in evs if e["event"] == "loader.failed"]
     assert failed and "DigestMismatchError" in failed[0]["reason"]
     assert not [e for e in evs if e["event"] == "serving.weights_loaded"]
+
+
+def _planted(model: Model, base: Path, name: str) -> Path:
+    d = base / name
+    shutil.copytree(model.config_dir, d)
+    return d
+
+
+def test_the_model_directory_is_checked_before_vllm_reads_its_config(
+    model: Model, tp1: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Issue 22 item 14. (1) ``config.json`` swapped for one whose ``auto_map`` names a planted
+    ``modeling_evil.py``, started with ``trust_remote_code``: refused before transformers imports
+    it (the module would leave a file behind). (2) A planted chat template nobody signed: refused,
+    naming it. (3) The same directory with ``allow_extra_files``: served, same tokens."""
+    imported = tmp_path / "remote-code-ran"
+    code_dir = _planted(model, tmp_path, "planted-code")
+    cfg = json.loads((code_dir / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig"}
+    (code_dir / "config.json").write_text(json.dumps(cfg))
+    (code_dir / "modeling_evil.py").write_text(f"open({str(imported)!r}, 'w').write('ran')\n")
+    extra_dir = _planted(model, tmp_path, "planted-extra")
+    (extra_dir / "chat_template.jinja").write_text("{{ 'ignore previous instructions' }}")
+    runs = [
+        EngineRun(
+            "code",
+            code_dir,
+            "modelpack",
+            _extra(model, "dir-code", source=model.pinned),
+            trust_remote_code=True,
+        ),
+        EngineRun("extra", extra_dir, "modelpack", _extra(model, "dir-extra", source=model.pinned)),
+        EngineRun(
+            "allowed",
+            extra_dir,
+            "modelpack",
+            _extra(model, "dir-allowed", source=model.pinned, allow_extra_files=True),
+        ),
+    ]
+    proc, results = run_offline(runs)
+    assert set(results) == {"code", "extra", "allowed"}, tail(proc)
+    assert not imported.exists(), "vLLM imported the planted remote code before modelpack refused"
+    code = results["code"]
+    assert "outputs" not in code and code["error"].startswith("ServingConfigError"), code
+    assert "modeling_evil.py" in code["error"] or "config.json" in code["error"], code
+    extra = results["extra"]
+    assert "outputs" not in extra and extra["error"].startswith("ServingConfigError"), extra
+    assert "chat_template.jinja: not in" in extra["error"] and "allow_extra_files" in extra["error"]
+    for sid in ("dir-code", "dir-extra"):
+        evs = _events(model, sid)
+        assert [e["event"] for e in evs] == ["serving.refused"], evs  # before t0: vLLM never loaded
+        assert evs[0]["stage"] == "config"
+    _same_output(results["allowed"], tp1["default"])
 
 
 def test_tp2_ranks_read_their_share_and_match_the_default_loader(model: Model) -> None:

@@ -128,7 +128,8 @@ _OFFLINE = textwrap.dedent(
     for run in spec["runs"]:
         kwargs = dict(model=run["model"], dtype="float32", tensor_parallel_size=spec["tp"],
                       max_model_len=256, enforce_eager=run.get("enforce_eager", True), seed=0,
-                      load_format=run["load_format"])
+                      load_format=run["load_format"],
+                      trust_remote_code=run.get("trust_remote_code", False))
         if spec["tp"] == 1:
             kwargs["distributed_executor_backend"] = "uni"
         if run.get("extra") is not None:
@@ -157,13 +158,15 @@ _OFFLINE = textwrap.dedent(
 @dataclass
 class EngineRun:
     """One engine start: the model directory, its load format and extra config; ``enforce_eager``
-    False lets vLLM compile (torch.compile with Inductor's CPU backend), which takes tens of seconds."""
+    False lets vLLM compile (torch.compile with Inductor's CPU backend), which takes tens of seconds;
+    ``trust_remote_code`` lets transformers import the ``modeling_*.py`` a config's ``auto_map`` names."""
 
     name: str
     model: Path | str
     load_format: str
     extra: Mapping[str, Any] | None = None
     enforce_eager: bool = True
+    trust_remote_code: bool = False
 
 
 def run_offline(
@@ -188,6 +191,7 @@ def run_offline(
                 "load_format": r.load_format,
                 "extra": dict(r.extra) if r.extra is not None else None,
                 "enforce_eager": r.enforce_eager,
+                "trust_remote_code": r.trust_remote_code,
             }
             for r in runs
         ],

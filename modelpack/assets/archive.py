@@ -16,6 +16,7 @@ import stat
 import tarfile
 import tempfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -24,7 +25,7 @@ from modelpack.assets.kinds import AssetKind
 from modelpack.errors import AssetError, LayerFormatError, UnsafeTarError
 from modelpack.files import TEMP_PREFIX
 from modelpack.oci.digest import HASH_CHUNK, Digest, VerifyingReader
-from modelpack.transfer.untar import extract_tar_layer
+from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
 GZIP_LEVEL = 6
 
@@ -124,14 +125,32 @@ def _write_tar_gz(out: _HashingWriter, entries: list[tuple[str, str, os.stat_res
 
 
 def unpack_layer(
-    stream: BinaryIO, digest: str, size: int, media_type: str, dest_dir: str, *, where: str
+    stream: BinaryIO,
+    digest: str,
+    size: int,
+    media_type: str,
+    dest_dir: str,
+    *,
+    where: str,
+    budget: ExpansionBudget,
+    select: Callable[[str], bool] | None = None,
 ) -> list[tuple[str, int, str]]:
     """Extract a layer blob into the (new, empty) ``dest_dir``, checking its digest as it streams.
+    ``budget`` caps the bytes written (each member charged its declared size before it is
+    opened: ``ExpansionLimitError``); ``select`` sees each file before it is written (a counter).
     Files are only trustworthy once this returns: on any error the caller discards ``dest_dir``."""
     reader = VerifyingReader(stream, digest, size, source=where)
     try:
         try:
-            files = extract_tar_layer(reader, dest_dir, "", media_type=media_type, where=where)  # type: ignore[arg-type]
+            files = extract_tar_layer(
+                reader,  # type: ignore[arg-type]
+                dest_dir,
+                "",
+                media_type=media_type,
+                where=where,
+                budget=budget,
+                select=select,
+            )
         except (LayerFormatError, gzip.BadGzipFile, EOFError, zlib.error, tarfile.TarError) as exc:
             # damaged bytes usually break gzip or tar before the digest is known: finish reading
             # so the refusal names the digest mismatch when that is what it is

@@ -1,18 +1,22 @@
 """Materialising the runtime asset built for exactly this environment, or starting cold.
 
-Order of checks, each a reason to refuse with an event and leave nothing behind: the fingerprint
-must match field for field (a near miss names the differing fields); the asset's signature must
-satisfy the trust policy that governs the model's repository; the layer must hash to its digest
-and unpack safely into a temp directory beside the destination. Only then is that directory
-renamed into place, with a marker naming the asset, in one step. A refusal is not an error: the
-engine compiles from scratch, as it would have without modelpack.
+An asset is code the runtime executes, so it is used only when signed by a key the operator
+trusts: without a policy (or keys) every pull is refused (``allow_unsigned`` is the one, explicit
+opt-out), and under a policy an asset needs a trusted signature even where the rule lets the
+weights go unsigned. Order of checks, each a reason to refuse with an event and leave nothing
+behind: a trust policy is given; the destination is the caller's (``destination.py``); the
+fingerprint must match field for field (a near miss names the differing fields); the asset's
+signature must satisfy the policy; the layer must hash to its digest and unpack safely into a
+temp directory beside the destination, writing no more than the record's size, the free space
+and ``max_bytes``. Only then is that directory renamed into place, with a marker listing every
+file's sha256, in one step. A refusal is not an error: the engine compiles from scratch, as it
+would have without modelpack.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 import tempfile
@@ -22,16 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack.assets import destination
 from modelpack.assets.archive import unpack_layer
+from modelpack.assets.destination import AssetMarker, MarkedFile
 from modelpack.assets.environment import running_fingerprint
 from modelpack.assets.fingerprint import EnvironmentFingerprint, describe
-from modelpack.assets.kinds import MARKER_FILE, get_kind
+from modelpack.assets.kinds import get_kind
 from modelpack.assets.push import FingerprintSource, load_fingerprint
 from modelpack.assets.stored import StoredAsset, list_assets, select
 from modelpack.errors import (
     AssetError,
     AssetRefused,
     DigestMismatchError,
+    LayerFormatError,
     SignatureRefused,
     SizeMismatchError,
     UnsafeTarError,
@@ -46,9 +53,20 @@ from modelpack.signing.policy import RepositoryPolicy
 from modelpack.signing.verify import PolicyOrKeys, resolve_policy, verify_artifact
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
+from modelpack.transfer.untar import ExpansionBudget
 
 STATES = ("hit", "none", "refused")
 START_ID_ENV = "MODELPACK_START_ID"  # one start's id across processes (init container → engine)
+#: signature statuses: the asset verified under the policy; refused by it; no policy given (so no
+#: asset used); unsigned accepted because the caller asked (``allow_unsigned``); "" when no
+#: candidate reached the signature check
+SIGNATURE_VERIFIED, SIGNATURE_REFUSED = "verified", "refused"
+SIGNATURE_NO_POLICY, SIGNATURE_ALLOWED_UNSIGNED = "no policy", "unsigned allowed"
+NO_POLICY_REASON = (
+    "signature: no trust policy or key given, and an asset is code the runtime executes; give the "
+    "policy (or keys) whose signers may ship compile caches, or allow_unsigned / --allow-unsigned "
+    "to accept assets nobody signed"
+)
 
 
 @dataclass
@@ -67,7 +85,7 @@ class AssetPullResult:
     candidates: int = 0
     files: int = 0
     bytes: int = 0
-    signature: str = "not checked"  # verified | unsigned | not checked
+    signature: str = ""  # verified | refused | no policy | unsigned allowed ("": not reached)
     present: bool = False  # the destination already held this asset: nothing was downloaded
     duration_ms: float = 0.0
 
@@ -98,75 +116,103 @@ class AssetPullResult:
         }
 
 
-def read_marker(path: str) -> dict[str, Any] | None:
-    """The marker a pull left in ``path``, or None (absent, or not ours)."""
-    try:
-        with open(os.path.join(path, MARKER_FILE), "rb") as f:
-            doc = json.loads(f.read(64 * 1024))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("asset"), str) else None
-
-
-def _check_destination(dest: str) -> dict[str, Any] | None:
-    """Refuse to overwrite what we did not write: ``dest`` is absent, empty, or an earlier pull's."""
-    if not os.path.lexists(dest):
-        return None
-    if os.path.islink(dest) or not os.path.isdir(dest):
-        raise AssetError(f"{dest}: exists and is not a directory; refusing to replace it")
-    marker = read_marker(dest)
-    if marker is None and os.listdir(dest):
-        raise AssetError(
-            f"{dest}: not empty and not an asset modelpack materialised; pull into a new directory "
-            "(the runtime then reads it through its cache variable)"
-        )
-    return marker
+def read_marker(path: str) -> AssetMarker | None:
+    """The marker a pull left in ``path``, or None (absent, or not one modelpack wrote)."""
+    return destination.read_marker(path)
 
 
 class _Refusal(Exception):
-    def __init__(self, reason: str, signature: str = "not checked") -> None:
+    def __init__(self, reason: str, signature: str = "") -> None:
         super().__init__(reason)
         self.reason = reason
         self.signature = signature
 
 
 def _asset_policy(policy: PolicyOrKeys, model_ref: Reference) -> RepositoryPolicy:
-    """The model repository's rule, for an asset: same keys, same "signature required"; the
-    directory-signature and chunk-table requirements describe weights, not caches."""
+    """The model repository's rule, for an asset: the same keys, and a signature always required
+    (a rule may let weights go unsigned; never code). The directory-signature and chunk-table
+    requirements describe weights, not caches."""
     rp = resolve_policy(policy, model_ref)
-    return dataclasses.replace(rp, require_directory_signature=False, require_chunk_table=False)
+    return dataclasses.replace(
+        rp, require_signature=True, require_directory_signature=False, require_chunk_table=False
+    )
 
 
 def _verify_signature(
     target: ReadableTarget, ref: Reference, asset: StoredAsset, policy: PolicyOrKeys | None, events: EventLog
 ) -> str:
-    if policy is None:
-        return "not checked"
+    if policy is None:  # only reached with allow_unsigned: pull_asset_from refuses otherwise
+        return SIGNATURE_ALLOWED_UNSIGNED
     asset_ref = dataclasses.replace(ref, tag=None, digest=asset.descriptor.digest)
     try:
         res = verify_artifact(target, asset_ref, asset.descriptor, _asset_policy(policy, ref), events=events)
     except SignatureRefused as exc:
-        raise _Refusal(f"signature: {exc.reason}", "refused") from exc
-    return res.status
+        raise _Refusal(f"signature: {exc.reason}", SIGNATURE_REFUSED) from exc
+    return SIGNATURE_VERIFIED if res.status == "verified" else res.status
 
 
-Fill = Callable[[str], tuple[int, int]]
+Fill = Callable[[str], list[tuple[str, int, str]]]
 
 
-def _from_target(target: ReadableTarget, asset: StoredAsset) -> Fill:
-    """Download the layer and unpack it into the temp directory, digest-checked as it streams."""
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still use on ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
-    def fill(tmp: str) -> tuple[int, int]:
+
+def _write_cap(asset: StoredAsset, tmp: str, max_bytes: int | None) -> ExpansionBudget:
+    """The most the asset's files may write: what its record says, within the free space and
+    ``max_bytes``; refuses up front, before any download, when the record itself is larger."""
+    assert asset.record is not None
+    declared = asset.record.size
+    free = free_bytes(tmp)
+    if max_bytes is not None and declared > max_bytes:
+        raise _Refusal(
+            f"content: the record says {declared} bytes unpacked, more than --max-bytes {max_bytes}"
+        )
+    if declared > free:
+        raise _Refusal(
+            f"content: the record says {declared} bytes unpacked; only {free} bytes are free on {tmp}"
+        )
+    return ExpansionBudget(declared, f"the {declared} bytes the asset's record declares")
+
+
+def _file_counter(asset: StoredAsset, where: str) -> Callable[[str], bool]:
+    """A ``select`` for extraction that refuses the file one past the record's count."""
+    assert asset.record is not None
+    limit, seen = asset.record.files, [0]
+
+    def select(rel: str) -> bool:
+        seen[0] += 1
+        if seen[0] > limit:
+            raise UnsafeTarError(f"{where}: more than the {limit} files its record declares ({rel!r})")
+        return True
+
+    return select
+
+
+def _from_target(target: ReadableTarget, asset: StoredAsset, max_bytes: int | None) -> Fill:
+    """Download the layer and unpack it into the temp directory, digest-checked as it streams and
+    capped (bytes and files) by the record before anything is written."""
+
+    def fill(tmp: str) -> list[tuple[str, int, str]]:
         layer = asset.layer
         where = f"{target.name} asset {asset.digest} layer {layer.digest}"
+        budget = _write_cap(asset, tmp, max_bytes)
         try:
             with contextlib.closing(target.fetch_blob(layer)) as stream:
-                files = unpack_layer(
-                    stream, str(layer.digest), layer.size, layer.media_type, tmp, where=where
+                return unpack_layer(
+                    stream,
+                    str(layer.digest),
+                    layer.size,
+                    layer.media_type,
+                    tmp,
+                    where=where,
+                    budget=budget,
+                    select=_file_counter(asset, where),
                 )
-        except (DigestMismatchError, SizeMismatchError, UnsafeTarError) as exc:
+        except (DigestMismatchError, SizeMismatchError, UnsafeTarError, LayerFormatError) as exc:
             raise _Refusal(f"content: {exc}") from exc
-        return len(files), sum(size for _, size, _ in files)
 
     return fill
 
@@ -183,7 +229,7 @@ def _from_cache(
     """Pull the asset into the node cache (one download per node, verified and signature-checked
     there, GC'd with the models), then link a writable view of it into the temp directory."""
 
-    def fill(tmp: str) -> tuple[int, int]:
+    def fill(tmp: str) -> list[tuple[str, int, str]]:
         asset_ref = dataclasses.replace(ref, tag=None, digest=asset.descriptor.digest)
         try:
             res = cache.pull(
@@ -194,55 +240,73 @@ def _from_cache(
                 start_id=f"{start_id}.assets" if start_id else uuid.uuid4().hex[:16],
             )
         except SignatureRefused as exc:
-            raise _Refusal(f"signature: {exc.reason}", "refused") from exc
+            raise _Refusal(f"signature: {exc.reason}", SIGNATURE_REFUSED) from exc
         except (DigestMismatchError, SizeMismatchError, UnsafeTarError) as exc:
             raise _Refusal(f"content: {exc}") from exc
-        outcome["signature"] = res.signature.replace("-", " ")
+        outcome["signature"] = SIGNATURE_VERIFIED if policy is not None else SIGNATURE_ALLOWED_UNSIGNED
         outcome["cache"] = res.state
-        return writable_view(cache.snapshots, str(res.digest), tmp)
+        assert asset.record is not None
+        try:
+            return writable_view(
+                cache.snapshots, str(res.digest), tmp, files=asset.record.files, size=asset.record.size
+            )
+        except (DigestMismatchError, AssetError) as exc:
+            raise _Refusal(f"content: {exc}") from exc
 
     return fill
 
 
-def _materialise(fill: Fill, asset: StoredAsset, dest: str, model: Descriptor) -> tuple[int, int]:
-    """Fill a temp directory beside ``dest``, check it against the record, rename it into place."""
+def _materialise(fill: Fill, asset: StoredAsset, dest: str, model: Descriptor) -> list[MarkedFile]:
+    """Fill a private temp directory beside ``dest``, check it against the record, write the
+    marker (every file's sha256), rename it into place."""
     assert asset.record is not None
     parent = os.path.dirname(dest) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
     try:
-        n, size = fill(tmp)
+        files = [MarkedFile(rel, size, sha) for rel, size, sha in fill(tmp)]
+        n, size = len(files), sum(f.size for f in files)
         if (n, size) != (asset.record.files, asset.record.size):
             raise _Refusal(
                 f"content: {n} files / {size} bytes unpacked, the record says "
                 f"{asset.record.files} / {asset.record.size}"
             )
-        marker = {
-            "asset": asset.digest,
-            "model": str(model.digest),
-            "kind": asset.record.kind,
-            "fingerprintDigest": asset.record.fingerprint.digest,
-            "files": n,
-            "bytes": size,
-        }
-        with open(os.path.join(tmp, MARKER_FILE), "w", encoding="utf-8") as f:
-            json.dump(marker, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        marker = AssetMarker(
+            asset.digest, str(model.digest), asset.record.kind, asset.record.fingerprint.digest, tuple(files)
+        )
+        destination.write_marker(tmp, marker)
         os.chmod(tmp, 0o755)
         fsync_dir(tmp)
-        if read_marker(dest) is not None:  # an earlier asset: swap, then drop the old one
+        now = destination.inspect(dest)  # again: the caller's, or nothing, right before the swap
+        if now.marker is not None:  # an earlier asset: swap, then drop the old one
             old = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
             os.rename(dest, os.path.join(old, "old"))
             os.rename(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)
-        else:
+        elif now.empty:
             os.rename(tmp, dest)  # replaces an empty directory in one step
+        else:
+            raise _not_materialised(dest)
         fsync_dir(parent)
-        return n, size
+        return files
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _not_materialised(dest: str) -> AssetError:
+    return AssetError(
+        f"{dest}: not empty and not an asset modelpack materialised; pull into a new directory "
+        "(the runtime then reads it through its cache variable)"
+    )
+
+
+def _check_destination(dest: str) -> AssetMarker | None:
+    """``dest`` is absent, empty, or an earlier pull's directory, all the caller's; else raises."""
+    now = destination.inspect(dest)
+    if now.exists and not now.empty and now.marker is None:
+        raise _not_materialised(dest)
+    return now.marker
 
 
 def pull_asset_from(
@@ -254,12 +318,15 @@ def pull_asset_from(
     running: EnvironmentFingerprint,
     *,
     policy: PolicyOrKeys | None = None,
+    allow_unsigned: bool = False,
+    max_bytes: int | None = None,
     events: EventLog | None = None,
     start_id: str | None = None,
     require_hit: bool = False,
     cache: NodeCache | None = None,
 ) -> AssetPullResult:
-    """The core of ``pull_asset`` for a model already resolved (the loader integration's entry)."""
+    """The core of ``pull_asset`` for a model already resolved (the loader integration's entry).
+    Without ``policy`` every pull is refused unless ``allow_unsigned``."""
     t0 = time.monotonic()
     events = events or NullEventLog()
     start_id = start_id or os.environ.get(START_ID_ENV) or None
@@ -292,6 +359,9 @@ def pull_asset_from(
             )
         return result
 
+    if policy is None and not allow_unsigned:
+        result.reason, result.signature = NO_POLICY_REASON, SIGNATURE_NO_POLICY
+        return finish("refused", reason=result.reason, signature=result.signature)
     sel = select(list_assets(target, model, kind), running)
     result.candidates = sel.candidates
     for bad in sel.unusable:
@@ -320,20 +390,21 @@ def pull_asset_from(
         result.asset = asset.digest
         outcome: dict[str, str] = {}
         try:
-            if existing is not None and existing.get("asset") == asset.digest:
+            if existing is not None and existing.asset == asset.digest and destination.holds(path, existing):
                 result.signature = _verify_signature(target, ref, asset, policy, events)
                 result.present = True
-                result.files, result.bytes = int(existing.get("files", 0)), int(existing.get("bytes", 0))
+                files = list(existing.files)
             elif cache is None:
                 result.signature = _verify_signature(target, ref, asset, policy, events)
-                result.files, result.bytes = _materialise(_from_target(target, asset), asset, path, model)
+                files = _materialise(_from_target(target, asset, max_bytes), asset, path, model)
             else:
                 fill = _from_cache(cache, target, ref, asset, policy, start_id, outcome)
-                result.files, result.bytes = _materialise(fill, asset, path, model)
+                files = _materialise(fill, asset, path, model)
                 result.signature = outcome.get("signature", result.signature)
+            result.files, result.bytes = len(files), sum(f.size for f in files)
         except _Refusal as exc:
             result.reason = exc.reason
-            result.signature = exc.signature if exc.signature != "not checked" else result.signature
+            result.signature = exc.signature or result.signature
             events.emit("assets.candidate_refused", **common, asset=asset.digest, reason=exc.reason)
             continue
         result.path = path
@@ -362,6 +433,8 @@ def pull_asset(
     dtype: str | None = None,
     quantization: str | None = None,
     policy: PolicyOrKeys | None = None,
+    allow_unsigned: bool = False,
+    max_bytes: int | None = None,
     target_options: TargetOptions | None = None,
     events: EventLog | None = None,
     start_id: str | None = None,
@@ -371,9 +444,11 @@ def pull_asset(
     """Materialise at ``dest`` the ``kind`` asset of ``model_ref`` built for this environment (or the
     one described by ``fingerprint``, e.g. computed on the GPU node by ``modelpack assets
     fingerprint``). Returns state none/hit/refused; raises ``AssetRefused`` instead when
-    ``require_hit``. ``policy``: a TrustPolicy, RepositoryPolicy or trusted keys; None skips
-    signature checks (as ``pull`` without ``--policy``). ``cache``: a node cache (or its root)
-    that keeps the asset next to the node's model snapshots; ``dest`` then gets a writable view."""
+    ``require_hit``. ``policy``: a TrustPolicy, RepositoryPolicy or trusted keys whose signature
+    an asset must carry; None refuses every asset unless ``allow_unsigned`` (then nothing is
+    checked). ``max_bytes`` caps what the asset's files may write (besides its record and the
+    free space). ``cache``: a node cache (or its root) that keeps the asset next to the node's
+    model snapshots; ``dest`` then gets a writable copy."""
     get_kind(kind)
     ref = parse_reference(model_ref) if isinstance(model_ref, str) else model_ref
     _check_destination(os.path.abspath(os.fspath(dest)))  # before any network
@@ -394,6 +469,8 @@ def pull_asset(
         kind,
         running,
         policy=policy,
+        allow_unsigned=allow_unsigned,
+        max_bytes=max_bytes,
         events=events,
         start_id=start_id,
         require_hit=require_hit,

@@ -49,6 +49,8 @@ def fetch_before_compile(
     dtype: str | None = None,
     quantization: str | None = None,
     policy: PolicyOrKeys | None = None,
+    allow_unsigned: bool = False,
+    max_bytes: int | None = None,
     target_options: TargetOptions | None = None,
     events: EventLog | None = None,
     start_id: str | None = None,
@@ -61,8 +63,9 @@ def fetch_before_compile(
     of this rank: no header is read twice), else from the model's headers. On a hit with
     ``apply_environment`` the kind's variable (``TORCHINDUCTOR_CACHE_DIR`` …) is set in this
     process so the compile that follows reads the cache. Never raises for a registry, trust or
-    fingerprint problem: those come back as state ``refused``. With ``cache`` (a node cache or its
-    root) the asset is kept next to the node's model snapshots and ``dest`` is a writable view.
+    fingerprint problem: those come back as state ``refused``; without ``policy`` every asset is
+    refused (an asset is code) unless ``allow_unsigned``. With ``cache`` (a node cache or its
+    root) the asset is kept next to the node's model snapshots and ``dest`` is a writable copy.
     """
     events = events or NullEventLog()
     start_id = start_id or os.environ.get(START_ID_ENV) or None
@@ -106,6 +109,8 @@ def fetch_before_compile(
             kind,
             running,
             policy=policy,
+            allow_unsigned=allow_unsigned,
+            max_bytes=max_bytes,
             events=events,
             start_id=start_id,
             cache=NodeCache(cache) if isinstance(cache, str) else cache,

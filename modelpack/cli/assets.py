@@ -12,6 +12,7 @@ import click
 
 from modelpack.assets.kinds import kind_names
 from modelpack.cli.options import (
+    SIZE,
     build_target_options,
     emit_json,
     handle_errors,
@@ -155,6 +156,18 @@ def push_cmd(
 @click.option("--key", "keys", multiple=True, help="Trusted public key (PEM file or env:VAR); repeatable.")
 @click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
 @click.option(
+    "--allow-unsigned",
+    is_flag=True,
+    help="Use an asset nobody signed (an asset is code the runtime runs; without --policy/--key "
+    "the pull is refused unless this is given).",
+)
+@click.option(
+    "--max-bytes",
+    type=SIZE,
+    default=None,
+    help="Write at most SIZE into DEST (besides the asset's recorded size and the free space).",
+)
+@click.option(
     "--cache",
     "cache_dir",
     metavar="DIR",
@@ -177,6 +190,8 @@ def pull_cmd(
     quantization: str | None,
     keys: tuple[str, ...],
     policy: str | None,
+    allow_unsigned: bool,
+    max_bytes: int | None,
     cache_dir: str | None,
     events_spec: str | None,
     start_id: str | None,
@@ -187,19 +202,28 @@ def pull_cmd(
     """Materialise at DEST the KIND asset of MODEL_REF built for exactly this environment.
 
     The running fingerprint (or --fingerprint FILE) must match a stored asset field for field;
-    the asset must satisfy the trust policy of the model's repository (--policy/--key) and hash
-    to its digest; then it appears at DEST in one rename. A near miss or a failed check is
-    refused with an event naming the reason and nothing is written: the engine compiles cold.
+    the asset must be signed by a key the trust policy of the model's repository trusts
+    (--policy/--key; required: an asset is code, and --allow-unsigned is the only way around it)
+    and hash to its digest; then it appears at DEST in one rename. A near miss or a failed check
+    is refused with an event naming the reason and nothing is written: the engine compiles cold.
     Prints DEST on a hit; exit 0 either way (1 with --require-hit unless hit).
 
     \b
     Example (CPU replica):
-      modelpack assets pull localhost:5000/models/llama:v1 /tmp/ind --kind inductor --json
+      modelpack assets pull localhost:5000/models/llama:v1 /tmp/ind --kind inductor \\
+          --policy /etc/modelpack/policy.yaml --json
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind python serve.py
     """
     from modelpack.assets import pull_asset
 
     pol = trust_policy_from(keys, policy)
+    if pol is None and not allow_unsigned:
+        raise click.UsageError(
+            "an asset is code the runtime executes: give --policy or --key (whose signers may ship "
+            "compile caches), or --allow-unsigned to use an asset nobody signed"
+        )
+    if pol is not None and allow_unsigned:
+        raise click.UsageError("--allow-unsigned applies without --policy/--key; give one or the other")
     result = pull_asset(
         model_ref,
         dest,
@@ -210,6 +234,8 @@ def pull_cmd(
         dtype=dtype,
         quantization=quantization,
         policy=pol,
+        allow_unsigned=allow_unsigned,
+        max_bytes=max_bytes,
         target_options=build_target_options(kwargs),
         events=_events(events_spec),
         start_id=start_id,

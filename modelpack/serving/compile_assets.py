@@ -14,11 +14,16 @@ landed (``load_model`` has returned; vLLM compiles in the warm-up / profile run 
    ``inductor_cache/`` vLLM points Inductor at) and ``<hash>/rank_<i>_<j>/`` (piecewise graphs).
    vLLM's own hash over its config, environment and code still picks the entry inside, so a
    config the fingerprint does not name (max_model_len, compile sizes) misses and compiles;
-3. a miss or a refusal never fails the start: the event names why (and the differing fields),
+3. the asset must be signed by a key the operator trusts: ``assets.policy`` /
+   ``assets.trusted_keys``, else the weights' ``policy``, else their ``trusted_keys``; with none
+   of them every asset is refused (state ``refused``) unless ``assets.allow_unsigned``;
+4. a miss or a refusal never fails the start: the event names why (and the differing fields),
    an earlier materialised asset that no longer matches is removed, and vLLM compiles cold. A
    directory vLLM filled itself (a restart on a node with a persistent cache root) is used as
-   it is and never replaced: state ``none`` with ``local_cache: true``;
-4. the first forward pass of the model (where vLLM compiles, then runs one warm-up step) is
+   it is and never replaced: state ``none`` with ``local_cache: true``. The one exception fails
+   the start (``ServingError``): a compile-cache directory another user could have written
+   (``modelpack.assets.destination``) — vLLM would load code from it whatever modelpack did;
+5. the first forward pass of the model (where vLLM compiles, then runs one warm-up step) is
    timed as t6 with the asset state (``assets.compile_start`` / ``assets.compile_done``).
 
 Kept free of vLLM imports: ``vllm_loader.py`` passes in what vLLM decided (cache root, dtype,
@@ -37,10 +42,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modelpack.assets import destination
 from modelpack.assets.environment import fingerprint_from_plan
-from modelpack.assets.pull import read_marker
 from modelpack.assets.startup import compile_stage, fetch_before_compile
-from modelpack.errors import ModelpackError
+from modelpack.errors import AssetError, ModelpackError, ServingError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -71,7 +76,7 @@ def compile_cache_dir(cache_root: str) -> str:
 @contextlib.contextmanager
 def _node_lock(path: str, timeout: float = LOCK_WAIT_SECONDS) -> Iterator[None]:
     """One rank of the node fetches; the others wait, then find the asset in place."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -93,7 +98,8 @@ def _node_lock(path: str, timeout: float = LOCK_WAIT_SECONDS) -> Iterator[None]:
 
 
 def _policy(rank: RankLoad) -> Any:
-    """The asset's trust: its own policy/keys, else the model's policy, else the model's keys."""
+    """The asset's trust: its own policy/keys, else the model's policy, else the model's keys;
+    None when there is none (then every asset is refused unless ``assets.allow_unsigned``)."""
     from modelpack.signing.keys import load_public_key
     from modelpack.signing.policy import TrustPolicy
 
@@ -118,7 +124,8 @@ def fetch_compile_cache(
     quantization: str | None,
 ) -> CompileCache:
     """Materialise this load's ``vllm`` asset where vLLM reads its compile cache (see the module
-    docstring). Never raises for a registry, trust, fingerprint or file-system problem."""
+    docstring). Never raises for a registry, trust, fingerprint or file-system problem; raises
+    ``ServingError`` when the compile-cache directory is one another user could have written."""
     from modelpack.targets.opener import TargetOptions
 
     s = rank.settings
@@ -163,9 +170,15 @@ def fetch_compile_cache(
         policy = _policy(rank)
     except (ModelpackError, OSError, ValueError) as exc:
         return refused(f"{type(exc).__name__}: {exc}")
+    foreign: AssetError | None = None
     try:
         with _node_lock(os.path.join(cache_root, LOCK_FILE)):
-            if os.path.isdir(dest) and os.listdir(dest) and read_marker(dest) is None:
+            try:
+                here = destination.inspect(dest)
+            except AssetError as exc:
+                foreign = exc
+                raise
+            if not here.empty and here.marker is None:
                 reason = (
                     f"{dest} already holds vLLM's own compile cache (compiled on this node); used as it is"
                 )
@@ -177,16 +190,24 @@ def fetch_compile_cache(
                 kind,
                 fingerprint=running,
                 policy=policy,
+                allow_unsigned=s.assets.allow_unsigned,
                 target_options=TargetOptions(plain_http=s.plain_http, ca_file=s.ca_file),
                 events=events,
                 start_id=start_id,
                 apply_environment=False,
             )
-            if res.state != "hit" and read_marker(dest) is not None:
+            if res.state != "hit" and destination.read_marker(dest) is not None:
                 # an asset an earlier start materialised, no longer this load's: compile cold
                 shutil.rmtree(dest)
     except (ModelpackError, OSError) as exc:
-        return refused(f"{type(exc).__name__}: {exc}")
+        if foreign is None:
+            return refused(f"{type(exc).__name__}: {exc}")
+    if foreign is not None:
+        refused(f"{type(foreign).__name__}: {foreign}")
+        raise ServingError(
+            f"{dest}: vLLM would load compiled code from this directory, and another user could "
+            f"have written it ({foreign}); use a VLLM_CACHE_ROOT only this user can write"
+        ) from foreign
     return CompileCache(res.state, dest, res.reason, res.asset, fp_file)
 
 

@@ -15,6 +15,8 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``start_id``          groups this start's events (default: ``$MODELPACK_START_ID``)
 ``shard_rules``       ``{regex: replicate|dim0|dim1}`` tried before the vLLM-derived rules
 ``plain_http``, ``ca_file``   registry connection settings (loopback registries need neither)
+``allow_extra_files`` ``true``: ``--model`` may hold files the pinned artifact does not list
+                      (default false: such a file refuses the start before vLLM reads its config)
 ``trust``             ``snapshot`` (default) or ``runtime``: ``--model`` is an image volume whose
                       digest the container runtime verified (pinned in the pod spec); the loader
                       then reads it as a plain directory and records the pin only in its events
@@ -23,7 +25,8 @@ loading something else. Keys (all optional except that the weights must be pinne
                       asset referrers live; default ``source``, required when the weights come
                       from ``--model``; pinned to the weights' digest when it names none),
                       ``policy`` / ``trusted_keys`` (who must have signed an asset; default the
-                      model's ``policy``, else its ``trusted_keys``, else signatures unchecked).
+                      model's ``policy``, else its ``trusted_keys``; with none of them every
+                      asset is refused — an asset is code — unless ``allow_unsigned: true``).
                       Before vLLM compiles, each rank fetches the asset matching this load's
                       fingerprint into ``$VLLM_CACHE_ROOT/torch_compile_cache``; a miss or a
                       refusal never fails the start (vLLM compiles cold)
@@ -41,9 +44,11 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 
 _STR_KEYS = ("source", "expected_digest", "policy", "fingerprint", "events", "start_id", "ca_file", "trust")
-KNOWN_KEYS = frozenset({*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http", "assets"})
+KNOWN_KEYS = frozenset(
+    {*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http", "assets", "allow_extra_files"}
+)
 TRUST_MODES = ("snapshot", "runtime")
-ASSET_KEYS = frozenset({"kind", "ref", "policy", "trusted_keys"})
+ASSET_KEYS = frozenset({"kind", "ref", "policy", "trusted_keys", "allow_unsigned"})
 #: Asset kinds an engine start can fetch: the cache vLLM itself reads before it compiles.
 ENGINE_ASSET_KINDS = ("vllm",)
 
@@ -57,6 +62,7 @@ class AssetSettings:
     ref: str | None = None
     policy: str | None = None
     trusted_keys: tuple[str, ...] | None = None
+    allow_unsigned: bool = False  # use an asset nobody signed (no policy or keys at all)
 
 
 def _key_list(value: Any, what: str) -> list[str]:
@@ -93,12 +99,15 @@ def _asset_settings(doc: Any, source: str | None) -> AssetSettings:
             f"{where}.ref is required when the weights come from --model: the registry reference "
             "whose referrers hold the model's assets (host/repo@sha256:…)"
         )
+    if not isinstance(doc.get("allow_unsigned", False), bool):
+        raise ServingConfigError(f"{where}.allow_unsigned must be true or false")
     keys = doc.get("trusted_keys")
     return AssetSettings(
         kind=kind,
         ref=ref,
         policy=doc.get("policy") or None,
         trusted_keys=tuple(_key_list(keys, "assets.trusted_keys")) if keys is not None else None,
+        allow_unsigned=bool(doc.get("allow_unsigned", False)),
     )
 
 
@@ -118,6 +127,7 @@ class ServingSettings:
     ca_file: str | None = None
     trust: str = "snapshot"
     assets: AssetSettings | None = None
+    allow_extra_files: bool = False
 
     @property
     def pinned_digest(self) -> str | None:
@@ -152,8 +162,9 @@ class ServingSettings:
             raise ServingConfigError(
                 "--model-loader-extra-config: shard_rules must map regexes to replicate, dim0 or dim1"
             )
-        if not isinstance(doc.get("plain_http", False), bool):
-            raise ServingConfigError("--model-loader-extra-config: plain_http must be true or false")
+        for flag in ("plain_http", "allow_extra_files"):
+            if not isinstance(doc.get(flag, False), bool):
+                raise ServingConfigError(f"--model-loader-extra-config: {flag} must be true or false")
         trust = doc.get("trust", "snapshot")
         if trust not in TRUST_MODES:
             raise ServingConfigError(f"--model-loader-extra-config: trust must be one of {TRUST_MODES}")
@@ -197,6 +208,7 @@ class ServingSettings:
             ca_file=doc.get("ca_file") or None,
             trust=trust,
             assets=assets,
+            allow_extra_files=bool(doc.get("allow_extra_files", False)),
         )
 
     @property
