@@ -96,7 +96,13 @@ class PullLeases:
         registered raises ``FileNotFoundError`` instead of being held."""
         until = time.time() + seconds
         path = os.path.join(self.dir, f"{HOLD_PREFIX}{uuid.uuid4().hex}.json")
-        doc = {"digest": str(Digest(digest)), "until": until, "reference": reference, "pid": os.getpid()}
+        doc = {
+            "digest": str(Digest(digest)),
+            "until": until,
+            "seconds": seconds,
+            "reference": reference,
+            "pid": os.getpid(),
+        }
         with self._gate_shared():
             if still_there is not None and not still_there():
                 raise FileNotFoundError(digest)
@@ -127,7 +133,7 @@ class PullLeases:
         for entry in list(os.scandir(self.dir)):
             if not entry.name.startswith(HOLD_PREFIX):
                 continue
-            hold = self._read_hold(entry.path)
+            hold = self._read_hold(entry.path, now, rewrite=remove_expired)
             if hold is not None and hold.until > now:
                 out.append(hold)
             elif remove_expired:
@@ -135,15 +141,35 @@ class PullLeases:
                     os.unlink(entry.path)
         return out
 
-    def _read_hold(self, path: str) -> Hold | None:
+    def _read_hold(self, path: str, now: float, *, rewrite: bool) -> Hold | None:
+        """A hold as the cache wrote it. One whose deadline lies further ahead than its own length
+        (the clock stepped back after it was made) is cut to its length from now, and with
+        ``rewrite`` recorded so: a hold never lasts longer than it was asked for."""
         try:
             raw = read_trusted(path, self.owner, MAX_LEASE_BYTES)
             if raw is None:
                 return None
             doc = loads_object(raw, what=path, max_bytes=MAX_LEASE_BYTES)
-            return Hold(path, str(Digest(str(doc["digest"]))), float(doc["until"]))
+            hold = Hold(path, str(Digest(str(doc["digest"]))), float(doc["until"]))
+            seconds = float(doc.get("seconds", 0) or 0)
         except (OSError, DocumentError, ValueError, KeyError, TypeError):
             return None
+        if seconds > 0 and hold.until - now > seconds + 1.0:
+            hold.until = now + seconds
+            if rewrite:
+                with contextlib.suppress(OSError):
+                    self._rewrite_hold(path, {**doc, "until": hold.until})
+        return hold
+
+    def _rewrite_hold(self, path: str, doc: dict[str, object]) -> None:
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = open_private(tmp, os.O_WRONLY, self.owner)
+        try:
+            os.write(fd, json.dumps(doc, sort_keys=True).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
     def active(self) -> tuple[list[str], set[str]]:
         """(manifest digests being pulled, every digest they need) from live pull leases."""

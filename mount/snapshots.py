@@ -360,6 +360,8 @@ class Snapshots:
         os.unlink(meta_tmp)
         meta["created"] = time.time()
         _make_read_only(tmp)
+        # the directory's own mode is set through this fd after the rename: never through a path
+        tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for _ in range(50):
                 info = self.ready(digest)
@@ -380,8 +382,7 @@ class Snapshots:
                         os.rename(final, aside)
                         remove_tree(aside)
                     continue
-                with contextlib.suppress(FileNotFoundError):
-                    os.chmod(final, READ_ONLY_DIR_MODE)
+                os.fchmod(tmp_fd, READ_ONLY_DIR_MODE)
                 fsync_dir(self.dir)
                 self.touch(digest)
                 atomic_write_bytes(
@@ -395,6 +396,7 @@ class Snapshots:
                 time.sleep(0.01)  # a racer moved our directory aside; its own publish follows
             raise SnapshotError(f"{final}: could not publish (persistent concurrent replacement)")
         finally:
+            os.close(tmp_fd)
             if os.path.lexists(tmp):
                 remove_tree(tmp)
 
@@ -445,8 +447,9 @@ class Snapshots:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
+            age = _age(entry.path, st.st_mtime, now)
             if not stat.S_ISDIR(st.st_mode):
-                if now - st.st_mtime < temp_ttl:
+                if age < temp_ttl:
                     continue  # possibly another process's marker, being written right now
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
@@ -456,7 +459,7 @@ class Snapshots:
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
             if pid is not None and (pid == os.getpid() or pid_alive(pid)):
                 continue
-            if pid is None and now - st.st_mtime < temp_ttl:
+            if pid is None and age < temp_ttl:
                 continue  # not one of our build names: only when clearly abandoned
             remove_tree(entry.path)
             if not os.path.lexists(entry.path):
@@ -478,6 +481,16 @@ class Snapshots:
                 if fd is not None:
                     os.close(fd)
         return removed
+
+
+def _age(path: str, mtime: float, now: float) -> float:
+    """Seconds since ``mtime``; an mtime in the future (the clock stepped back) is reset to now,
+    so the entry ages from this sweep on instead of never reaching a TTL."""
+    if mtime <= now + 1.0:
+        return now - mtime
+    with contextlib.suppress(OSError):
+        os.utime(path, (now, now), follow_symlinks=False)
+    return 0.0
 
 
 def _safe_join(root: str, rel: str) -> str:

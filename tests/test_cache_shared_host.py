@@ -359,6 +359,7 @@ def test_a_read_only_cache_serves_hits_and_verifies_without_its_event_log(shared
     res = _read_only(
         cache_root,
         ["pull", pinned, "--cache", str(cache_root)],
+        ["pull", ref, "--cache", str(cache_root)],  # a tag: resolved again, nothing to record
         ["cache", "verify", "--no-repair", "--cache", str(cache_root)],
         ["cache", "ls", "--cache", str(cache_root)],
     )
@@ -459,3 +460,26 @@ def test_a_lease_mtime_in_the_future_does_not_make_a_snapshot_unevictable(shared
     time.sleep(2.2)
     res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "2s", "--json")
     assert json.loads(res.stdout)["evicted"] == [str(manifest.digest)], res.stdout
+
+
+def test_a_hold_and_a_temp_file_from_before_a_clock_step_do_not_last_forever(shared: Path) -> None:
+    ref, manifest = pack(shared, "a", 1)
+    cache = NodeCache(str(shared / "cache"))
+    res = cache.pull(ref, hold=2)
+    # the clock stepped back a year after the hold was made: its deadline is a year ahead
+    doc = json.loads(Path(res.hold_path).read_text())
+    doc["until"] = time.time() + 365 * 86400
+    Path(res.hold_path).write_text(json.dumps(doc))
+    first = cache.gc(max_bytes=1, min_age=0)
+    assert first.kept_held == [str(manifest.digest)]  # still within the 2 s it was asked for
+    time.sleep(2.2)
+    second = cache.gc(max_bytes=1, min_age=0)
+    assert second.evicted == [str(manifest.digest)], "a hold outlived its length by a clock step"
+    # a temp file whose mtime lies in the future ages from the first sweep that sees it
+    temp = shared / "cache" / "snapshots" / f"{TEMP_PREFIX}marker-xyz"
+    temp.write_text("{}")
+    future = time.time() + 365 * 86400
+    os.utime(temp, (future, future))
+    assert cache.snapshots.sweep(temp_ttl=1) == [] and temp.exists()
+    time.sleep(1.2)
+    assert cache.snapshots.sweep(temp_ttl=1) == [str(temp)]
