@@ -7,12 +7,15 @@ imported inside the function that turns the flags into library objects.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -187,13 +190,38 @@ def report_failure(exc: BaseException) -> NoReturn:
 PASS_THROUGH = (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit)
 
 
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP (a CI timeout, a pod stopped, a terminal closed) end a command like Ctrl-C
+    does: a ``TransferInterrupted`` (exit 128 + signal) is raised in the main thread, so every
+    ``finally`` on the way out runs, transfers stop within one chunk and temp files and staging
+    directories are removed before the process exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from modelpack.errors import TransferInterrupted
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=128 + signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def handle_errors(fn: F) -> F:
-    """Map every failure to a one-line message and a meaningful exit code (no traceback)."""
+    """Map every failure to a one-line message and a meaningful exit code (no traceback); a
+    SIGTERM or SIGHUP cleans up like Ctrl-C (``signals_interrupt``)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with signals_interrupt():
+                return fn(*args, **kwargs)
         except PASS_THROUGH:
             raise
         except BaseException as exc:

@@ -8,11 +8,7 @@ cache, the transfer API, signing) when it runs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
-import threading
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -26,6 +22,7 @@ from modelpack.cli.options import (
     jobs_option,
     json_option,
     progress_option,
+    signals_interrupt,
     target_options,
     trust_policy_from,
 )
@@ -165,27 +162,6 @@ def _hold_option(fn: Any) -> Any:
         help="With --cache: keep the snapshot from 'cache gc' for DURATION after the pull (e.g. 10m), "
         "so the process it is handed to finds it; that process's own lease protects it from then on.",
     )(fn)
-
-
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP (a pod stopped, a terminal closed) end the pull like Ctrl-C does: the
-    transfers stop within one chunk and remove their temp files before the process exits."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    from modelpack.errors import TransferInterrupted
-
-    def interrupt(signum: int, _frame: Any) -> None:
-        name = signal.Signals(signum).name
-        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=128 + signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def report_pull(result: PullResult) -> None:

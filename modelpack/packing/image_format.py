@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -45,6 +43,7 @@ from modelpack.packing.file_metadata import source_date_epoch
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.packer import build_artifact
 from modelpack.packing.reshard import staging_write_error
+from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 
 MAX_LAYERS = 100
 COMPRESSIONS = (None, "zstd")
@@ -64,9 +63,8 @@ class ImageArtifact(PackedArtifact):
 
     def cleanup(self) -> None:
         super().cleanup()
-        if self.base_staging:  # re-sharded files written by build_artifact
-            shutil.rmtree(self.base_staging, ignore_errors=True)
-            self.base_staging = None
+        remove_staging_dir(self.base_staging)  # re-sharded files written by build_artifact
+        self.base_staging = None
 
 
 def _tarinfo(
@@ -239,7 +237,7 @@ def build_image_artifact(
         raise PackError(f"--platform must be OS/ARCH (e.g. linux/amd64), got {platform!r}")
     base = build_artifact(checkpoint_dir, opts, staging_parent=staging_parent)
     mtime = opts.mtime if opts and opts.mtime is not None else source_date_epoch()
-    staging = tempfile.mkdtemp(prefix=".modelpack-image-", dir=staging_parent)
+    staging = make_staging_dir("image", staging_parent)
     try:
         layers: list[Descriptor] = []
         tars: list[PackedFile] = []
@@ -286,7 +284,7 @@ def build_image_artifact(
         )
         return art
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging_dir(staging)
         base.cleanup()
         raise
 

@@ -9,7 +9,6 @@ image-shaped variant all build one.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -20,6 +19,7 @@ from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.packing.file_metadata import file_identity, source_date_epoch
+from modelpack.packing.staging_area import remove_staging_dir
 from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
 
 
@@ -164,9 +164,8 @@ class PackedArtifact:
         return []
 
     def cleanup(self) -> None:
-        if self.staging_dir:
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
-            self.staging_dir = None
+        remove_staging_dir(self.staging_dir)
+        self.staging_dir = None
 
 
 __all__ = ["PackOptions", "PackedArtifact", "PackedFile"]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 from modelpack.errors import PackError, SafetensorsError
@@ -23,6 +21,7 @@ from modelpack.packing.model_config import describe_model, format_param_size, re
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.reshard import reshard
 from modelpack.packing.safetensors_format import SafetensorsHeader, read_header
+from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 from modelpack.progress import Progress
 
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -42,10 +41,11 @@ def build_artifact(
         if opts.max_file_size < 1024 * 1024:
             raise PackError("--max-file-size must be at least 1 MiB")
         if any(h.file_size > opts.max_file_size for h in headers.values()):
-            staging = tempfile.mkdtemp(prefix=".modelpack-reshard-", dir=staging_parent)
-            files = reshard(files, headers, opts.max_file_size, staging)
-            headers, checked = _read_headers(files)
+            staging = make_staging_dir("reshard", staging_parent)
     try:
+        if staging is not None:
+            files = reshard(files, headers, opts.max_file_size or 0, staging)
+            headers, checked = _read_headers(files)
         kinds: list[tuple[str, str, str, bool]] = []
         for rel, full in files:
             kind, untested = classify(rel, opts.other_files)
@@ -85,8 +85,7 @@ def build_artifact(
         spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
         return PackedArtifact(manifest, spec, config_bytes, packed, staging_dir=staging, name=f"dir:{root}")
     except BaseException:
-        if staging:
-            shutil.rmtree(staging, ignore_errors=True)
+        remove_staging_dir(staging)
         raise
 
 

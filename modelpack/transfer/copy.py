@@ -12,6 +12,7 @@ others: none queued after it starts, and those in flight stop within one chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ def blob_source_for(
         if bar is None and cancel is None:
             return source
         inner = source.opener
-        return BlobSource(desc, lambda off: wrap(inner(off)), source.local_path, source.verified)
+        return dataclasses.replace(source, opener=lambda off: wrap(inner(off)))  # keeps its recheck
     return BlobSource(desc, lambda off: wrap(src.fetch_blob(desc, off)))
 
 
