@@ -410,6 +410,14 @@ class K8sError(ModelpackError):
     """A Kubernetes object cannot be generated from the given inputs."""
 
 
+class StorageInitializerError(ModelpackError):
+    """KServe's storage initializer was started with argv pairs or settings it cannot use (an odd
+    argument count, a setting that does not parse, a policy or docker config named but not
+    mounted); names the argument or environment variable."""
+
+    exit_code = 2
+
+
 # --- Loader ------------------------------------------------------------------------------------
 
 

@@ -82,6 +82,10 @@ COMMANDS = {
         "Sign an artifact that is already stored: manifest signature, directory signature and chunk "
         "table, each a referrer bound to the manifest digest (tags are not changed).",
     ),
+    "storage-initializer": LazyCommand(
+        "modelpack.cli.kserve:storage_initializer_cmd",
+        "Put each SRC_URI's verified files at DEST, as KServe's storage initializer (ClusterStorageContainer).",
+    ),
     "tag": LazyCommand(
         "modelpack.cli.transfer:tag_cmd", "Point NEW_TAG (same repository) at the manifest REFERENCE names."
     ),
