@@ -208,6 +208,8 @@ def test_model_dir_holds_nothing_the_artifact_does_not_list(
     (d / "tokenizer_extra.json").symlink_to("/etc/hostname")
     with pytest.raises(ServingConfigError, match="a symlink"):
         check_model_dir(str(d), manifest, where=where, allow_extra=True)
+    with pytest.raises(ServingConfigError, match="cannot be read"):
+        check_model_dir(str(tmp_path / "absent"), manifest, where=where)  # e.g. a hub id, not a dir
     with pytest.raises(ServingConfigError, match="allow_extra_files must be true or false"):
         ServingSettings.from_extra_config({"expected_digest": DIGEST, "allow_extra_files": "yes"})
 

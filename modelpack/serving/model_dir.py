@@ -71,8 +71,16 @@ def _walk(model_dir: str) -> list[str]:
     while stack:
         rel_dir = stack.pop()
         directory = os.path.join(model_dir, rel_dir) if rel_dir else model_dir
-        with os.scandir(directory) as it:
-            entries = sorted(it, key=lambda e: e.name)
+        if not rel_dir and os.path.islink(directory):
+            directory = os.path.realpath(directory)  # --model itself may be a link; nothing inside
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            raise ServingConfigError(
+                f"{directory}: cannot be read ({exc.strerror or exc}); --model of the 'modelpack' "
+                "load format is a local directory"
+            ) from exc
         for entry in entries:
             seen += 1
             if seen > MAX_WALKED_ENTRIES:
