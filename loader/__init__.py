@@ -24,6 +24,7 @@ from modelpack.loader.pipeline import (
     prepare,
 )
 from modelpack.loader.plan import DEFAULT_RULES, ReadPlan, ShardRule
+from modelpack.loader.request import LoadFields, LoadRequest
 
 from modelpack.errors import (
     ExpectedDigestError,
@@ -46,6 +47,8 @@ __all__ = [
     "Fingerprint",
     "FingerprintFileError",
     "FingerprintMismatchError",
+    "LoadFields",
+    "LoadRequest",
     "LoadStats",
     "LoaderError",
     "LoaderOptions",

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from modelpack.loader.dtypes import torch_dtype
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.fingerprint import (
     Fingerprint,
-    FingerprintLike,
     check_fingerprint,
     device_arch,
     rank_layout_digest,
@@ -32,6 +31,7 @@ from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
+from modelpack.loader.request import EventsLike, LoadFields, LoadRequest
 from modelpack.loader.shared_read import check_group, peer_plans
 from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
@@ -39,8 +39,6 @@ from modelpack.loader.weight_files import ResolvedSource
 from modelpack.errors import LoaderError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.packing.safetensors_format import SafetensorsHeader
-
-EventsLike = EventLog | str | None
 
 
 def _event_log(events: EventsLike) -> EventLog:
@@ -157,54 +155,43 @@ def prepare(
 
 def iter_tensors(
     source: Any,
-    device: str | torch.device = "cpu",
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    rules: RulesLike = None,
-    *,
-    expected_digest: str | None = None,
-    fingerprint: FingerprintLike | None = None,
-    trusted_keys: Sequence[Any] | None = None,
-    chunk_table: Any = None,
-    progress: str = "off",
-    events: EventsLike = None,
-    start_id: str | None = None,
-    state: str | None = None,
-    presets: bool = True,
-    target_options: Any = None,
-    allow_unverified: bool = False,
-    options: LoaderOptions | None = None,
-    stats: LoadStats | None = None,
-    out: Mapping[str, torch.Tensor] | None = None,
-    on_plan: Callable[[ReadPlan], None] | None = None,
+    request: LoadRequest | str | torch.device | None = None,
+    /,
+    **fields: Unpack[LoadFields],
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` for this rank's shard of every tensor, as each one lands.
 
     ``source``: a snapshot directory, ``(NodeCache, ref)``, ``(ReadableTarget, ref)`` or a reference
-    string. A remote reference must be pinned (``expected_digest`` or ``@sha256:…``). If the load
-    fails the iterator raises; tensors already yielded must then be discarded by the caller
-    (``load_state_dict`` and ``load_into`` do that for you). ``out`` maps names to caller-owned
-    destinations to fill in place (no allocation; on failure their content is undefined).
+    string. A remote reference must be pinned (``expected_digest`` or ``@sha256:…``). What to load
+    and how: a ``LoadRequest`` and/or its fields as keywords (``request.py``); the second
+    positional argument may be a device instead. If the load fails the iterator raises; tensors
+    already yielded must then be discarded by the caller (``load_state_dict`` and ``load_into`` do
+    that for you). ``out`` maps names to caller-owned destinations to fill in place (no
+    allocation; on failure their content is undefined).
     """
+    req = LoadRequest.of(request, fields)
+    device: str | torch.device = req.device if req.device is not None else "cpu"
+    tp_size, tp_rank, expected_digest, state = req.tp_size, req.tp_rank, req.expected_digest, req.state
+    options, stats, out, on_plan, fingerprint = req.options, req.stats, req.out, req.on_plan, req.fingerprint
     opts = options or LoaderOptions()
     st = stats if stats is not None else LoadStats()
     # one start = one id across the node cache's and the loader's events (the k8s recipes set
     # MODELPACK_START_ID to the pod UID in both containers)
-    st.start_id = start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex
-    log = _event_log(events)
+    st.start_id = req.start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex
+    log = _event_log(req.events)
     try:
         prep = prepare(
             source,
             device=device,
             tp_size=tp_size,
             tp_rank=tp_rank,
-            rules=rules,
-            presets=presets,
+            rules=req.rules,
+            presets=req.presets,
             expected_digest=expected_digest,
-            trusted_keys=trusted_keys,
-            chunk_table=chunk_table,
-            target_options=target_options,
-            allow_unverified=allow_unverified,
+            trusted_keys=req.trusted_keys,
+            chunk_table=req.chunk_table,
+            target_options=req.target_options,
+            allow_unverified=req.allow_unverified,
             options=opts,
         )
     except BaseException as exc:
@@ -224,14 +211,14 @@ def iter_tensors(
     st.plan = prep.plan
     st.bytes_to_read = prep.plan.bytes_to_read
     st.verification = {f.relpath: f.verification or f.mode for f in prep.source.files}
-    for event, fields in prep.source.notices:
+    for event, notice in prep.source.notices:
         log.emit(
             event,
             start_id=st.start_id,
             state=st.state,
             reference=prep.source.name,
             digest=prep.source.digest,
-            **fields,
+            **notice,
         )
     if st.state == "streamed":
         # no node cache said "version confirmed" for this start: the pinned manifest (and its
@@ -253,7 +240,7 @@ def iter_tensors(
             check_fingerprint(fingerprint, prep.fingerprint)
         if on_plan is not None:
             on_plan(prep.plan)
-        load = LoadEngine(prep.source, prep.plan, dev, opts, st, log, out, progress)
+        load = LoadEngine(prep.source, prep.plan, dev, opts, st, log, out, req.progress)
         load.readers = prep.readers
         load.header_bytes = prep.header_bytes
         load.verified = prep.verified
@@ -287,12 +274,15 @@ def iter_tensors(
 
 
 def load_state_dict(
-    source: Any, device: str | torch.device = "cpu", **kwargs: Any
+    source: Any,
+    request: LoadRequest | str | torch.device | None = None,
+    /,
+    **fields: Unpack[LoadFields],
 ) -> dict[str, torch.Tensor]:
     """All of this rank's tensors, or an exception and nothing: the dict exists only on success."""
     result: dict[str, torch.Tensor] = {}
     try:
-        for name, tensor in iter_tensors(source, device, **kwargs):
+        for name, tensor in iter_tensors(source, LoadRequest.of(request, fields)):
             result[name] = tensor
     except BaseException:
         result.clear()
@@ -303,33 +293,37 @@ def load_state_dict(
 def load_into(
     module: torch.nn.Module,
     source: Any,
-    device: str | torch.device | None = None,
+    request: LoadRequest | str | torch.device | None = None,
+    /,
     *,
     strict: bool = True,
-    **kwargs: Any,
+    **fields: Unpack[LoadFields],
 ) -> LoadStats:
     """Load this rank's weights into ``module``: fresh tensors first, one swap at the end.
 
     Shapes and dtypes are checked against the module before any data is read, so a mismatch
     refuses the load without touching the module; a failure while reading leaves it untouched.
+    The device defaults to the module's.
     """
+    req = LoadRequest.of(request, fields)
+    device = req.device
     if device is None:
         try:
             device = next(module.parameters()).device
         except StopIteration:
             device = "cpu"
-    stats: LoadStats = kwargs.pop("stats", None) or LoadStats()
+    stats = req.stats or LoadStats()
     expected = module.state_dict()
+    caller_on_plan = req.on_plan
+
+    def on_plan(plan: ReadPlan) -> None:
+        _check_against_module(plan, expected, strict)
+        if caller_on_plan is not None:
+            caller_on_plan(plan)
+
     tensors: dict[str, torch.Tensor] = {}
-    it = iter_tensors(
-        source,
-        device,
-        stats=stats,
-        on_plan=lambda plan: _check_against_module(plan, expected, strict),
-        **kwargs,
-    )
     try:
-        for name, tensor in it:
+        for name, tensor in iter_tensors(source, req.replace(device=device, stats=stats, on_plan=on_plan)):
             tensors[name] = tensor
     except BaseException:
         tensors.clear()
@@ -384,6 +378,8 @@ def emit_check(
 
 __all__ = [
     "EventsLike",
+    "LoadFields",
+    "LoadRequest",
     "PreparedLoad",
     "emit_check",
     "iter_tensors",

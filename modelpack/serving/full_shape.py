@@ -24,11 +24,11 @@ unread parts of a large allocation are untouched pages).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from modelpack.loader import ReadPlan, ShardRule, iter_tensors
+from modelpack.loader import LoadFields, LoadRequest, ReadPlan, ShardRule, iter_tensors
 from modelpack.loader.dtypes import torch_dtype
 from modelpack.loader.plan import TensorRead, shard_bounds
 
@@ -74,16 +74,18 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
 
 
 def iter_full_shape(
-    source: Any, *, tp_size: int, tp_rank: int, **kwargs: Any
+    source: Any, request: LoadRequest | None = None, /, **fields: Unpack[LoadFields]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``iter_tensors`` for rank ``tp_rank``, yielding checkpoint-shaped CPU tensors.
+    """``iter_tensors`` for the request's rank, yielding checkpoint-shaped CPU tensors.
 
-    Only the rank's slice of each sharded tensor holds data; ``kwargs`` go to ``iter_tensors``
-    (``rules``, ``presets``, ``expected_digest``, ``events``, ``stats``, …). A caller ``on_plan``
-    runs after the destinations learned the plan.
+    Only the rank's slice of each sharded tensor holds data. The request (or its fields as
+    keywords) says what to load, as for ``iter_tensors``; ``out`` and the device are this
+    function's own, and a caller ``on_plan`` runs after the destinations learned the plan.
     """
+    req = LoadRequest.of(request, fields)
+    tp_size, tp_rank = req.tp_size, req.tp_rank
     dests = RowSliceDestinations()
-    caller_on_plan = kwargs.pop("on_plan", None)
+    caller_on_plan = req.on_plan
     reads: dict[str, TensorRead] = {}
     uneven = ["refuse"]
 
@@ -94,7 +96,7 @@ def iter_full_shape(
         if caller_on_plan is not None:
             caller_on_plan(plan)
 
-    it = iter_tensors(source, "cpu", tp_size=tp_size, tp_rank=tp_rank, out=dests, on_plan=on_plan, **kwargs)
+    it = iter_tensors(source, req.replace(device="cpu", out=dests, on_plan=on_plan))
     try:
         for name, shard in it:
             full = dests.take(name)

@@ -22,7 +22,7 @@ import torch
 
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.loader import LoaderOptions, LoadStats, ReadPlan
+from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
 from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
@@ -46,6 +46,8 @@ class RankLoad:
     rules_reason: str
     stats: LoadStats = field(default_factory=LoadStats)
     plan: ReadPlan | None = None
+    # the engine's TP process group (vLLM's gloo cpu_group): ranks share chunk-verified reads
+    group: Any = None
     _keys: list[Any] = field(default_factory=list)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,8 +57,7 @@ class RankLoad:
             self.plan = plan
 
         s = self.settings
-        yield from iter_full_shape(
-            self.source,
+        request = LoadRequest(
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             rules=self.rules,
@@ -70,9 +71,11 @@ class RankLoad:
             state=self.state,
             stats=self.stats,
             on_plan=on_plan,
-            # store blobs trusted by inode go to vLLM as views of the mapped file (one copy: vLLM's)
-            options=LoaderOptions(views="full"),
+            # store blobs trusted by inode go to vLLM as views of the mapped file (one copy: vLLM's);
+            # the TP ranks share chunk-verified reads over the engine's group
+            options=LoaderOptions(views="full", group=self.group),
         )
+        yield from iter_full_shape(self.source, request)
 
     def summary(self) -> dict[str, Any]:
         """Per-rank bytes for the ``serving.weights_loaded`` event (and the TP test)."""
@@ -85,6 +88,7 @@ class RankLoad:
             "tp_rank": self.tp_rank,
             "bytes_read": self.stats.bytes_read,
             "bytes_to_read": self.stats.bytes_to_read,
+            "bytes_received": self.stats.bytes_received,
             "model_bytes": plan.total_bytes if plan else None,
             "replicated_bytes": plan.replicated_bytes if plan else None,
             "tensors": self.stats.tensors,
