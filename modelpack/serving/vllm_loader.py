@@ -15,7 +15,11 @@ import torch
 from torch import nn
 from vllm.config import CompilationMode, ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
@@ -52,6 +56,8 @@ class ModelpackModelLoader(BaseModelLoader):
         tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         rank = open_rank_load(self.extra_config, model_config.model, model_config.hf_config, tp_size, tp_rank)
+        # the TP ranks share chunk-verified reads over vLLM's own gloo group (each chunk read once)
+        rank.group = get_tp_group().cpu_group if tp_size > 1 else None
         self.rank = rank
         try:
             # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names
