@@ -27,6 +27,7 @@ from modelpack.errors import (
     DigestMismatchError,
     HeaderMismatchError,
     LoaderError,
+    StoreError,
     UnsignedSourceError,
     UnverifiedSourceError,
 )
@@ -386,6 +387,7 @@ def test_a_second_uid_cannot_get_its_fake_snapshot_trusted(
     try:
         os.chmod(shared, 0o777)
         shutil.copytree(nc.root, shared / "src", symlinks=True)  # readable by all (0444 / 0555)
+        os.chmod(shared / "src", 0o755)  # the copied root: a new cache root is 0750
         script = (
             "import shutil, sys, os; shutil.copytree(sys.argv[1], sys.argv[2], symlinks=True, "
             "ignore=shutil.ignore_patterns('locks', 'ingest', 'leases', '.index.lock')); "
@@ -401,7 +403,9 @@ def test_a_second_uid_cannot_get_its_fake_snapshot_trusted(
         if proc.returncode != 0:
             pytest.skip(f"cannot run as nobody here: {proc.stderr[-300:]}")
         assert os.stat(shared / "c" / "snapshots" / hexd).st_uid != 0
-        with pytest.raises(DigestMismatchError):
+        # refused: the cache root is nobody's (StoreError naming the chown), or, read as a cache
+        # of its own, the edited weight fails its digest
+        with pytest.raises((DigestMismatchError, StoreError)):
             load_state_dict(str(shared / "c" / "snapshots" / hexd), expected_digest=digest)
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(shared)], check=False)
