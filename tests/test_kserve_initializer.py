@@ -357,3 +357,47 @@ def test_stale_files_and_planted_links_in_dest_are_replaced_never_followed(
         assert outside.read_bytes() == b"keep me"
         if cached:
             assert not any(p.name.startswith(".tmp-") for p in dest.iterdir())
+
+
+def test_a_download_job_takes_its_policy_from_the_environment_and_urls_can_skip_the_weights(
+    registry_factory, pod: Pod, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The LocalModelNode agent's Job mounts nothing but the PVC (it replaces the container's
+    volumeMounts), so the policy comes as text (``MODELPACK_POLICY_YAML`` from a ConfigMap key,
+    keys inline) and there is no writable ``$TMPDIR``; ``?exclude=*.safetensors`` gives vLLM's
+    config files only, for an InferenceService that streams the weights."""
+    registry = registry_factory.start(basic_auth=True, tls=True)
+    ckpt = tmp_path / "job"
+    write_checkpoint(str(ckpt), SyntheticSpec(seed=9, shards=2))
+    signer = generate_key()
+    digest = api.push(
+        str(ckpt), registry.ref("kserve/job", "v1"), target_options=_options(registry), sign_key=signer
+    ).digest
+    _tls_pod(pod, registry)
+    pod.writable.remove(pod.tmp)
+    uri = f"modelpack://{registry.host}/kserve/job@{digest}"
+
+    def policy(pem: str) -> str:
+        indented = "\n".join("          " + line for line in pem.strip().splitlines())
+        return (
+            f"rules:\n  - match: '{registry.host}/kserve/*'\n    keys:\n      - pem: |\n{indented}\n"
+            "    require_signature: true\n"
+        )
+
+    other = run_initializer(
+        pod,
+        [uri, str(pod.dest("refused"))],
+        kserve_env(pod, TMPDIR=None, MODELPACK_POLICY_YAML=policy(generate_key().public.pem.decode())),
+    )
+    assert other.returncode == 1 and len(other.stderr.splitlines()) == 1, other.stderr
+    assert not pod.dest("refused").exists() or pod.files(pod.dest("refused")) == {}
+    env = kserve_env(pod, MODELPACK_POLICY_YAML=policy(signer.public.pem.decode()))
+    env.pop("TMPDIR")
+    dest = pod.dest("models")
+    accepted = run_initializer(pod, [uri, str(dest)], env)
+    assert accepted.returncode == 0, accepted.stderr
+    assert pod.files(dest) == {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    configs = pod.dest("configs")
+    only = run_initializer(pod, [uri + "?exclude=*.safetensors", str(configs)], env)
+    assert only.returncode == 0, only.stderr
+    assert set(pod.files(configs)) == {p.name for p in ckpt.iterdir() if p.suffix != ".safetensors"}

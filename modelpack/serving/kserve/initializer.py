@@ -94,11 +94,7 @@ class StorageInitializer:
         self.target_options = TargetOptions(
             plain_http=settings.plain_http, ca_file=settings.ca_file, timeout=timeout, retry_for=retry_for
         )
-        self.policy: Any = None
-        if settings.policy_path:
-            from modelpack.signing.policy import TrustPolicy
-
-            self.policy = TrustPolicy.load(settings.policy_path)
+        self.policy: Any = _load_policy(settings)
         self.cache = (
             NodeCache(settings.cache_dir, events=settings.events_path) if settings.cache_dir else None
         )
@@ -139,7 +135,7 @@ class StorageInitializer:
         via = f"through the node cache {self.cache.root}" if self.cache is not None else "into DEST"
         self.say(f"{label}: starting, {via}")
         with ProgressLines(label, target, self.say, self.settings.progress_interval):
-            if self.cache is not None:
+            if self.cache is not None and not uri.selects_files:  # the cache holds whole models
                 return self._through_cache(uri, dest, target, options, t0)
             return self._direct(uri, dest, target, t0)
 
@@ -179,6 +175,8 @@ class StorageInitializer:
             target,
             identifier,
             dest,
+            include=uri.include,
+            exclude=uri.exclude,
             jobs=self.settings.jobs,
             progress="off",
             force=True,  # DEST is the initializer's: a stale file is replaced by a verified one
@@ -193,6 +191,28 @@ class StorageInitializer:
             {"files": len(pulled.files), "present": pulled.present},
             time.monotonic() - t0,
         )
+
+
+def _load_policy(settings: InitializerSettings) -> Any:
+    if settings.policy_path:
+        from modelpack.signing.policy import TrustPolicy
+
+        return TrustPolicy.load(settings.policy_path)
+    if settings.policy_yaml:
+        import yaml
+
+        from modelpack.errors import PolicyError
+        from modelpack.signing.policy import MAX_POLICY_BYTES, TrustPolicy
+
+        where = "$MODELPACK_POLICY_YAML"
+        if len(settings.policy_yaml.encode()) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{where}: larger than {MAX_POLICY_BYTES} bytes")
+        try:
+            doc = yaml.safe_load(settings.policy_yaml)
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise PolicyError(f"{where}: not a YAML policy: {exc}") from None
+        return TrustPolicy.from_dict(doc, path=where)
+    return None
 
 
 def _placed(placed: dict[str, Any]) -> str:

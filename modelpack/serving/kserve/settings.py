@@ -4,7 +4,7 @@ KServe sets the argv pairs and, for registry credentials and TLS, ``KSERVE_OCI_D
 (the path of a docker ``config.json`` projected from the pod's image pull secret) and
 ``CA_BUNDLE_VOLUME_MOUNT_POINT`` (a directory holding ``cabundle.crt``). The
 ClusterStorageContainer adds the ``MODELPACK_*`` settings: ``MODELPACK_CACHE`` (a node cache on a
-hostPath), ``MODELPACK_POLICY`` (a mounted trust policy), ``MODELPACK_PLAIN_HTTP`` (the only way
+hostPath), ``MODELPACK_POLICY`` (a mounted trust policy; or ``MODELPACK_POLICY_YAML``, its text), ``MODELPACK_PLAIN_HTTP`` (the only way
 to speak plain HTTP to a registry that is not on loopback), ``MODELPACK_CA_FILE``,
 ``MODELPACK_EVENTS``, ``MODELPACK_JOBS``, ``MODELPACK_PROGRESS_INTERVAL``, ``MODELPACK_LINK``.
 """
@@ -31,6 +31,9 @@ _FALSE = ("", "0", "false", "no", "off")
 class InitializerSettings:
     cache_dir: str | None = None
     policy_path: str | None = None
+    #: the policy document itself (``MODELPACK_POLICY_YAML``, e.g. from a ConfigMap key): a
+    #: LocalModelNode download Job gets no volumes but the PVC, so a file cannot be mounted there
+    policy_yaml: str | None = None
     plain_http: bool = False
     ca_file: str | None = None
     #: the directory whose ``config.json`` holds registry credentials (None: the usual places)
@@ -48,6 +51,7 @@ class InitializerSettings:
         return cls(
             cache_dir=env.get("MODELPACK_CACHE") or None,
             policy_path=_existing_file(env, "MODELPACK_POLICY"),
+            policy_yaml=_policy_text(env),
             plain_http=_flag(env, "MODELPACK_PLAIN_HTTP"),
             ca_file=_ca_file(env),
             docker_config_dir=_docker_config_dir(env),
@@ -95,6 +99,13 @@ def _existing_file(env: Mapping[str, str], name: str) -> str | None:
         # fail closed: a policy that is named but not mounted never means "no policy"
         raise StorageInitializerError(f"${name}={path}: no such file (is its Secret or ConfigMap mounted?)")
     return path
+
+
+def _policy_text(env: Mapping[str, str]) -> str | None:
+    text = env.get("MODELPACK_POLICY_YAML") or None
+    if text is not None and env.get("MODELPACK_POLICY"):
+        raise StorageInitializerError("set $MODELPACK_POLICY or $MODELPACK_POLICY_YAML, not both")
+    return text
 
 
 def _ca_file(env: Mapping[str, str]) -> str | None:

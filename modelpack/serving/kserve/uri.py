@@ -9,12 +9,15 @@
 - ``s3://BUCKET/PREFIX[:TAG|@sha256:…]`` — an OCI layout in a bucket.
 
 A registry URI must name its host (no implicit Docker Hub: a URI from an InferenceService
-author never reaches a registry it did not name).
+author never reaches a registry it did not name). ``?exclude=GLOB`` and ``?include=GLOB``
+(repeatable) select files, as ``pull --include/--exclude`` do: an InferenceService whose vLLM
+streams the weights from the registry takes only ``?exclude=*.safetensors`` into DEST.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import parse_qsl
 
 from modelpack.errors import InvalidReferenceError
 from modelpack.oci.reference import Reference, parse_reference
@@ -29,6 +32,12 @@ class StorageUri:
 
     text: str
     reference: Reference
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def selects_files(self) -> bool:
+        return bool(self.include or self.exclude)
 
     @property
     def is_registry(self) -> bool:
@@ -37,9 +46,28 @@ class StorageUri:
 
 def parse_storage_uri(text: str) -> StorageUri:
     """``SRC_URI`` → the reference it names; ``InvalidReferenceError`` for anything else."""
+    body, _, query = text.partition("?")
+    include, exclude = _filters(text, query)
+    uri = _parse_body(text, body)
+    return StorageUri(text, uri.reference, include, exclude)
+
+
+def _filters(text: str, query: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    include: list[str] = []
+    exclude: list[str] = []
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in ("include", "exclude") or not value:
+            raise InvalidReferenceError(
+                f"{text!r}: only ?include=GLOB and ?exclude=GLOB may follow the reference"
+            )
+        (include if key == "include" else exclude).append(value)
+    return tuple(include), tuple(exclude)
+
+
+def _parse_body(text: str, body: str) -> StorageUri:
     for prefix in (MODELPACK_SCHEME, OCI_REGISTRY_SCHEME):
-        if text.startswith(prefix):
-            rest = text[len(prefix) :]
+        if body.startswith(prefix):
+            rest = body[len(prefix) :]
             host = rest.split("/", 1)[0]
             if "/" not in rest or not ("." in host or ":" in host or host == "localhost"):
                 raise InvalidReferenceError(
@@ -50,8 +78,8 @@ def parse_storage_uri(text: str) -> StorageUri:
             if ref.scheme != "registry":
                 raise InvalidReferenceError(f"{text!r} does not name a registry repository")
             return StorageUri(text, ref)
-    if text.startswith(("oci:", "s3://")) and not text.startswith(OCI_REGISTRY_SCHEME):
-        return StorageUri(text, parse_reference(text))
+    if body.startswith(("oci:", "s3://")) and not body.startswith(OCI_REGISTRY_SCHEME):
+        return StorageUri(text, parse_reference(body))
     raise InvalidReferenceError(
         f"{text!r}: not a modelpack storage URI (modelpack://HOST/REPO:TAG|@sha256:…, oci://HOST/REPO…, "
         "oci:DIR[:TAG], s3://BUCKET/PREFIX[:TAG])"
