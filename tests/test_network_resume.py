@@ -248,3 +248,27 @@ def test_retry_budget_and_durations() -> None:
     budget.progressed()
     assert budget.attempts == 0
     assert parse_reference("127.0.0.1:5000/a:b").location == "127.0.0.1:5000"
+
+
+def test_a_silent_connection_is_resumed_as_the_retry_settings_say(
+    registry: RegistryServer, proxy: FaultProxy, checkpoint: Path, tmp_path: Path
+) -> None:
+    """Issue 24 item 9: a blob GET whose connection goes silent (headers, then nothing for 30 s)
+    used to cost the 300 s socket read timeout before the Range resume; with ``--retry-for 4s``
+    it is resumed after 2 s."""
+    digest, layers = _pushed(registry, checkpoint, "resume/silent")
+    big = layers[0]
+    proxy.add(Fault(match=blob_get(str(big.digest)), stall=30, times=1))
+    started = time.monotonic()
+    res = transfer.pull(
+        f"{proxy.host}/resume/silent:v1",
+        str(tmp_path / "out"),
+        target_options=TargetOptions(retry_for=4),
+        progress="off",
+    )
+    took = time.monotonic() - started
+    assert res.digest == digest
+    _same_files(tmp_path / "out", checkpoint, list(res.files))
+    assert proxy.fired[0] == 1
+    assert _gets(proxy, str(big.digest)) == 2  # the silent one, then the resume
+    assert 1.5 < took < 15, took

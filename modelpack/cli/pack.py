@@ -59,6 +59,15 @@ def check_reference(text: str, param_hint: str, *, tag: bool = True) -> None:
 @click.command("pack")
 @click.argument("checkpoint_dir")
 @click.argument("destination")
+@click.option(
+    "--link",
+    type=click.Choice(["auto", "reflink", "copy"]),
+    default="auto",
+    show_default=True,
+    help="How an oci: destination on the checkpoint's filesystem gets each file: auto reflinks, "
+    "else hard-links (the blob then shares the checkpoint file's inode: never edit it in place), "
+    "else copies; reflink never hard-links (copies where it cannot clone); copy always copies.",
+)
 @pack_options
 @format_options
 @target_options

@@ -11,10 +11,17 @@ A cut (registry restarted, proxy or load balancer dropping the connection) is re
 whenever bytes flow again; so the consumer sees one uninterrupted stream and every byte crosses
 the wire once. When the budget is spent, the consumer gets a ``RegistryConnectionError`` naming
 the registry, the blob and the byte reached, never a urllib3 traceback.
+
+A connection that goes silent mid-body (a hung load balancer, a half-dead peer) is a cut too,
+detected after ``silence_limit()`` seconds, not after the socket's read timeout (``--timeout``,
+300 s by default): the limit follows the retry settings, half the retry budget, between 1 s and
+30 s (and never more than ``--timeout``), so ``--retry-for 4s`` resumes a stalled blob after
+2 s; with ``--retry-for 0`` there is no resume and the read timeout applies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from typing import Any, BinaryIO
@@ -24,14 +31,40 @@ import requests
 from modelpack.errors import RegistryError, SizeMismatchError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.bodies import TRANSPORT_ERRORS, is_transport_error
+from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.repository import RepositoryAPI
-from modelpack.targets.retry import RetryBudget
+from modelpack.targets.retry import DEFAULT_RETRY_FOR, RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
 #: clean ends of stream (no error, no bytes) in a row before a short blob is called short
 MAX_EMPTY_RESUMES = 3
 _SKIP_CHUNK = 1 << 20
+#: the longest a blob body may stay silent before it is resumed like a cut connection
+MAX_SILENCE_S = 30.0
+
+
+def silence_limit(client: RegistryClient) -> float:
+    """Seconds without a byte after which a blob read is treated as cut (see the module doc)."""
+    retry_for = DEFAULT_RETRY_FOR if client.retry_for is None else client.retry_for
+    if retry_for <= 0:
+        return client.timeout
+    return min(client.timeout, MAX_SILENCE_S, max(1.0, retry_for / 2))
+
+
+def _bound_silence(repo: RepositoryAPI, resp: requests.Response) -> requests.Response:
+    """Make a streamed body's reads give up after ``silence_limit`` (a socket timeout, which the
+    callers' transport-error handling resumes from the byte reached)."""
+    # the response's own socket (http.client keeps it on the body's reader; the connection
+    # object lets go of it once the headers are read)
+    reader = getattr(getattr(resp.raw, "_fp", None), "fp", None)
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)
+    if sock is None:
+        sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(silence_limit(repo.client))
+    return resp
 
 
 class ResumingBlobStream:
@@ -151,6 +184,7 @@ def _open_at(
             what=f"blob {descriptor.digest} from {repo.name}",
             budget=budget,
         )
+        _bound_silence(repo, resp)
         if resp.status_code == 206:
             _check_content_range(repo, resp, descriptor, offset)
             return resp
@@ -209,6 +243,7 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
             what=what,
             budget=budget,
         )
+        _bound_silence(repo, resp)
         try:
             with resp:
                 if resp.status_code == 416:
