@@ -46,3 +46,30 @@ def _target(ref: str):  # type: ignore[no-untyped-def]
 
     parsed = parse_reference(ref)
     return open_readable(parsed), parsed.identifier
+
+
+def test_skip_before_headers_body_and_the_request_log(registry) -> None:  # type: ignore[no-untyped-def]
+    """A fault lets its first ``skip`` matches through, runs ``before`` ahead of relaying, answers
+    with the headers and body it was given, and ``log`` records every request with its answer."""
+    proxy = FaultProxy(registry.host)
+    calls: list[str] = []
+    try:
+        url = f"http://{proxy.host}/v2/"
+        proxy.add(Fault(match=lambda m, p, h: p == "/v2/", skip=1, times=1, before=lambda: calls.append("x")))
+        proxy.add(
+            Fault(
+                match=lambda m, p, h: p == "/v2/",
+                status=429,
+                headers={"Retry-After": "3"},
+                body=b'{"errors":[{"code":"TOOMANYREQUESTS"}]}',
+            )
+        )
+        first = requests.get(url, timeout=10)  # skipped by the first fault, answered by the second
+        assert first.status_code == 429 and first.headers["Retry-After"] == "3"
+        assert b"TOOMANYREQUESTS" in first.content
+        second = requests.get(url, timeout=10)  # the first fault fires: before(), then relayed
+        assert second.status_code == 200 and calls == ["x"]
+        assert [(m, p, s) for _, m, p, s in proxy.log] == [("GET", "/v2/", 429), ("GET", "/v2/", 200)]
+        assert proxy.log[0][0] <= proxy.log[1][0]
+    finally:
+        proxy.close()
