@@ -30,7 +30,8 @@ def open_event_file(path: str) -> int:
 
     Never through a symlink at ``path`` (``O_NOFOLLOW``), never into a file of another uid (a
     planted file in a shared directory: root's events would land in a file its planter reads and
-    controls), and never into something that cannot take them (a read-only mode such as
+    controls), never into a file with other hard links (someone else's file linked in under that
+    name), and never into something that cannot take them (a read-only mode such as
     ``/proc/version``'s, a directory)."""
     try:
         fd = os.open(path, _OPEN_FLAGS, FILE_MODE)
@@ -43,6 +44,11 @@ def open_event_file(path: str) -> int:
             raise EventLogError(
                 f"{path}: owned by uid {st.st_uid}, not by you (uid {euid}); refusing to write events "
                 "into another user's file (remove it or choose another --events path)"
+            )
+        if stat.S_ISREG(st.st_mode) and st.st_nlink != 1:
+            raise EventLogError(
+                f"{path}: has {st.st_nlink} hard links; refusing to write events into a file that is "
+                "also somewhere else (remove it or choose another --events path)"
             )
         if stat.S_ISREG(st.st_mode) and not stat.S_IMODE(st.st_mode) & stat.S_IWUSR:
             raise EventLogError(f"{path}: not a writable file (mode {stat.S_IMODE(st.st_mode):04o})")

@@ -38,7 +38,7 @@ from modelpack.mount.reports import GCResult, to_ms
 from modelpack.mount.snapshots import Snapshots
 from modelpack.mount.store import Store
 
-from modelpack.errors import CacheError, LockTimeoutError, SnapshotInUseError
+from modelpack.errors import CacheError, LockTimeoutError, ModelpackError, SnapshotInUseError
 from modelpack.events import EventLog
 from modelpack.oci.digest import Digest
 
@@ -164,8 +164,9 @@ class GarbageCollector:
     # ------------------------------------------------------------------ under the lock
     def _remove_leftovers(self, scan: CacheScan, pulling: set[str]) -> list[str]:
         """Leftovers of pulls that died after storing their manifest or renaming their snapshot
-        directory but before the marker: never ready, so never trusted. A marker written since
-        the scan (a pull that finished meanwhile) makes it not a leftover."""
+        directory but before the marker (or with a marker the cache did not write): never ready,
+        so never trusted. One that became ready since the scan (a pull that finished meanwhile)
+        is not a leftover."""
         removed = []
         for m in self.store.manifest_digests():
             if m not in scan.ready and m not in pulling and not self._marked(m):
@@ -178,7 +179,11 @@ class GarbageCollector:
         return removed
 
     def _marked(self, digest: str) -> bool:
-        return os.path.lexists(self.snapshots.marker_path(digest))
+        """Ready now (a valid marker of the owner): published since the scan, not a leftover."""
+        try:
+            return self.snapshots.ready(digest) is not None
+        except ModelpackError:
+            return False
 
     def _evict(self, plan: Plan, rule: EvictionRule, res: GCResult) -> int:
         """Delete the victims that still may go (re-checked now); returns their extracted bytes."""

@@ -158,15 +158,31 @@ def lock_holders(path: str) -> list[str]:
 
 
 def lock_holder_uids(path: str) -> list[int | None]:
-    """The uid of each process holding a flock on ``path`` (None where it cannot be told: a
-    holder in another pid namespace, or one that exited and left the lock to a child)."""
+    """The user behind each process holding a flock on ``path`` (None where it cannot be told: a
+    holder in another pid namespace, or one that exited and left the lock to a child).
+
+    Read from ``/proc/<pid>/status`` (not the owner of ``/proc/<pid>``): the real uid unless it is
+    root, then the effective one — so a setuid-root program another user started while holding
+    the lock (an inherited fd) still counts as that user, and so does a root process running as
+    someone else."""
     uids: list[int | None] = []
     for pid, _kind in _flock_entries(path):
-        try:
-            uids.append(os.stat(f"/proc/{int(pid)}").st_uid if int(pid) > 0 else None)
-        except (OSError, ValueError):
-            uids.append(None)
+        uids.append(_process_user(pid))
     return uids
+
+
+def _process_user(pid: str) -> int | None:
+    try:
+        if int(pid) <= 0:
+            return None
+        with open(f"/proc/{int(pid)}/status", encoding="ascii", errors="replace") as f:
+            for line in f.read(64 * 1024).splitlines():
+                if line.startswith("Uid:"):
+                    real, effective = (int(x) for x in line.split()[1:3])
+                    return real if real != 0 else effective
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _holder_info(path: str) -> str:

@@ -82,7 +82,7 @@ def check_cache_path(root: str) -> os.stat_result:
                 "the whole node cache. Put the cache under directories only root or you control "
                 f"(e.g. /var/cache/modelpack), or 'chown root {parent} && chmod go-w {parent}'"
             )
-    if not os.access(root, os.R_OK | os.X_OK):
+    if not os.access(root, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
         raise StoreError(
             f"{root}: the node cache root is mode {stat.S_IMODE(st.st_mode):04o} (uid {st.st_uid}, "
             f"gid {st.st_gid}) and you (uid {euid}) may not read it; its owner can let a serving group "

@@ -240,29 +240,37 @@ def test_remove_tree_does_not_follow_a_symlink_swapped_in_for_a_directory(shared
 
 # ------------------------------------------------------------------------ 22.8 foreign leases, modes
 HOLD_SHARED = """
-import fcntl, os, sys, time
+import ctypes, fcntl, os, sys, time
+if len(sys.argv) > 2 and sys.argv[2] == "undumpable":  # /proc/<pid> then shows root as its owner
+    assert ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE, 0
 fd = os.open(sys.argv[1], os.O_RDONLY)
 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
 print("locked", flush=True)
+if len(sys.argv) > 2 and sys.argv[2] == "setuid":  # the lock passes to a setuid-root program
+    os.set_inheritable(fd, True)
+    os.execv("/usr/bin/su", ["su", "root", "-c", "true"])  # waits for a password on stdin
 time.sleep(120)
 """
 
 
-def _hold_as(user: str, path: str) -> subprocess.Popen[str]:
-    cmd = [PY, "-c", HOLD_SHARED, path]
-    proc = subprocess.Popen([*NOBODY, *cmd] if user == "nobody" else cmd, stdout=subprocess.PIPE, text=True)
+def _hold_as(user: str, path: str, how: str = "") -> subprocess.Popen[str]:
+    cmd = [PY, "-c", HOLD_SHARED, path, how]
+    proc = subprocess.Popen(
+        [*NOBODY, *cmd] if user == "nobody" else cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
     return proc
 
 
-def test_another_uid_cannot_pin_a_snapshot_against_gc_forever(shared: Path) -> None:
+@pytest.mark.parametrize("how", ["", "undumpable", "setuid"])
+def test_another_uid_cannot_pin_a_snapshot_against_gc_forever(shared: Path, how: str) -> None:
     ref, manifest = pack(shared, "a", 1)
     cache_root = shared / "cache"
     assert cli("pull", ref, "--cache", str(cache_root)).returncode == 0
     os.chmod(cache_root, 0o755)  # readers of every uid (before the fix, the default)
     cache = NodeCache(str(cache_root))
     lease = cache.snapshots.lease_path(manifest.digest)
-    holder = _hold_as("nobody", lease)
+    holder = _hold_as("nobody", lease, how)
     try:
         # a foreign reader that arrived just now keeps the snapshot (bounded, not forever)
         res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "0", "--json")
@@ -331,6 +339,11 @@ def test_event_logs_do_not_follow_planted_symlinks_or_write_foreign_files(shared
     res = cli("cache", "gc", "--cache", str(shared / "cache"), "--events", str(foreign))
     assert foreign.read_text() == "", "root wrote events into nobody's file"
     assert res.returncode == 1 and str(foreign) in res.stderr and f"uid {NOBODY_UID}" in res.stderr
+    # a hard link to root's file (what another user can make where fs.protected_hardlinks=0)
+    linked = shared / "tmp" / "linked.jsonl"
+    os.link(victim, linked)
+    res = cli("cache", "gc", "--cache", str(shared / "cache"), "--events", str(linked))
+    assert victim.read_text() == "root's file\n" and res.returncode == 1 and "hard links" in res.stderr
     # the cache's own log: a symlink in its place is never followed
     cache_events = shared / "cache" / "events.jsonl"
     os.unlink(cache_events)
