@@ -17,13 +17,16 @@
 3. **Throughput**: the copy ceiling (pinned host → device ``copy_`` of 1 GiB, best of 5; on
    ``--device cpu`` a host memcpy), the host read ceiling (``--workers`` threads ``preadv`` the
    files), modelpack TP=1 (fresh tensors; best of ``--repeat``), TP=1 into preallocated ``out=``
-   tensors, and the slowest rank of the simulated ``--tp`` group; GB/s and the ratio to each
-   ceiling.
+   tensors, and every TP group of ``--tp-check`` and ``--tp`` **run as an engine runs it**: one
+   process per rank, all started together behind a gloo barrier, rank ``r`` on ``cuda:r % N``;
+   the slowest rank and the group's wall time; GB/s and the ratio to each ceiling.
 4. Writes the result as JSON to ``--json-out`` (default ``$OUT/gpu_load.json`` when ``$OUT`` is
    set, else ``./gpu_load.json``); exit 0 only when correctness passed.
 
 ``--verify-chunks`` also packs the checkpoint into an OCI layout, computes a chunk table and times
-a load with per-chunk verification (adds hashing time).
+a load with per-chunk verification (adds hashing time), then the ``--tp`` group streaming it
+chunk-verified twice: each rank alone, and the ranks sharing reads over a gloo group
+(``LoaderOptions(group=…)``: node bytes read ≈ 1× the model).
 """
 
 from __future__ import annotations
@@ -231,7 +234,109 @@ def corrupt_one_byte(directory: str, files: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+RANK_FLAG = "--rank-child"
+
+
+def rank_child(spec: dict[str, Any]) -> int:
+    """One rank of a concurrent TP group (a process of its own, as in an engine)."""
+    import torch
+    import torch.distributed as dist
+    from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
+
+    rank, tp = spec["rank"], spec["tp"]
+    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=tp)
+    device = spec["device"]
+    if device.startswith("cuda"):
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    table = None
+    if spec.get("chunk_table"):
+        from modelpack.signing.chunks import ChunkTable
+
+        with open(spec["chunk_table"]) as f:
+            table = ChunkTable.from_predicate(json.load(f))
+    opts = LoaderOptions(
+        workers=spec["workers"],
+        slots=spec["workers"] + 4,
+        slot_bytes=spec["slot_mib"] << 20,
+        group=dist.group.WORLD if spec.get("share") else None,
+    )
+    st = LoadStats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    sd = load_state_dict(
+        spec["source"],
+        device,
+        tp_size=tp,
+        tp_rank=rank,
+        allow_unverified=bool(spec.get("allow_unverified")),
+        chunk_table=table,
+        options=opts,
+        stats=st,
+    )
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    dist.barrier()
+    doc = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "device": device,
+        "seconds": secs,
+        "tensors": len(sd),
+        "bytes_read": st.bytes_read,
+        "bytes_received": st.bytes_received,
+        "bytes_to_read": st.bytes_to_read,
+    }
+    print("RANK " + json.dumps(doc), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_group(tp: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Start ``tp`` rank processes at once (gloo group on loopback), wait for all, collect them."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                RANK_FLAG,
+                json.dumps({**spec, "rank": r, "tp": tp, "init": init}),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(tp)
+    ]
+    ranks = []
+    errors = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        line = next((x for x in out.splitlines() if x.startswith("RANK ")), None)
+        if p.returncode != 0 or line is None:
+            errors.append(err[-2000:])
+        else:
+            ranks.append(json.loads(line[len("RANK ") :]))
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"TP={tp} group: {len(errors)} rank(s) failed:\n" + errors[0])
+    ranks.sort(key=lambda r: r["rank"])
+    return {"processes": tp, "concurrent": True, "wall_seconds": wall, "ranks": ranks}
+
+
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == [RANK_FLAG]:
+        return rank_child(json.loads(raw[1]))
     args = parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -407,19 +512,29 @@ def main(argv: list[str] | None = None) -> int:
     del out, best
     free()
 
-    times = []
-    for rank in range(args.tp):
-        secs, st, sd = one(args.tp, rank)
-        times.append((secs, st.bytes_read, st.bytes_to_read))
-        del sd
-        free()
-    slow = max(times)
-    measured["tp_ranks"] = [{"seconds": s, "bytes_read": r, "bytes_to_read": b} for s, r, b in times]
-    report(f"tp{args.tp}_slowest_rank", f"TP={args.tp} slowest rank", slow[0], slow[2])
-    print(
-        f"simulated TP={args.tp}: bytes per rank {min(b for _, b, _ in times) / 2**30:.2f}–"
-        f"{max(b for _, b, _ in times) / 2**30:.2f} GiB (model/TP = {total / args.tp / 2**30:.2f} GiB)"
-    )
+    # TP groups as an engine runs them: one process per rank, all started together (a barrier),
+    # each on its own device (cuda:rank % devices); the group is ready when its slowest rank is
+    child = {"device": args.device, "workers": args.workers, "slot_mib": args.slot_mib}
+    for tp in sorted({*[x for x in args.tp_check if x > 1], args.tp}):
+        group = run_group(tp, {**child, "source": args.dir, "allow_unverified": True})
+        measured[f"tp{tp}_group"] = group
+        ranks = group["ranks"]
+        slow = max(ranks, key=lambda r: r["seconds"])
+        report(
+            f"tp{tp}_slowest_rank",
+            f"TP={tp} slowest of {tp} concurrent ranks",
+            slow["seconds"],
+            slow["bytes_to_read"],
+        )
+        print(
+            f"TP={tp}: {tp} processes at once, group wall {group['wall_seconds']:.2f} s; bytes per rank "
+            f"{min(r['bytes_read'] for r in ranks) / 2**30:.2f}–{max(r['bytes_read'] for r in ranks) / 2**30:.2f} GiB "
+            f"(model/TP = {total / tp / 2**30:.2f} GiB)"
+        )
+        if tp == args.tp:
+            measured["tp_ranks"] = [
+                {k: r[k] for k in ("rank", "seconds", "bytes_read", "bytes_to_read")} for r in ranks
+            ]
 
     if args.verify_chunks:
         import tempfile
@@ -438,6 +553,19 @@ def main(argv: list[str] | None = None) -> int:
         secs, st, sd = one(1, 0, source=f"oci:{lay}@{digest}", chunk_table=table, expected_digest=digest)
         report("tp1_chunk_verified", "modelpack TP=1 chunk-verified", secs, st.bytes_to_read)
         del sd
+        table_path = os.path.join(lay, "chunk-table.json")
+        with open(table_path, "w") as f:
+            json.dump(table.to_predicate(), f)
+        for share in (False, True):  # each rank reads alone, or the ranks share reads over a group
+            spec = {**child, "source": f"oci:{lay}@{digest}", "chunk_table": table_path, "share": share}
+            group = run_group(args.tp, spec)
+            key = f"tp{args.tp}_chunk_verified_{'shared' if share else 'alone'}"
+            measured[key] = group
+            node = sum(r["bytes_read"] for r in group["ranks"])
+            print(
+                f"TP={args.tp} chunk-verified, {'reads shared over a gloo group' if share else 'each rank alone'}: "
+                f"group wall {group['wall_seconds']:.2f} s, node read {node / total:.3f}× the model"
+            )
         shutil.rmtree(lay, ignore_errors=True)
     result["passed"] = True
     result["ratio_tp1_vs_copy_ceiling"] = measured["tp1"]["vs_copy_ceiling"]

@@ -73,6 +73,14 @@ def test_cpu_run_checks_tp_1_2_8_then_measures(tmp_path: Path) -> None:
         m = doc["load"][key]
         assert m["gbps"] > 0 and m["seconds"] > 0 and m["vs_copy_ceiling"] > 0
     assert len(doc["load"]["tp_ranks"]) == 8
+    # the TP groups ran as an engine runs them: one process per rank, all at once
+    for tp in (2, 8):
+        group = doc["load"][f"tp{tp}_group"]
+        assert group["processes"] == tp and group["concurrent"] is True
+        assert sorted(r["rank"] for r in group["ranks"]) == list(range(tp))
+        assert len({r["pid"] for r in group["ranks"]}) == tp  # distinct processes
+        assert all(r["bytes_to_read"] > 0 and r["seconds"] > 0 for r in group["ranks"])
+        assert group["wall_seconds"] >= max(r["seconds"] for r in group["ranks"])
     assert doc["ratio_tp1_vs_copy_ceiling"] == doc["load"]["tp1"]["vs_copy_ceiling"]
     assert not (tmp_path / "ckpt").exists()  # generated data removed unless --keep
 
