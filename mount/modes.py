@@ -58,7 +58,8 @@ def cache_owner(root: str) -> int:
 def check_cache_path(root: str) -> os.stat_result:
     """The cache root's stat, after checking that nobody but root and the caller controls it:
     the root itself belongs to one of them, and so does every directory above it (lexically and
-    after resolving symlinks), none of them writable by others unless sticky."""
+    after resolving symlinks) and every symlink on the way, no directory writable by others
+    unless sticky."""
     euid = os.geteuid()
     st = os.stat(root)  # the root may be a symlink an administrator made (to an NVMe mount)
     if not stat.S_ISDIR(st.st_mode):
@@ -69,10 +70,21 @@ def check_cache_path(root: str) -> os.stat_result:
             "its owner could swap in its own files and the cache would trust them. "
             f"Fix: 'chown -R {euid} {root}' (as root), run as uid {st.st_uid}, or use another --cache"
         )
+    link = os.lstat(root)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (euid, 0):
+        raise StoreError(
+            f"{root}: a symlink owned by uid {link.st_uid}; its owner can point it elsewhere at any "
+            "time. Use the directory it points to, or a symlink of yours or root's, as --cache"
+        )
     for parent in _parents(root):
         pst = os.lstat(parent)
         if stat.S_ISLNK(pst.st_mode):
-            continue  # its target is checked on the resolved path
+            if pst.st_uid not in (euid, 0):  # its target is checked on the resolved path
+                raise StoreError(
+                    f"{root}: {parent} on its path is a symlink owned by uid {pst.st_uid}, who can "
+                    "point it elsewhere at any time; use a path only root or you control"
+                )
+            continue
         mode = stat.S_IMODE(pst.st_mode)
         loose = mode & _WRITABLE_BY_OTHERS and not mode & stat.S_ISVTX
         if pst.st_uid not in (euid, 0) or loose:

@@ -116,6 +116,23 @@ def test_a_cache_under_a_parent_another_uid_can_rearrange_is_refused(shared: Pat
     assert str(parent) in res.stderr and f"uid {NOBODY_UID}" in res.stderr, res.stderr
 
 
+def test_a_cache_path_through_another_uids_symlink_is_refused(shared: Path) -> None:
+    """nobody's symlink in a sticky directory names root's cache now and nobody's tree later."""
+    ref, _ = pack(shared, "a", 1)
+    roots = shared / "roots"
+    assert cli("pull", ref, "--cache", str(roots)).returncode == 0
+    link = shared / "tmp" / "cache-link"
+    assert (
+        as_nobody("import os, sys; os.symlink(sys.argv[1], sys.argv[2])", str(roots), str(link)).returncode
+        == 0
+    )
+    for args in (["pull", ref], ["cache", "gc", "--min-age", "0"]):
+        res = cli(*args, "--cache", str(link))
+        assert res.returncode == 1 and f"uid {NOBODY_UID}" in res.stderr, (args, res.stderr)
+    res = cli("pull", ref, "--cache", str(link / "snapshots"))  # a symlink on the way counts too
+    assert res.returncode == 1 and f"uid {NOBODY_UID}" in res.stderr, res.stderr
+
+
 def test_the_swap_attack_never_yields_a_verified_hit(shared: Path) -> None:
     """Root's cache at a path nobody controls: whatever nobody swaps in, root never reports a hit
     on files that are not the verified ones (end to end: pull, swap, pull again)."""
