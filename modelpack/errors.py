@@ -124,6 +124,15 @@ class RegistryError(ModelpackError):
         self.target = target
 
 
+class ListingCutError(RegistryError):
+    """A tag or catalog listing stopped at its page bound: the registry kept linking to more
+    pages (``Link: rel=next``) than any real listing needs. ``listed`` items came before it."""
+
+    def __init__(self, message: str, *, target: str = "", listed: int = 0) -> None:
+        super().__init__(message, target=target)
+        self.listed = listed
+
+
 class RegistryNotFoundError(RegistryError, NotFoundError):
     """A repository, tag, manifest or blob the registry does not have (404 / *_UNKNOWN)."""
 

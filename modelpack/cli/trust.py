@@ -275,12 +275,15 @@ def _audit_rows(repo_doc: dict[str, Any]) -> list[list[str]]:
 
 def _attach_tag_history(repos: list[Any], cache_dir: str) -> bool:
     """``audit --cache``: each repository's tag records from the node cache; any rollback?"""
+    from modelpack.inspection.audit import CATALOG_ENTRY
     from modelpack.inspection.tag_history import attach_tag_history
     from modelpack.mount import NodeCache
 
     cache = NodeCache(cache_dir, create=False)
     rolled_back = False
     for r in repos:
+        if r.repository == CATALOG_ENTRY:
+            continue
         name = parse_reference(r.repository).canonical_name
         rolled_back = attach_tag_history(r, cache.tags.for_repository(name)) or rolled_back
     return rolled_back
@@ -324,6 +327,14 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
     "--page-size", type=click.IntRange(1, 10000), default=100, show_default=True, help="Catalog page size."
 )
 @click.option(
+    "--max-tags",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    help="Audit at most this many tags per repository; a longer listing is cut and says so "
+    "(CUT line, 'cut' in --json).",
+)
+@click.option(
     "--cache",
     "cache_dir",
     type=click.Path(exists=True, file_okay=False),
@@ -339,6 +350,7 @@ def audit_cmd(
     repo_glob: str | None,
     since_digests: str | None,
     page_size: int,
+    max_tags: int,
     as_json: bool,
     cache_dir: str | None,
     **kwargs: Any,
@@ -375,7 +387,12 @@ def audit_cmd(
             return open_readable(r, topts), r
 
         repos = audit_registry(
-            catalog(page_size=page_size), open_repo, repo_glob=repo_glob, policy_or_keys=pol, since=since
+            catalog(page_size=page_size),
+            open_repo,
+            repo_glob=repo_glob,
+            policy_or_keys=pol,
+            since=since,
+            max_tags=max_tags,
         )
     else:
         if repo_glob:
@@ -385,7 +402,9 @@ def audit_cmd(
             raise InvalidReferenceError(f"{location}: audit takes a repository, not a tag or digest")
         target = open_readable(ref, topts)
         name = ref.repo_name
-        repos = [audit_repository(target, name, policy_or_keys=pol, since=since, reference=ref)]
+        repos = [
+            audit_repository(target, name, policy_or_keys=pol, since=since, reference=ref, max_tags=max_tags)
+        ]
     rolled_back = _attach_tag_history(repos, cache_dir) if cache_dir else False
     docs = [r.to_json() for r in repos]
     moved = any(r.moved for r in repos) or rolled_back
@@ -413,6 +432,8 @@ def audit_cmd(
             _print_tag_history(d)
             if d["error"]:
                 click.echo(f"ERROR {d['repository']}: {d['error']}", err=True)
+            if d.get("cut"):
+                click.echo(f"CUT {d['repository']}: {d['cut']}", err=True)
     if moved:
         sys.exit(1)
 

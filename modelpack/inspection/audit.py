@@ -8,6 +8,12 @@ audit's JSON) flags tags that moved or disappeared.
 
 Only the Target protocol is used, so a registry repository, an OCI layout and an S3 layout audit
 the same way; the catalog walk (``audit_registry``) needs a registry.
+
+A listing comes from outside and may never end: tags are consumed as the pages arrive and at
+most ``max_tags`` of them (default ``DEFAULT_MAX_TAGS``, ``--max-tags`` to raise it) are
+audited; a registry that links to more pages than any listing needs is stopped by the target
+(``ListingCutError``). Either way the audit keeps what it listed and says why it stopped in
+``cut`` (the text output prints it; ``--json`` carries it), never a silent partial listing.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.boundedjson import loads
-from modelpack.errors import DocumentError, ModelpackError
+from modelpack.errors import DocumentError, ListingCutError, ModelpackError
 from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_config
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
@@ -35,6 +41,8 @@ def format_signed_at(seconds: float | None) -> str | None:
 
 
 MAX_SINCE_BYTES = 64 * 1024 * 1024
+#: tags audited per repository unless the caller raises it (each costs a manifest request)
+DEFAULT_MAX_TAGS = 10_000
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
@@ -86,6 +94,8 @@ class RepositoryAudit:
     moved: list[dict[str, str | None]] = field(default_factory=list)
     error: str | None = None
     tag_history: list[dict[str, Any]] = field(default_factory=list)  # inspection.tag_history
+    #: why the listing stopped before its end (a bound), None when it was read to the end
+    cut: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = {
@@ -94,6 +104,7 @@ class RepositoryAudit:
             "versions": [v.to_json() for v in self.versions],
             "moved": list(self.moved),
             "error": self.error,
+            "cut": self.cut,
         }
         if self.tag_history:
             doc["tagHistory"] = list(self.tag_history)
@@ -202,15 +213,18 @@ def audit_repository(
     policy_or_keys: Any = None,
     since: Mapping[str, str] | None = None,
     reference: Reference | None = None,
+    max_tags: int = DEFAULT_MAX_TAGS,
 ) -> RepositoryAudit:
-    """Audit one repository (any Target). ``since`` keys are tags, or ``repo:tag``."""
+    """Audit one repository (any Target). ``since`` keys are tags, or ``repo:tag``. At most
+    ``max_tags`` tags (counted as listed, repeats included) are read; ``cut`` says when more were
+    offered."""
+    if max_tags < 1:
+        raise ModelpackError(f"max_tags must be at least 1, got {max_tags}")
     audit = RepositoryAudit(name)
     keys = _keys_for(policy_or_keys, reference)
     by_digest: dict[str, tuple[Descriptor, list[str]]] = {}
     try:
-        for tag in sorted(set(target.list_tags())):
-            if tag.startswith("sha256-"):
-                continue  # referrers tag-schema indexes and legacy cosign tags are not versions
+        for tag in _listed_tags(target, audit, max_tags):
             desc = target.resolve(tag)
             audit.tags[tag] = str(desc.digest)
             by_digest.setdefault(str(desc.digest), (desc, []))[1].append(tag)
@@ -232,6 +246,32 @@ def audit_repository(
     return audit
 
 
+def _listed_tags(target: ReadableTarget, audit: RepositoryAudit, max_tags: int) -> list[str]:
+    """The repository's tags, sorted, at most ``max_tags`` listed (the listing is consumed as it
+    streams, and left unread past the bound); ``audit.cut`` records a bound that stopped it."""
+    tags: set[str] = set()
+    listed = 0
+    listing = iter(target.list_tags())
+    try:
+        for tag in listing:
+            if listed == max_tags:
+                audit.cut = (
+                    f"the tag listing was cut at {max_tags} tags (--max-tags raises the bound); "
+                    "tags after those were not audited"
+                )
+                break
+            listed += 1
+            if not tag.startswith("sha256-"):  # referrers tag-schema indexes and cosign tags
+                tags.add(tag)
+    except ListingCutError as exc:
+        audit.cut = str(exc)
+    finally:
+        close = getattr(listing, "close", None)
+        if close is not None:
+            close()  # a generator: no further page is fetched
+    return sorted(tags)
+
+
 def audit_registry(
     repositories: Iterable[str],
     open_repo: Callable[[str], tuple[ReadableTarget, Reference]],
@@ -239,22 +279,39 @@ def audit_registry(
     repo_glob: str | None = None,
     policy_or_keys: Any = None,
     since: Mapping[str, str] | None = None,
+    max_tags: int = DEFAULT_MAX_TAGS,
 ) -> list[RepositoryAudit]:
     """Audit every repository from a (paginated, lazily consumed) catalog matching ``repo_glob``
-    (matched against the catalog name); results are named ``host/repo`` like a single-repo audit."""
+    (matched against the catalog name); results are named ``host/repo`` like a single-repo audit.
+    A catalog cut at its page bound ends the walk with an entry named ``CATALOG_ENTRY`` whose
+    ``cut`` says so."""
     out = []
-    for repo in repositories:
-        if repo_glob and not fnmatch.fnmatchcase(repo, repo_glob):
-            continue
-        try:
-            target, ref = open_repo(repo)
-        except ModelpackError as exc:
-            out.append(RepositoryAudit(repo, error=str(exc)))
-            continue
-        out.append(
-            audit_repository(target, ref.repo_name, policy_or_keys=policy_or_keys, since=since, reference=ref)
-        )
+    try:
+        for repo in repositories:
+            if repo_glob and not fnmatch.fnmatchcase(repo, repo_glob):
+                continue
+            try:
+                target, ref = open_repo(repo)
+            except ModelpackError as exc:
+                out.append(RepositoryAudit(repo, error=str(exc)))
+                continue
+            out.append(
+                audit_repository(
+                    target,
+                    ref.repo_name,
+                    policy_or_keys=policy_or_keys,
+                    since=since,
+                    reference=ref,
+                    max_tags=max_tags,
+                )
+            )
+    except ListingCutError as exc:
+        out.append(RepositoryAudit(CATALOG_ENTRY, cut=str(exc)))
     return out
+
+
+#: the name of the entry that reports a cut catalog (not a repository name: ``_`` cannot start one)
+CATALOG_ENTRY = "_catalog"
 
 
 def repository_reference(host: str, repo: str) -> Reference:

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 from urllib.parse import urlencode, urljoin, urlsplit
 
 from modelpack import boundedjson
-from modelpack.errors import DocumentError, NotFoundError, RegistryError, UploadError
+from modelpack.errors import DocumentError, ListingCutError, NotFoundError, RegistryError, UploadError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
 from modelpack.targets.base import BlobSource
@@ -34,6 +34,9 @@ from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLI
 log = logging.getLogger("modelpack.targets.registry")
 
 MAX_TAGS_PAGE_BYTES = 16 * 1024 * 1024
+#: pages of one tag or catalog listing followed at most (``Link: rel=next``); past it, the listing
+#: raises ``ListingCutError`` (an endless chain of pages, empty or not, is not a listing)
+MAX_LIST_PAGES = 2_000
 _LINK_RE = re.compile(r"<([^>]+)>\s*;\s*rel=\"?next\"?")
 
 
@@ -162,8 +165,15 @@ class RegistryTarget:
         self, path: str, params: dict[str, str], key: str, scopes: tuple[str, ...]
     ) -> Iterator[str]:
         url: str | None = self.client.url(path) + ("?" + urlencode(params) if params else "")
-        seen_pages = 0
+        seen_pages = listed = 0
         while url:
+            if seen_pages >= MAX_LIST_PAGES:
+                raise ListingCutError(
+                    f"{key} list: the registry links to more than {MAX_LIST_PAGES} pages "
+                    f"(Link: rel=next); stopped after {listed} {key}",
+                    target=self.name,
+                    listed=listed,
+                )
             what = f"{key} list of {self.name}"
             try:
                 page = self.client.fetch_document(
@@ -179,10 +189,11 @@ class RegistryTarget:
             items = doc.get(key) if isinstance(doc, dict) else None
             for item in items if isinstance(items, list) else []:
                 if isinstance(item, str):
+                    listed += 1
                     yield item
             m = _LINK_RE.search(link)
             seen_pages += 1
-            url = urljoin(self.client.base_url + "/", m.group(1)) if m and seen_pages < 100_000 else None
+            url = urljoin(self.client.base_url + "/", m.group(1)) if m else None
             if url and urlsplit(url).netloc != self.client.api_host:
                 raise RegistryError("pagination link points to another host; refusing", target=self.name)
 

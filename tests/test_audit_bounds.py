@@ -1,0 +1,168 @@
+"""Issue 22 item 12: ``audit`` streams tags, bounds pages and total tags, and says when it cut.
+
+The attack: a registry answers ``tags/list`` with huge pages and an endless ``Link: rel=next``
+(the reported case: 400,000-tag pages reached 1.5 GiB RSS in 37 s), or with endless empty
+pages. The registry here is a small hostile loopback server; ``modelpack audit`` runs as a real
+subprocess whose peak RSS (``wait4``) and wall time are measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+MANIFEST = json.dumps(
+    {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.empty.v1+json",
+            "digest": "sha256:" + "44" * 32,
+            "size": 2,
+        },
+        "layers": [],
+    }
+).encode()
+MANIFEST_DIGEST = "sha256:" + hashlib.sha256(MANIFEST).hexdigest()
+
+
+class EndlessTags:
+    """``tags/list`` pages of ``per_page`` tags each, every page linking to the next, forever."""
+
+    def __init__(self, per_page: int) -> None:
+        self.pages = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body in separate writes: no 40 ms ACK waits
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                path, _, query = self.path.partition("?")
+                if path == "/v2/":
+                    self._send(200, b"{}", {"Content-Type": "application/json"})
+                elif path.endswith("/tags/list"):
+                    server.pages += 1
+                    page = int(query.rsplit("page=", 1)[1]) if "page=" in query else 0
+                    tags = [f"p{page}-t{i}" for i in range(per_page)]
+                    body = json.dumps({"name": "m/x", "tags": tags}).encode()
+                    link = f'</v2/m/x/tags/list?n=1000&page={page + 1}>; rel="next"'
+                    self._send(200, body, {"Content-Type": "application/json", "Link": link})
+                elif "/manifests/" in path:
+                    headers = {
+                        "Content-Type": "application/vnd.oci.image.manifest.v1+json",
+                        "Docker-Content-Digest": MANIFEST_DIGEST,
+                    }
+                    self._send(200, MANIFEST, headers)
+                else:
+                    self._send(404, b'{"errors":[{"code":"NOT_FOUND","message":"no"}]}', {})
+
+            do_HEAD = do_GET
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def big_pages() -> Iterator[EndlessTags]:
+    s = EndlessTags(per_page=100_000)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def empty_pages() -> Iterator[EndlessTags]:
+    s = EndlessTags(per_page=0)
+    yield s
+    s.close()
+
+
+def _audit(*args: str, limit_s: float = 120) -> tuple[int, str, str, float, int]:
+    """Run ``modelpack audit``: (exit code, stdout, stderr, seconds, peak RSS in MiB)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "modelpack.cli", "audit", *args, "--retry-for", "0"],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env={**os.environ, "CI": "1"},
+        )
+        timer = threading.Timer(limit_s, proc.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # reaps it: its own peak RSS, no other's
+        finally:
+            timer.cancel()
+        took = time.monotonic() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read(), took, usage.ru_maxrss // 1024
+
+
+def test_endless_huge_tag_pages_are_cut_at_the_tag_bound(big_pages: EndlessTags) -> None:
+    code, out, err, took, _ = _audit(f"{big_pages.host}/m/x", "--max-tags", "300", "--json")
+    assert code == 0, err
+    assert took < 60, took
+    [repo] = json.loads(out)["repositories"]
+    assert len(repo["tags"]) == 300
+    assert repo["cut"] and "300" in repo["cut"] and "--max-tags" in repo["cut"], repo["cut"]
+    assert big_pages.pages <= 2  # streamed: the listing stopped at the bound, no page fetched after
+    # the text output says so too
+    code, out, err, _, _ = _audit(f"{big_pages.host}/m/x", "--max-tags", "300")
+    assert code == 0 and "cut" in (out + err) and "--max-tags" in (out + err), out + err
+
+
+def test_the_default_tag_bound_holds_memory_and_time(big_pages: EndlessTags) -> None:
+    """With the default bound (10,000 tags), a registry of endless 100,000-tag pages costs a
+    bounded RSS and time, and the cut is reported."""
+    code, out, err, took, rss = _audit(f"{big_pages.host}/m/x", "--json", limit_s=200)
+    assert code == 0, err
+    [repo] = json.loads(out)["repositories"]
+    assert len(repo["tags"]) == 10_000 and "10000" in repo["cut"], repo["cut"]
+    assert rss and rss < 400, rss
+    assert took < 180, took
+
+
+def test_endless_empty_pages_are_cut_at_the_page_bound(empty_pages: EndlessTags) -> None:
+    code, out, err, took, _ = _audit(f"{empty_pages.host}/m/x", "--json", limit_s=200)
+    assert code == 0, err
+    [repo] = json.loads(out)["repositories"]
+    assert repo["tags"] == {} and "pages" in repo["cut"], repo
+    assert empty_pages.pages <= 2_001
+    assert took < 180, took
