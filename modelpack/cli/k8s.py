@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from modelpack.cli.k8s_kserve import kserve_group
 from modelpack.cli.options import build_target_options, emit_json, handle_errors, json_option, target_options
 from modelpack.mount import k8s
 
@@ -71,6 +72,9 @@ def k8s_group() -> None:
     Example:
       modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve | kubectl apply -f -
     """
+
+
+k8s_group.add_command(kserve_group)
 
 
 @k8s_group.command("pod")
