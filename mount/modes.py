@@ -212,6 +212,11 @@ def ensure_root(root: str) -> int:
     make_dirs(root, DIR_MODE, leaf_mode=ROOT_MODE)
     st = check_cache_path(root)
     mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_ISVTX and mode & _WRITABLE_BY_OTHERS:
+        raise StoreError(
+            f"{root}: a shared sticky directory (mode {mode:04o}, like /tmp), not a node cache; other "
+            f"users keep files there. Use a directory of its own, e.g. --cache {os.path.join(root, 'modelpack')}"
+        )
     if mode & _WRITABLE_BY_OTHERS:
         if _may_chmod(st):
             with contextlib.suppress(OSError):

@@ -133,6 +133,14 @@ def test_a_cache_path_through_another_uids_symlink_is_refused(shared: Path) -> N
     assert res.returncode == 1 and f"uid {NOBODY_UID}" in res.stderr, res.stderr
 
 
+def test_a_shared_sticky_directory_is_not_made_a_cache_root(shared: Path) -> None:
+    """``--cache /tmp`` as root must not strip the write bits of everybody's /tmp."""
+    ref, _ = pack(shared, "a", 1)
+    res = cli("pull", ref, "--cache", str(shared / "tmp"))
+    assert res.returncode == 1 and "sticky" in res.stderr, res.stderr
+    assert stat.S_IMODE(os.stat(shared / "tmp").st_mode) == 0o1777
+
+
 def test_the_swap_attack_never_yields_a_verified_hit(shared: Path) -> None:
     """Root's cache at a path nobody controls: whatever nobody swaps in, root never reports a hit
     on files that are not the verified ones (end to end: pull, swap, pull again)."""
