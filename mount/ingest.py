@@ -34,7 +34,7 @@ from modelpack.errors import (
     QuotaExceededError,
     SizeMismatchError,
 )
-from modelpack.files import TEMP_PREFIX
+from modelpack.files import TEMP_PREFIX, write_error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import HASH_CHUNK, Digest
 from modelpack.targets.base import ReadableTarget
@@ -153,7 +153,15 @@ class BlobIngest:
                             got = _readinto(stream, view[:want])
                             if not got:
                                 break
-                            _write_all(fd, view[:got])
+                            try:
+                                _write_all(fd, view[:got])
+                            except OSError as exc:  # a full disk: the partial stays for a resume
+                                raise write_error(
+                                    partial,
+                                    exc,
+                                    kept=f"the {n} bytes of {desc.digest} written so far stay there "
+                                    "for the next pull to resume; free space or run 'modelpack cache gc'",
+                                ) from exc
                             h.update(view[:got])
                             n += got
                             result.downloaded += got

@@ -484,7 +484,6 @@ def _full_disk(exc: BaseException, root: str) -> BaseException:
     typed one-line error naming the file, else the cache it happened in; anything else as is."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         path = os.fsdecode(exc.filename) if exc.filename else root
-        return write_error(
-            path, exc, kept=f"in the node cache {root}; free space or run 'modelpack cache gc'"
-        )
+        where = "" if path == root else f"in the node cache {root}; "
+        return write_error(path, exc, kept=f"{where}free space or run 'modelpack cache gc'")
     return exc

@@ -13,17 +13,23 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from modelpack.cli import main
+from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.registry import RegistryServer
 from tests.pull_dir_helpers import small_tmpfs, temp_entries
 from tests.test_cache_support import push_model
 
 pytestmark = pytest.mark.timeout(180)
+
+MODELPACK = str(Path(sys.executable).with_name("modelpack"))
 
 
 def _fill(directory: Path, leave: int = 0) -> None:
@@ -79,3 +85,39 @@ def test_full_disk_while_committing_the_manifest(
         assert r.exit_code == 0, r.output
         assert manifest_blob.is_file()
         assert temp_entries(cache) == []
+
+
+def test_full_disk_mid_download_keeps_the_partial_and_names_it(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    """The disk fills up (another writer) while a blob downloads: one line naming the partial,
+    which stays; once there is room, the next pull resumes it instead of starting over."""
+    push_model(checkpoint, registry.host, "enospc/download")
+    proxy = FaultProxy(registry.host, rate=512 * 1024)  # seconds for the model
+    try:
+        with small_tmpfs(tmp_path / "fs", "24m") as fs:
+            assert fs is not None, "tests run as root and may mount a tmpfs"
+            cache = fs / "cache"
+            args = [MODELPACK, "pull", f"{proxy.host}/enospc/download:v1", "--cache", str(cache), "--json"]
+            env = {**os.environ, "CI": "1"}
+            proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.monotonic() + 60
+            while not any(p.stat().st_size > 64 * 1024 for p in (cache / "ingest").glob("*.partial")):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.02)
+            _fill(fs)  # the racing writer
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 1, err
+            partials = list((cache / "ingest").glob("*.partial"))
+            assert partials and all(p.stat().st_size > 0 for p in partials)  # one per blob in flight
+            assert any(err.startswith(f"error: {p}") for p in partials) and "resume" in err, err
+            assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+            assert temp_entries(cache) == []
+
+            (fs / "filler").unlink()
+            again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+            assert again.returncode == 0, again.stderr
+            doc = json.loads(again.stdout)
+            assert doc["bytes"]["resumed"] > 0, doc["bytes"]
+    finally:
+        proxy.close()
