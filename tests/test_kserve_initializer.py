@@ -401,3 +401,53 @@ def test_a_download_job_takes_its_policy_from_the_environment_and_urls_can_skip_
     only = run_initializer(pod, [uri + "?exclude=*.safetensors", str(configs)], env)
     assert only.returncode == 0, only.stderr
     assert set(pod.files(configs)) == {p.name for p in ckpt.iterdir() if p.suffix != ".safetensors"}
+
+
+def test_the_generated_cluster_storage_container_runs_as_written(
+    registry_factory, pod: Pod, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """``k8s kserve storage-containers``' own initContainer spec: its command, env and
+    securityContext (uid), each volumeMount's path mapped onto the pod's directories."""
+    from modelpack.serving.kserve.manifests import storage_containers
+
+    registry = registry_factory.start(basic_auth=True, tls=True)
+    ckpt = tmp_path / "csc"
+    write_checkpoint(str(ckpt), SyntheticSpec(seed=10, shards=1))
+    signer = generate_key()
+    digest = api.push(
+        str(ckpt), registry.ref("kserve/csc", "v1"), target_options=_options(registry), sign_key=signer
+    ).digest
+    _tls_pod(pod, registry)
+    policy_dir = pod.root / "policy"
+    policy_dir.mkdir()
+    (policy_dir / "ci.pub").write_bytes(signer.public.pem)
+    (policy_dir / "policy.yaml").write_text(
+        f"rules:\n  - match: '{registry.host}/kserve/*'\n    keys: [{{path: ci.pub}}]\n    require_signature: true\n"
+    )
+    os.chmod(policy_dir, 0o755)
+    init, _ = storage_containers(policy_secret=True, registry_secret=True)
+    container = init["spec"]["container"]
+    where = {
+        "modelpack-cache": str(pod.node_cache),
+        "modelpack-tmp": str(pod.tmp),
+        "modelpack-policy": str(policy_dir),
+        "modelpack-registry-auth": str(pod.auth_dir),
+    }
+    mounts = {m["mountPath"]: where[m["name"]] for m in container["volumeMounts"]}
+
+    def mapped(value: str) -> str:
+        for mount_path, local in mounts.items():
+            if value == mount_path or value.startswith(mount_path + "/"):
+                return local + value[len(mount_path) :]
+        return value
+
+    env = kserve_env(pod)
+    env.pop("KSERVE_OCI_DOCKER_CONFIG")  # the CSC itself names the projected pull secret
+    env.update({e["name"]: mapped(e["value"]) for e in container["env"]})
+    assert container["command"] == ["modelpack", "storage-initializer"]
+    assert container["securityContext"]["runAsUser"] == 1000
+    dest = pod.dest("models")
+    run = run_initializer(pod, [f"modelpack://{registry.host}/kserve/csc@{digest}", str(dest)], env)
+    assert run.returncode == 0, run.stderr
+    assert pod.files(dest) == {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert (pod.node_cache / "events.jsonl").exists()
