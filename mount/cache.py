@@ -14,7 +14,9 @@ else ``~/.cache/modelpack``), and the module that owns each part::
     leases/hold-<id>.json                   ``pull --hold``: kept from GC until a deadline
     events.jsonl                            one JSON line per decision
 
-Eviction, ``rm`` and sweeps live in ``mount.gc``; re-hashing in ``mount.integrity`` (against
+Eviction, ``rm`` and sweeps live in ``mount.gc`` (what GC reads without its lock in
+``mount.gc_scan``, which snapshots go in ``mount.gc_plan``; trees are deleted by
+``mount.treewalk``, which never follows a symlink); re-hashing in ``mount.integrity`` (against
 the manifest, ``mount.contents``); ``ls`` and usage in ``mount.listing``; the records returned in
 ``mount.reports``; modes and ownership in ``mount.modes``. This module wires them to one cache
 root and keeps the public methods in one place.
