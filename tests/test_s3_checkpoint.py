@@ -125,3 +125,38 @@ def test_empty_prefix_unsafe_keys_and_reshard_are_refused(s3: S3Server, checkpoi
     s3.client().put_object(Bucket=bucket, Key="ckpts/ckpt/a//b.json", Body=b"{}")
     with pytest.raises(PackError, match=r"a//b\.json"):
         build_s3_artifact(f"s3://{bucket}/ckpts/ckpt", PackOptions(), OPTS)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "sub/../model.safetensors",
+        "./config.json",
+        "../escape.json",
+        "sub/./x.json",
+        "sub/..",
+        "a//b.json",
+        "sub//",  # a "directory" marker with an empty component
+        "notes\x1b[2J.txt",
+    ],
+)
+def test_keys_with_dot_dotdot_or_empty_components_are_refused_by_name(
+    s3: S3Server, checkpoint: Path, key: str
+) -> None:
+    """Issue 22 item 13: such keys were silently skipped (``.``/``..`` start with a dot, like a
+    hidden file); a checkpoint whose listing holds one is refused, naming the key."""
+    bucket = s3.make_bucket()
+    _upload_checkpoint(s3, checkpoint, bucket)
+    c = s3.client()
+    c.put_object(Bucket=bucket, Key=f"ckpts/ckpt/{key}", Body=b"{}")
+    assert any(o["Key"] == f"ckpts/ckpt/{key}" for o in c.list_objects_v2(Bucket=bucket)["Contents"])
+    with pytest.raises(PackError) as exc:
+        build_s3_artifact(f"s3://{bucket}/ckpts/ckpt", PackOptions(), OPTS)
+    assert repr(key)[1:-1] in str(exc.value) or key in str(exc.value), str(exc.value)
+    r = CliRunner().invoke(
+        main,
+        ["pack", f"s3://{bucket}/ckpts/ckpt/", f"oci:{checkpoint.parent / 'out'}:v1"],
+        env={"MODELPACK_S3_ENDPOINT": s3.endpoint},
+    )
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "ckpts/ckpt/" in r.output and "refus" in r.output, r.output

@@ -106,13 +106,33 @@ def _matches(relpath: str, patterns: Sequence[str]) -> bool:
     )
 
 
+def _refuse_unplain_key(bucket: str, key: str, rel: str) -> None:
+    """Raise ``PackError`` naming ``s3://bucket/key`` unless ``rel`` is a plain relative path
+    (a trailing ``/`` of a directory marker aside)."""
+    parts = (rel[:-1] if rel.endswith("/") else rel).split("/")
+    odd = next((p for p in parts if p in ("", ".", "..")), None)
+    if odd is not None:
+        shown = repr(odd) if odd else "an empty"
+        raise PackError(
+            f"s3://{bucket}/{key}: object key {rel!r} has {shown} path component; refusing to pack "
+            "it (rename the object: such a key does not name the file it would become)"
+        )
+    try:
+        safe_relative_path(rel.rstrip("/"), what="object key")
+    except UnsafePathError as exc:
+        raise PackError(f"s3://{bucket}/{key}: {exc}; refusing to pack it") from exc
+
+
 def list_checkpoint(
     client: Any, bucket: str, prefix: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
 ) -> list[S3Object]:
     """The objects to pack under ``prefix``, sorted by path parts, as ``discover_files`` does.
 
-    Directory markers (keys ending in ``/``) and hidden entries (``.cache/…``) are skipped; a
-    key that would not be a safe relative path (``a//b``, ``..``) is refused.
+    Directory markers (keys ending in ``/``) and hidden entries (``.cache/…``) are skipped. A key
+    that is not a plain relative path is refused, naming it: an empty, ``.`` or ``..`` component
+    (``a//b``, ``./x``, ``sub/../x``; an S3 key is a name, not a path, so such a key would land
+    somewhere else than it says, or collide with another), a leading ``/``, NUL, a backslash or a
+    control character (``mediatypes.annotations.safe_relative_path``).
     """
     where = f"s3://{bucket}/{prefix}"
     base = f"{prefix}/" if prefix else ""
@@ -126,15 +146,13 @@ def list_checkpoint(
         for obj in resp.get("Contents", []):
             key = str(obj["Key"])
             rel = key[len(base) :]
-            if not rel or rel.endswith("/"):
-                continue
+            if not rel:
+                continue  # the prefix's own marker
+            _refuse_unplain_key(bucket, key, rel)
+            if rel.endswith("/"):
+                continue  # a "directory" marker
             if any(part.startswith(".") for part in rel.split("/")):
-                continue
-            try:
-                if safe_relative_path(rel, what="object key") != rel:
-                    raise UnsafePathError(f"object key {rel!r} is not a normalised path (// or ./)")
-            except UnsafePathError as exc:
-                raise PackError(f"s3://{bucket}/{key}: {exc}") from exc
+                continue  # hidden (``.cache/…``); ``.`` and ``..`` were refused above
             if include and not _matches(rel, include):
                 continue
             if exclude and _matches(rel, exclude):
