@@ -50,6 +50,21 @@ def best_of(reps: int, fn: Callable[[int], object]) -> float:
     return min(times)
 
 
+def best_into_fresh_registry(reps: int, work: Path, fn: Callable[[int, str], object]) -> float:
+    """Best of ``reps`` runs of ``fn(i, registry_ref_base)``, each into a registry started empty for it
+    (untimed), so no repetition times blob mounts or "already exists" answers left by an earlier one."""
+    times = []
+    for i in range(reps):
+        registry = start_registry(work / f"registry-{time.monotonic_ns()}")
+        try:
+            t0 = time.perf_counter()
+            fn(i, registry.ref(f"bench/r{i}", "v1"))
+            times.append(time.perf_counter() - t0)
+        finally:
+            registry.stop()
+    return min(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="256MiB")
@@ -69,12 +84,10 @@ def main() -> None:
         stderr=subprocess.DEVNULL,
         env={**os.environ},
     )
-    registry = None
     try:
         s3 = S3Server(f"http://127.0.0.1:{port}", moto)
         _wait_ready(s3.endpoint, moto)
         os.environ["MODELPACK_S3_ENDPOINT"] = s3.endpoint
-        registry = start_registry(work / "registry")
 
         ckpt = work / "ckpt"
         print(f"generating a {args.size} checkpoint ({args.shards} shards) …", flush=True)
@@ -84,11 +97,23 @@ def main() -> None:
         s3.upload_dir(bucket, "ckpt", ckpt)
         exe = str(Path(sys.executable).with_name("modelpack"))
         env = {**os.environ, "MODELPACK_S3_PART_SIZE": str(part_size)}
+        runs = [0]
 
         def mp(*argv: str) -> None:
-            # the CLI in a child process, like the aws peer (both pay their start-up)
+            # the CLI in a child process, like the aws peer (both pay their start-up); every run has
+            # its own upload-state directory (never the user's ~/.cache/modelpack/uploads)
+            runs[0] += 1
+            state = work / f"upload-state-{runs[0]}"
             cmd = [exe, *argv, "--jobs", str(args.jobs), "--progress", "off"]
-            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            run_env = {**env, "MODELPACK_UPLOAD_STATE_DIR": str(state)}
+            subprocess.run(cmd, check=True, env=run_env, stdout=subprocess.DEVNULL)
+            shutil.rmtree(state, ignore_errors=True)
+
+        print(
+            "compares: aws s3 cp (no digest checks) against modelpack push / cp / pack (every digest "
+            "verified), same files, same moto endpoint; every registry row pushes into a registry "
+            "started empty for that repetition"
+        )
 
         # (seconds, peer name) per operation; uploads compare with the upload peer
         results: dict[str, tuple[float, str]] = {}
@@ -124,17 +149,12 @@ def main() -> None:
 
         results["modelpack cp s3 → oci dir"] = (best_of(args.reps, cp_layout), down_peer)
         results["modelpack cp s3 → registry"] = (
-            best_of(
-                args.reps, lambda i: mp("cp", src_ref, registry.ref(f"bench/cp{i}", "v1"), "--plain-http")
-            ),
+            best_into_fresh_registry(args.reps, work, lambda i, ref: mp("cp", src_ref, ref, "--plain-http")),
             down_peer,
         )
         results["modelpack pack s3://ckpt/ → registry"] = (
-            best_of(
-                args.reps,
-                lambda i: mp(
-                    "pack", f"s3://{bucket}/ckpt/", registry.ref(f"bench/pack{i}", "v1"), "--plain-http"
-                ),
+            best_into_fresh_registry(
+                args.reps, work, lambda i, ref: mp("pack", f"s3://{bucket}/ckpt/", ref, "--plain-http")
             ),
             down_peer,
         )
@@ -151,8 +171,6 @@ def main() -> None:
             "(> 1 means faster than `aws s3 cp` of the same files; modelpack verifies every digest, aws does not)"
         )
     finally:
-        if registry is not None:
-            registry.stop()
         moto.terminate()
         try:
             moto.wait(timeout=10)
