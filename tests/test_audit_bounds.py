@@ -166,3 +166,18 @@ def test_endless_empty_pages_are_cut_at_the_page_bound(empty_pages: EndlessTags)
     assert repo["tags"] == {} and "pages" in repo["cut"], repo
     assert empty_pages.pages <= 2_001
     assert took < 180, took
+
+
+def test_ls_refuses_a_listing_past_its_bound(big_pages: EndlessTags) -> None:
+    """``ls`` prints every tag it lists, so a cut listing would look complete: past ``--max-tags``
+    it stops with an error naming the bound (before: it resolved tags until killed)."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpack.cli", "ls", f"{big_pages.host}/m/x", "--max-tags", "50"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "50" in proc.stderr and "--max-tags" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 60 and big_pages.pages == 1

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modelpack.errors import PackError
+from modelpack.errors import ListingCutError, PackError
 from modelpack.mediatypes import ModelSpecConfig, is_model_config, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Manifest
@@ -175,13 +175,31 @@ def inspect(reference: str | Reference, target_options: TargetOptions | None = N
     )
 
 
+#: tags ``list_tags`` lists before it stops (each costs a manifest request)
+DEFAULT_MAX_TAGS = 10_000
+
+
 def list_tags(
-    reference: str | Reference, target_options: TargetOptions | None = None
+    reference: str | Reference,
+    target_options: TargetOptions | None = None,
+    *,
+    max_tags: int = DEFAULT_MAX_TAGS,
 ) -> list[dict[str, Any]]:
+    """Every tag with its digest and types. A listing longer than ``max_tags`` (or one the
+    registry keeps paging, ``ListingCutError``) raises rather than returning a part that looks
+    whole; the listing is consumed as it streams and left unread past the bound."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = open_readable(ref, target_options)
     out = []
-    for tag in target.list_tags():
+    listing = iter(target.list_tags())
+    for n, tag in enumerate(listing):
+        if n == max_tags:
+            close = getattr(listing, "close", None)
+            if close is not None:
+                close()
+            raise ListingCutError(
+                f"more than {max_tags} tags; stopped (--max-tags raises the bound)", target=str(ref), listed=n
+            )
         desc = target.resolve(tag)
         out.append(
             {

@@ -175,10 +175,17 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
 
 @click.command("ls")
 @click.argument("reference")
+@click.option(
+    "--max-tags",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    help="List at most this many tags; a longer listing is an error, never a silent part.",
+)
 @target_options
 @json_option
 @handle_errors
-def ls_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
+def ls_cmd(reference: str, max_tags: int, as_json: bool, **kwargs: Any) -> None:
     """List the tags of a layout, repository or bucket, with their digests.
 
     \b
@@ -188,7 +195,7 @@ def ls_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
       modelpack ls s3://bucket/models/llama --s3-endpoint http://127.0.0.1:9000
     """
     check_reference(reference, "REFERENCE", tag=False)
-    tags = api.list_tags(reference, build_target_options(kwargs))
+    tags = api.list_tags(reference, build_target_options(kwargs), max_tags=max_tags)
     if as_json:
         emit_json(tags)
         return
