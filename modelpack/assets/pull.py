@@ -261,7 +261,7 @@ def _materialise(fill: Fill, asset: StoredAsset, dest: str, model: Descriptor) -
     marker (every file's sha256), rename it into place."""
     assert asset.record is not None
     parent = os.path.dirname(dest) or "."
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(parent, mode=0o755, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
     try:
         files = [MarkedFile(rel, size, sha) for rel, size, sha in fill(tmp)]
