@@ -486,9 +486,11 @@ def _redirecting_registry(
     return server, blob_host
 
 
-@pytest.mark.parametrize("mode", ["challenge", "serve"])
+@pytest.mark.parametrize(
+    ("mode", "source"), [("challenge", "docker config"), ("serve", "docker config"), ("challenge", "-u")]
+)
 def test_a_redirect_target_never_collects_the_registry_password(
-    registry_factory: RegistryFactory, checkpoint: Path, tmp_path: Path, mode: str
+    registry_factory: RegistryFactory, checkpoint: Path, tmp_path: Path, mode: str, source: str
 ) -> None:
     """Issue 22 item 5: the registry's password sits in docker's config.json; blob GETs 307 to
     another host. That host's 401 and Bearer realm on itself must not get the password: the
@@ -496,11 +498,13 @@ def test_a_redirect_target_never_collects_the_registry_password(
     credentials or stops with a typed error naming that host."""
     server, blob_host = _redirecting_registry(registry_factory, checkpoint, mode)
     try:
-        _docker_login(tmp_path, server.host, TEST_USER, TEST_PASSWORD)
+        args = ["pull", server.ref("cdn/model", "v1"), str(tmp_path / "out"), "--retry-for", "0"]
+        if source == "-u":
+            args += ["-u", TEST_USER, "--password-stdin"]
+        else:
+            _docker_login(tmp_path, server.host, TEST_USER, TEST_PASSWORD)
         secret = base64.b64encode(f"{TEST_USER}:{TEST_PASSWORD}".encode()).decode()
-        r = CliRunner().invoke(
-            main, ["pull", server.ref("cdn/model", "v1"), str(tmp_path / "out"), "--retry-for", "0"]
-        )
+        r = CliRunner().invoke(main, args, input=f"{TEST_PASSWORD}\n")
         assert any("/docker/registry/v2/blobs/" in p for p, _ in blob_host.seen), blob_host.seen
         leaked = [(p, a) for p, a in blob_host.seen if a and (secret in a or a.startswith("Basic"))]
         assert not leaked, leaked
