@@ -249,3 +249,27 @@ def test_progress_bars_show_outside_names_escaped(monkeypatch: pytest.MonkeyPatc
     out = err.getvalue()
     assert "\x1b]52" not in out and "\x1b[2J" not in out and "\x07" not in out, repr(out)
     assert "\\x1b" in out
+
+
+def _safetensors(path: Path, names: list[str]) -> None:
+    header = {
+        n: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]} for i, n in enumerate(names)
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\x00" * (8 * len(names)))
+
+
+def test_diff_shows_tensor_names_from_headers_escaped(tmp_path: Path) -> None:
+    """A tensor name is header text: ``diff`` prints it as one inert line."""
+    for name, tensors in (("a", ["w"]), ("b", ["w", f"x{FAKE_LINE}{OSC52}"])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        _safetensors(d / "model.safetensors", tensors)
+        packed = _cli("pack", str(d), f"oci:{tmp_path / 'l'}:{name}")
+        assert packed.returncode == 0, packed.stderr
+    proc = _cli("diff", f"oci:{tmp_path / 'l'}:a", f"oci:{tmp_path / 'l'}:b")
+    assert proc.returncode == 0, proc.stderr
+    _assert_inert(proc)
+    assert "x\\nsignature:" in proc.stdout, proc.stdout

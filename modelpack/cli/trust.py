@@ -465,13 +465,14 @@ def diff_cmd(ref_a: str, ref_b: str, no_tensors: bool, as_json: bool, **kwargs: 
         click.echo("identical")
         return
     for c in d.config:
-        click.echo(f"config {c['path']}: {c['before']!r} → {c['after']!r}")
+        click.echo(f"config {for_terminal(c['path'])}: {c['before']!r} → {c['after']!r}")
     for f in d.files:
         sizes = " → ".join(human_size(x["size"]) for x in (f.before, f.after) if x)
-        click.echo(f"{f.change:<8} {f.path} ({sizes})")
+        click.echo(f"{f.change:<8} {for_terminal(f.path)} ({sizes})")
         for t in f.tensors or []:
             b, a = t.before or {}, t.after or {}
             desc = " → ".join(f"{x['dtype']}{x['shape']} {x['digest'][7:19]}" for x in (b, a) if x)
-            click.echo(f"    {t.change:<8} {t.name}: {desc}")
+            # tensor names come from the files' headers: one inert line each
+            click.echo(f"    {t.change:<8} {for_terminal(t.name)}: {for_terminal(desc)}")
         if f.tensors is not None:
             click.echo(f"    ({f.unchanged_tensors} tensors unchanged)")
