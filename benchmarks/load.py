@@ -8,10 +8,14 @@ own) ``--repeat`` times, round-robin (so all see the same background load), and 
 each one's best time:
 
 - ``readinto 2 threads``: two threads ``readinto`` preallocated tensors — the ceiling;
-- ``modelpack → prealloc``: ``load_state_dict(out=…)`` into preallocated tensors;
+- ``modelpack → prealloc (unverified)``: ``load_state_dict(out=…)`` into preallocated tensors
+  (``--allow-unverified`` on the plain directory: no peer verifies anything either);
 - ``safe_open+get_tensor → prealloc``: safetensors' lazy API, each tensor copied into place;
 - ``runai-model-streamer → prealloc`` (0.17.0, optional: skipped with a note if missing);
+- ``fastsafetensors → prealloc`` (0.5.0, CPU path ``nogds=True``; optional, ``--fastsafetensors-path``);
 - ``safetensors load_file → prealloc``: ``load_file`` (it maps the file), tensors copied into place;
+- ``safetensors load_file + clone, fresh``: ``load_file`` returns views of its mapping (nothing
+  read until touched), so each is cloned into fresh memory: the fresh-memory peer of:
 - ``modelpack (fresh tensors)``: ``load_state_dict`` allocating its own tensors (page faults
   included: on this VM fresh memory faults in at ~1 GB/s, so this line shows that cost);
 - ``modelpack TP=2``: both ranks (fresh tensors), the slowest one reported.
@@ -116,6 +120,30 @@ elif name == "safe_open":
             for k in sf.keys():
                 out[k].copy_(sf.get_tensor(k))
     secs = time.perf_counter() - t0
+elif name == "load_file-fresh":
+    from safetensors.torch import load_file
+    t0 = time.perf_counter()
+    kept = {}
+    for f in files:
+        # load_file returns views of its mapping (nothing read yet): clone = read into fresh memory
+        kept.update((k, v.clone()) for k, v in load_file(f).items())
+    secs = time.perf_counter() - t0
+elif name == "fastsafetensors":
+    sys.path.insert(0, extra["path"])
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+    import importlib.metadata as md
+    info["version"] = "0.5.0 (CPU, nogds)"
+    out = prealloc()
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+    loader.add_filenames({0: files})
+    fb = loader.copy_files_to_device()
+    for f, h, t in tensors:
+        out[t.name].copy_(fb.get_tensor(t.name))
+    fb.close()
+    loader.close()
+    secs = time.perf_counter() - t0
 elif name == "runai":
     from runai_model_streamer import SafetensorsStreamer
     import importlib.metadata as md
@@ -159,6 +187,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="modelpack read threads (0 = auto: cores + 1)")
     ap.add_argument("--dir", default="/tmp/modelpack-bench-load")
     ap.add_argument("--clean", action="store_true", help="delete the generated checkpoint afterwards")
+    ap.add_argument(
+        "--fastsafetensors-path",
+        default=os.environ.get("FASTSAFETENSORS_PATH", "/tmp/fst-peer"),
+        help="directory holding fastsafetensors 0.5.0 (pip install --no-deps --target DIR fastsafetensors==0.5.0)",
+    )
     args = ap.parse_args()
     size = parse_size(args.size)
 
@@ -179,29 +212,37 @@ def main() -> None:
     )
 
     extra = {"workers": args.workers}
+    print(
+        "compares: every contender reads the same plain directory, unverified (modelpack with "
+        "--allow-unverified, labelled; no peer checks a digest). Two groups, like for like: into "
+        "preallocated, pre-faulted tensors, and into fresh memory each contender allocates itself"
+    )
     contenders: list[tuple[str, str, dict[str, object]]] = [
         ("readinto 2 threads (ceiling)", "readinto", {}),
-        ("modelpack → prealloc", "modelpack", extra),
+        ("modelpack → prealloc (unverified)", "modelpack", extra),
         ("safe_open+get_tensor → prealloc", "safe_open", {}),
         ("runai-model-streamer → prealloc", "runai", {}),
+        ("fastsafetensors → prealloc", "fastsafetensors", {"path": args.fastsafetensors_path}),
         ("safetensors load_file → prealloc", "load_file", {}),
-        ("modelpack (fresh tensors)", "modelpack-fresh", extra),
+        ("modelpack, fresh tensors (unverified)", "modelpack-fresh", extra),
+        ("safetensors load_file + clone, fresh", "load_file-fresh", {}),
         ("TP=2 rank 0", "modelpack-tp", {**extra, "tp": 2, "rank": 0}),
         ("TP=2 rank 1", "modelpack-tp", {**extra, "tp": 2, "rank": 1}),
     ]
     # round-robin, so every contender sees the same background load; keep each one's best run
     runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in contenders}
-    runai_note = ""
+    notes: dict[str, str] = {}
+    optional = ("runai", "fastsafetensors")
     for _ in range(args.repeat):
         for label, name, kw in contenders:
-            if name == "runai" and runai_note:
+            if name in notes:
                 continue
             try:
                 runs[label].append(run_child(name, args.dir, kw))
             except RuntimeError as exc:
-                if name != "runai":
+                if name not in optional:
                     raise
-                runai_note = f"runai-model-streamer skipped: {str(exc).splitlines()[-1][:200]}"
+                notes[name] = f"{name} skipped: {str(exc).splitlines()[-1][:200]}"
     results: dict[str, dict[str, float]] = {}
     for label, rs in runs.items():
         if rs:
@@ -226,15 +267,15 @@ def main() -> None:
         f"{slow['peak_rss'] / 2**20:>8.0f} MiB {slow['rss_growth'] / 2**20:>8.0f} MiB"
         f"  (rank bytes read {int(slow.get('bytes_read', 0)) / 2**30:.2f} GiB of {total / 2**30:.2f})"
     )
-    if runai_note:
-        print(runai_note)
+    for note in notes.values():
+        print(note)
 
     def rate(key: str) -> float:
         r = results[key]
         return r["bytes"] / r["seconds"]
 
     ceiling = rate("readinto 2 threads (ceiling)")
-    mp = rate("modelpack → prealloc")
+    mp = rate("modelpack → prealloc (unverified)")
     print()
     print(f"modelpack → prealloc / readinto ceiling          = {mp / ceiling:.2f}x   (goal ≥ 0.8x)")
     print(
@@ -243,13 +284,14 @@ def main() -> None:
     print(
         f"modelpack → prealloc / load_file → prealloc      = {mp / rate('safetensors load_file → prealloc'):.2f}x   (goal ≥ 1.0x)"
     )
-    if "runai-model-streamer → prealloc" in results:
-        print(
-            f"modelpack → prealloc / runai-model-streamer       = {mp / rate('runai-model-streamer → prealloc'):.2f}x"
-        )
+    for peer in ("runai-model-streamer → prealloc", "fastsafetensors → prealloc"):
+        if peer in results:
+            print(f"modelpack → prealloc / {peer:<26} = {mp / rate(peer):.2f}x")
+    fresh = results["modelpack, fresh tensors (unverified)"]
     print(
-        f"TP=2 slowest rank time / TP=1 time               = {slow['seconds'] / results['modelpack (fresh tensors)']['seconds']:.2f}"
+        f"modelpack fresh / load_file + clone, fresh       = {rate('modelpack, fresh tensors (unverified)') / rate('safetensors load_file + clone, fresh'):.2f}x"
     )
+    print(f"TP=2 slowest rank time / TP=1 time               = {slow['seconds'] / fresh['seconds']:.2f}")
     if args.clean:
         shutil.rmtree(args.dir, ignore_errors=True)
 
