@@ -212,6 +212,18 @@ def test_a_destination_another_user_prepared_is_never_used_or_replaced(
 
 
 @needs_root
+def test_a_destination_below_another_users_directory_is_refused(model: Model, shared_dir: Path) -> None:
+    """nobody owns a directory above DEST: it could rename DEST away after the check and put its
+    own in place, so nothing is materialised there."""
+    theirs = shared_dir / "nobodys"
+    r = subprocess.run([*NOBODY, "mkdir", "-m", "0755", str(theirs)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(AssetError, match="belongs to uid 65534"):
+        pull_asset(model.ref, theirs / "sub" / "dest", "inductor", policy=_pub(model))
+    assert not (theirs / "sub").exists()
+
+
+@needs_root
 def test_a_foreign_file_inside_the_callers_destination_refuses_it(model: Model, shared_dir: Path) -> None:
     dest = shared_dir / "mine"
     assert pull_asset(model.ref, dest, "inductor", policy=_pub(model)).state == "hit"

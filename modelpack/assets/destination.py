@@ -7,8 +7,8 @@ already here", or as "an earlier pull's directory this pull may replace" — onl
 - it is a real directory (not a symlink), and it and every entry in it, walked without following
   links, belong to the caller or root, are not writable by group or others, and are directories
   or regular files with one link (a hard link planted into it by another uid is refused);
-- the directory holding it is not writable by group or others unless sticky (else someone else
-  could swap it after this check);
+- every directory above it is the caller's or root's and not writable by group or others
+  unless sticky (else someone else could swap it after this check);
 - for "already here": the marker the earlier pull wrote names this asset, and every file the
   marker lists hashes to the sha256 recorded when the file was extracted from the digest-checked
   layer (or copied from the node cache's verified snapshot). Files the runtime added since (new
@@ -129,17 +129,32 @@ def _refuse(path: str, why: str) -> AssetError:
 
 
 def _check_parent(dest: str) -> None:
-    parent = os.path.dirname(dest) or "."
-    try:
-        st = os.stat(parent)
-    except FileNotFoundError:
-        return  # created by this pull
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise _refuse(
-            parent,
-            f"holds the destination and is writable by group or others without the sticky bit "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}): anyone could swap the directory after it was checked",
-        )
+    """Every directory above ``dest`` (links resolved) is the caller's or root's and not writable
+    by group or others unless sticky: else someone else could move ``dest`` after the check."""
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(dest)))
+    while True:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            st = None  # created by this pull
+        if st is not None:
+            if st.st_uid not in (os.geteuid(), 0):
+                raise _refuse(
+                    parent,
+                    f"holds the destination and belongs to uid {st.st_uid}: that user could swap the "
+                    "directory after it was checked",
+                )
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise _refuse(
+                    parent,
+                    f"holds the destination and is writable by group or others without the sticky "
+                    f"bit (mode {stat.S_IMODE(st.st_mode):04o}): anyone could swap the directory "
+                    "after it was checked",
+                )
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        parent = up
 
 
 def _walk_owned(dest: str) -> int:
