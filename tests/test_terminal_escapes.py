@@ -273,3 +273,19 @@ def test_diff_shows_tensor_names_from_headers_escaped(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     _assert_inert(proc)
     assert "x\\nsignature:" in proc.stdout, proc.stdout
+
+
+def test_pull_reports_planted_file_names_escaped(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    """Names of files already in a pull's destination were chosen by whoever could write there."""
+    ref = registry.ref("term/planted", "v1")
+    pushed = _cli("push", str(checkpoint), ref)
+    assert pushed.returncode == 0, pushed.stderr
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / f"x{FAKE_LINE}{CLEAR}").write_text("planted")
+    proc = _cli("pull", ref, str(dest))
+    assert proc.returncode == 0, proc.stderr
+    _assert_inert(proc)
+    assert "x\\nsignature:" in proc.stderr, proc.stderr

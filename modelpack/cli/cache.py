@@ -17,6 +17,7 @@ import click
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S
+from modelpack.terminal import for_terminal
 
 if TYPE_CHECKING:
     from modelpack.signing.policy import TrustPolicy
@@ -205,7 +206,7 @@ def cache_verify(
             status = "ok" if r.ok else "DAMAGED"
             click.echo(f"{r.digest}  {status}  {r.files} files, {human_size(r.bytes)}, {r.seconds:.2f}s")
             for p in r.problems:
-                click.echo(f"  {p}")
+                click.echo(f"  {for_terminal(p)}")  # names found in the cache: inert
     if any(not r.ok for r in reports):
         raise SystemExit(1)
 

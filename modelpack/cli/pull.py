@@ -26,6 +26,7 @@ from modelpack.cli.options import (
     target_options,
     trust_policy_from,
 )
+from modelpack.terminal import for_terminal
 
 if TYPE_CHECKING:
     from modelpack.targets.opener import TargetOptions
@@ -181,7 +182,9 @@ def report_pull(result: PullResult) -> None:
         ("not part of this artifact deleted (--delete)", result.deleted),
     ):
         if names:
-            shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+            # names found in the destination (anyone who could write there chose them): inert
+            shown = ", ".join(for_terminal(n) for n in names[:10])
+            shown += f" and {len(names) - 10} more" if len(names) > 10 else ""
             click.echo(f"{len(names)} file(s) in {result.dest_dir} {what}: {shown}", err=True)
 
 
