@@ -333,6 +333,14 @@ def test_max_bytes_refuses_an_asset_larger_than_it_before_the_download(model: Mo
     doc = json.loads(proc.stdout)
     assert doc["state"] == "refused" and "more than --max-bytes 8" in doc["reason"], doc
     assert not (tmp_path / "d").exists()
+    # through the node cache too, and before the cache downloads anything
+    proc = _cli(
+        "pull", model.ref, str(tmp_path / "d"), "--kind", "inductor", "--key", model.public_key,
+        "--max-bytes", "8", "--cache", str(tmp_path / "cache"), "--json",
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "refused" and "more than --max-bytes 8" in doc["reason"], doc
+    assert not (tmp_path / "d").exists() and not list((tmp_path / "cache" / "snapshots").glob("*"))
 
 
 # --------------------------------------------------------------------------- 4. node-cache views

@@ -448,5 +448,7 @@ def test_a_snapshot_is_checked_against_its_ready_marker_before_vllm_reads_it(
         planted.unlink()
     with pytest.raises(ServingConfigError, match="--tokenizer"):
         check_before_vllm_reads(str(snapshot), extra, tokenizer=str(tmp_path))
+    with pytest.raises(ServingConfigError, match="--hf-config-path"):
+        check_before_vllm_reads(str(snapshot), extra, hf_config_path=str(tmp_path))
     # an image volume is the container runtime's to verify: not walked
     assert check_before_vllm_reads(str(tmp_path), {"expected_digest": digest, "trust": "runtime"}) == []

@@ -225,11 +225,14 @@ def _from_cache(
     policy: PolicyOrKeys | None,
     start_id: str | None,
     outcome: dict[str, str],
+    max_bytes: int | None,
 ) -> Fill:
     """Pull the asset into the node cache (one download per node, verified and signature-checked
-    there, GC'd with the models), then link a writable view of it into the temp directory."""
+    there, GC'd with the models), then copy a writable view of it into the temp directory. The
+    record must fit ``max_bytes`` and the free space beside ``dest`` before anything is pulled."""
 
     def fill(tmp: str) -> list[tuple[str, int, str]]:
+        _write_cap(asset, tmp, max_bytes)  # refuses up front; the view checks the record again
         asset_ref = dataclasses.replace(ref, tag=None, digest=asset.descriptor.digest)
         try:
             res = cache.pull(
@@ -398,7 +401,7 @@ def pull_asset_from(
                 result.signature = _verify_signature(target, ref, asset, policy, events)
                 files = _materialise(_from_target(target, asset, max_bytes), asset, path, model)
             else:
-                fill = _from_cache(cache, target, ref, asset, policy, start_id, outcome)
+                fill = _from_cache(cache, target, ref, asset, policy, start_id, outcome, max_bytes)
                 files = _materialise(fill, asset, path, model)
                 result.signature = outcome.get("signature", result.signature)
             result.files, result.bytes = len(files), sum(f.size for f in files)

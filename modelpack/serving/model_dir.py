@@ -14,7 +14,8 @@ when the weights load:
   is refused, unless ``allow_extra_files`` is set;
 - each listed file present is compared by size and sha256 (weights excepted: the loader verifies
   those; files over 256 MiB by size only), and ``config.json`` must be there;
-- a ``--tokenizer`` other than ``--model`` is refused: the tokenizer comes from the artifact.
+- a ``--tokenizer`` or ``--hf-config-path`` other than ``--model`` is refused: they come from the
+  artifact.
 
 An image volume (``trust: runtime``) is read-only and its digest was verified by the container
 runtime, so it is not walked here.
@@ -220,6 +221,7 @@ def check_before_vllm_reads(
     extra_config: Mapping[str, Any] | str | None,
     *,
     tokenizer: str | None = None,
+    hf_config_path: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The check vLLM's config hook runs for the ``modelpack`` load format (module docstring).
@@ -240,6 +242,11 @@ def check_before_vllm_reads(
             raise ServingConfigError(
                 f"--tokenizer {tokenizer}: the 'modelpack' load format serves the tokenizer of the "
                 f"pinned artifact in --model ({model_dir}); drop --tokenizer"
+            )
+        if hf_config_path and os.path.realpath(hf_config_path) != os.path.realpath(model_dir):
+            raise ServingConfigError(
+                f"--hf-config-path {hf_config_path}: the 'modelpack' load format builds the model "
+                f"from the pinned artifact's config.json in --model ({model_dir}); drop it"
             )
         if not settings.source:
             return check_snapshot_dir(model_dir, settings)

@@ -45,6 +45,7 @@ def _checked_first(original: Callable[..., Any]) -> Callable[..., Any]:
                 str(self.model),
                 getattr(self, "model_loader_extra_config", None),
                 tokenizer=getattr(self, "tokenizer", None),
+                hf_config_path=getattr(self, "hf_config_path", None),
             )
             setattr(self, _GUARDED, True)  # checked once per EngineArgs
         return original(self, *args, **kwargs)
