@@ -66,6 +66,12 @@ class EndlessTags:
                 path, _, query = self.path.partition("?")
                 if path == "/v2/":
                     self._send(200, b"{}", {"Content-Type": "application/json"})
+                elif path == "/v2/_catalog":  # endless catalog pages, one repository each
+                    server.pages += 1
+                    page = int(query.rsplit("page=", 1)[1]) if "page=" in query else 0
+                    body = json.dumps({"repositories": [f"r/m{page}"] if page < 3 else []}).encode()
+                    link = f'</v2/_catalog?n=100&page={page + 1}>; rel="next"'
+                    self._send(200, body, {"Content-Type": "application/json", "Link": link})
                 elif path.endswith("/tags/list"):
                     server.pages += 1
                     page = int(query.rsplit("page=", 1)[1]) if "page=" in query else 0
@@ -181,3 +187,14 @@ def test_ls_refuses_a_listing_past_its_bound(big_pages: EndlessTags) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "50" in proc.stderr and "--max-tags" in proc.stderr, proc.stderr
     assert time.monotonic() - start < 60 and big_pages.pages == 1
+
+
+def test_an_endless_catalog_is_cut_at_the_page_bound(empty_pages: EndlessTags) -> None:
+    code, out, err, took, _ = _audit(empty_pages.host, "--json", limit_s=200)
+    assert code == 0, err
+    repos = json.loads(out)["repositories"]
+    assert [r["repository"] for r in repos][:3] == [f"{empty_pages.host}/r/m{i}" for i in range(3)]
+    assert repos[-1]["repository"] == "_catalog" and "pages" in repos[-1]["cut"], repos[-1]
+    assert took < 180, took
+    code, out, err, _, _ = _audit(empty_pages.host, limit_s=200)
+    assert code == 0 and "CUT _catalog" in err, err
