@@ -37,6 +37,7 @@ from modelpack.targets.layout import OCILayoutTarget
 from tests.loader_helpers import expected_shard, reference_tensors
 
 ckpt, layout, digest, table_path, mode = sys.argv[1:6]
+layout = os.environ.get("LAYOUT") or layout  # a rank may be given its own copy (a corrupted one)
 dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]),
                         world_size=int(os.environ["WORLD"]))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,8 +45,12 @@ manifest, _ = api.fetch_manifest(OCILayoutTarget(layout), digest)
 table = ChunkTable.from_predicate(json.load(open(table_path)), manifest)
 stats = LoadStats()
 opts = LoaderOptions(group=dist.group.WORLD if mode == "group" else None)
-sd = load_state_dict(f"oci:{layout}@{digest}", tp_size=world, tp_rank=rank, chunk_table=table,
-                     options=opts, stats=stats)
+try:
+    sd = load_state_dict(f"oci:{layout}@{digest}", tp_size=world, tp_rank=rank, chunk_table=table,
+                         options=opts, stats=stats)
+except Exception as exc:
+    print("RESULT " + json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc)}), flush=True)
+    sys.exit(0)
 ref = reference_tensors(ckpt)
 rules = {t.name: t.rule for t in stats.plan.tensors}
 bad = [n for n in ref if n not in sd or not torch.equal(sd[n], expected_shard(ref[n], rules[n], world, rank))]
@@ -81,12 +86,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _run_ranks(model: dict[str, Any], world: int, mode: str) -> list[dict[str, Any]]:
+def _run_ranks(
+    model: dict[str, Any], world: int, mode: str, layouts: dict[int, Path] | None = None
+) -> list[dict[str, Any]]:
     init = f"tcp://127.0.0.1:{_free_port()}"
     root = Path(__file__).resolve().parent.parent
     procs = []
     for r in range(world):
         env = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1")
+        env["LAYOUT"] = str((layouts or {}).get(r, ""))
         args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [mode]
         procs.append(
             subprocess.Popen(
@@ -100,7 +108,7 @@ def _run_ranks(model: dict[str, Any], world: int, mode: str) -> list[dict[str, A
         )
     results = []
     for p in procs:
-        out, err = p.communicate(timeout=600)
+        out, err = p.communicate(timeout=300)  # a rank left waiting in a broadcast would hang here
         assert p.returncode == 0, err[-4000:]
         line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT ") :]))
@@ -131,3 +139,34 @@ def test_without_a_group_each_rank_reads_its_column_split_and_replicated_tensors
         assert r["bad"] == [] and r["received"] == 0
         dim1 = r["by_split"]["dim1"]
         assert dim1["read"] >= dim1["tensorBytes"]  # every rank fetched them whole: what the group saves
+
+
+def test_a_rank_whose_shared_chunks_fail_verification_fails_every_rank_instead_of_hanging(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """Rank 1 reads a copy of the layout whose column-split tensors were edited: its own check of
+    the chunks it owns fails, it broadcasts the failure, and rank 0 raises too (no rank waits)."""
+    import shutil
+
+    from modelpack.packing.safetensors_format import read_header
+    from modelpack.targets.layout import OCILayoutTarget
+    from tests.loader_helpers import corrupt
+
+    bad = tmp_path / "bad-layout"
+    shutil.copytree(model["layout"], bad)
+    from modelpack import api
+
+    manifest, _ = api.fetch_manifest(OCILayoutTarget(str(bad)), model["digest"])
+    for layer in manifest.layers:
+        rel = (layer.annotations or {}).get("org.cncf.model.filepath", "")
+        if not rel.endswith(".safetensors"):
+            continue
+        blob = Path(OCILayoutTarget(str(bad)).blob_path(layer.digest))
+        hdr = read_header(str(blob))
+        for t in hdr.tensors:
+            if t.name.endswith(("o_proj.weight", "down_proj.weight")):
+                corrupt(blob, hdr.absolute(t)[1] - 1)  # the last byte of every column-split tensor
+    results = _run_ranks(model, 2, "group", layouts={1: bad})
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[1]["error"] == "ChunkDigestMismatch", by_rank[1]
+    assert by_rank[0]["error"] == "LoaderError" and "rank 1 failed" in by_rank[0]["message"], by_rank[0]

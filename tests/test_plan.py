@@ -151,3 +151,19 @@ def test_span_block_copies_reassemble_any_span_from_any_blocking() -> None:
                 for k in range(r):
                     got[d + k * ln : d + (k + 1) * ln] = file[s + k * st : s + k * st + ln]
         assert bytes(got) == want, (span, block)
+
+
+def test_shared_chunk_owners_cover_every_needed_chunk_once_in_contiguous_balanced_runs() -> None:
+    from modelpack.loader.shared_read import chunk_owners
+
+    needs = [set(range(0, 10)) | set(range(40, 100)), set(range(10, 20)) | set(range(40, 100)), {5, 15}]
+    owner, shared = chunk_owners(needs, local={0})
+    assert set(owner) == set().union(*needs) - {0}
+    assert shared == sorted({5, 15} | set(range(40, 100)))
+    for c, r in owner.items():
+        if c not in shared:
+            assert c in needs[r]  # a chunk one rank needs is that rank's own read
+    runs = [owner[c] for c in shared]
+    assert runs == sorted(runs)  # contiguous runs, rank 0 first
+    counts = [runs.count(r) for r in range(3)]
+    assert max(counts) - min(counts) <= 1
