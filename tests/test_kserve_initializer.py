@@ -223,7 +223,12 @@ def test_kill_9_mid_download_then_the_rerun_fetches_only_the_missing_bytes(
     proxy = FaultProxy(registry.host, rate=512 * 1024)
     try:
         write_docker_config(pod, proxy.host, registry.username, registry.password)
-        env = kserve_env(pod, MODELPACK_CACHE=str(pod.node_cache), MODELPACK_PLAIN_HTTP="true")
+        env = kserve_env(
+            pod,
+            MODELPACK_CACHE=str(pod.node_cache),
+            MODELPACK_PLAIN_HTTP="true",
+            MODELPACK_PROGRESS_INTERVAL="0.2",
+        )
         dest = pod.dest("models")
         args = [f"modelpack://{proxy.host}/kserve/kill@{digest}", str(dest)]
         proc = start_initializer(pod, args, env)
@@ -235,9 +240,17 @@ def test_kill_9_mid_download_then_the_rerun_fetches_only_the_missing_bytes(
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.02)
+        time.sleep(0.5)  # at least two progress intervals
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        out, _ = proc.communicate(timeout=30)
         assert proc.returncode == -signal.SIGKILL
+        # kubectl logs: whole lines, no carriage returns or escape sequences, how far it got
+        progress = [line for line in out.splitlines() if ": downloaded " in line]
+        assert progress and "\r" not in out and "\x1b" not in out
+        assert all(
+            line.startswith(f"[1/1] {args[0]} → {dest}: downloaded ") and line.endswith("/s")
+            for line in progress
+        )
         partials = {"sha256:" + p.name.split(".")[0]: p.stat().st_size for p in ingest.glob("*.partial")}
         committed = {"sha256:" + p.name for p in (pod.node_cache / "blobs" / "sha256").iterdir()}
         assert partials and not pod.files(dest)  # nothing at DEST before the model is verified
