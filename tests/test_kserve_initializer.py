@@ -464,3 +464,30 @@ def test_the_generated_cluster_storage_container_runs_as_written(
     assert run.returncode == 0, run.stderr
     assert pod.files(dest) == {p.name: p.read_bytes() for p in ckpt.iterdir()}
     assert (pod.node_cache / "events.jsonl").exists()
+
+
+def test_a_cached_file_changed_under_the_cache_is_not_copied_into_dest(
+    registry_factory, pod: Pod, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A copy out of the node cache (the only way across mounts) is hashed against the digest
+    the snapshot recorded before it is renamed into DEST: a cached file edited in place (disk
+    corruption, an operator's mistake) never reaches a pod unverified."""
+    registry = registry_factory.start(basic_auth=True, tls=True)
+    digest = _push(registry, tmp_path, "kserve/bitrot", seed=12, shards=1)
+    _tls_pod(pod, registry)
+    uri = f"modelpack://{registry.host}/kserve/bitrot@{digest}"
+    env = kserve_env(pod, MODELPACK_CACHE=str(pod.node_cache), MODELPACK_LINK="copy")
+    assert run_initializer(pod, [uri, str(pod.dest("first"))], env).returncode == 0
+    snapshot = next(p for p in (pod.node_cache / "snapshots").iterdir() if p.is_dir())
+    weights = next(snapshot.glob("*.safetensors"))
+    os.chmod(weights, 0o644)
+    with open(weights, "r+b") as f:  # root (the test) flips bytes of the cached blob in place
+        f.seek(200)
+        f.write(b"\x00\xff" * 8)
+    os.chmod(weights, 0o444)
+    dest = pod.dest("second")
+    run = run_initializer(pod, [uri, str(dest)], env)
+    assert run.returncode == 1
+    assert len(run.stderr.splitlines()) == 1 and weights.name in run.stderr
+    assert not (dest / weights.name).exists()
+    assert not any(p.name.startswith(".tmp-") for p in dest.rglob("*"))
