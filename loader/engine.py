@@ -150,6 +150,8 @@ class LoadEngine:
 
     def adopt(self, t: TensorRead, view: torch.Tensor) -> int:
         """A tensor handed out as it is (a view of a mapped store blob): complete, nothing to read."""
+        if self.stats.read_start == 0.0:
+            self._read_started()  # t3: the load's data phase begins here, read or mapped
         idx = len(self.tensors)
         self.tensors.append(t)
         self.dest.append(view)

@@ -91,6 +91,19 @@ def test_a_hit_hands_out_views_of_the_store_blobs_equal_to_safetensors(
     assert stats.bytes_read == stats.mapped_bytes + stats.bytes_by_split["header"]["read"]
 
 
+def test_a_mapped_hit_records_t3_t4_t5(snapshot: str, tmp_path: Path) -> None:
+    import json
+
+    log = tmp_path / "events.jsonl"
+    load_state_dict(snapshot, options=LoaderOptions(views="full"), events=str(log), start_id="zc")
+    names = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert [n for n in names if n.startswith("loader.") and n.endswith(("_start", "_done"))] == [
+        "loader.read_start",
+        "loader.read_done",
+        "loader.device_done",
+    ]
+
+
 def test_default_is_fresh_memory(snapshot: str) -> None:
     sd = load_state_dict(snapshot)
     maps = _file_mappings()
