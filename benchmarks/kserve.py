@@ -8,7 +8,9 @@ registry. Each contender runs in its own process into a fresh DEST, ``--runs`` t
   (``KSERVE_OCI_INSECURE_REGISTRY=true``), the call KServe's initializer entrypoint makes;
 - ``modelpack``: ``modelpack storage-initializer modelpack://… DEST`` (``MODELPACK_PLAIN_HTTP=true``),
   verifying every layer; ``modelpack+cache``: the same through a cold node cache, then the copy
-  into DEST.
+  into DEST;
+- ``modelpack-raw`` (reference, not side by side): the same files as a raw ModelPack artifact
+  (one layer per file, no tar), which kserve-storage cannot read.
 
 Reported: wall time (median), peak RSS of the process (GNU ``time``), blob bytes the registry sent
 (its access log), and the corruption outcome: one byte flipped in a weight layer's blob in the
@@ -117,7 +119,7 @@ def main() -> None:
     ap.add_argument("--size", default="512MiB", help="model size (default 512MiB)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=4, help="MODELPACK_JOBS: layers fetched at once (default 4)")
-    ap.add_argument("--contenders", default="kserve-storage,modelpack,modelpack+cache")
+    ap.add_argument("--contenders", default="kserve-storage,modelpack,modelpack+cache,modelpack-raw")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
     args = ap.parse_args()
     contenders = args.contenders.split(",")
@@ -127,13 +129,17 @@ def main() -> None:
         expected = make_model(work / "model", parse_size(args.size))
         repo = "bench/modelcar:v1"
         transfer.push(str(work / "model"), f"{server.host}/{repo}", format="image", progress="off")
+        raw_repo = "bench/raw:v1"
+        transfer.push(str(work / "model"), f"{server.host}/{raw_repo}", progress="off")
         results: dict[str, Any] = {"size": args.size, "runs": args.runs, "contenders": {}}
         for name in contenders:
             runs = []
             for i in range(args.runs):
                 dest = work / f"dest-{name}-{i}"
                 mark = server.log_mark()
-                r = run_contender(name, server.host, repo, dest, work, args.jobs)
+                r = run_contender(
+                    name, server.host, raw_repo if name == "modelpack-raw" else repo, dest, work, args.jobs
+                )
                 r["blob_bytes"] = blob_bytes(server, mark)
                 r["dest"] = dest_state(dest, expected)
                 runs.append(r)
@@ -168,6 +174,13 @@ def main() -> None:
             f.write(bytes([byte[0] ^ 0x01]))
         results["corrupted_layer"] = victim
         for name in contenders:
+            if name == "modelpack-raw":
+                results["contenders"][name]["corruption"] = {
+                    "rc": "-",
+                    "dest": "not run (other artifact)",
+                    "stderr": [],
+                }
+                continue
             dest = work / f"dest-{name}-corrupt"
             r = run_contender(name, server.host, repo, dest, work, args.jobs)
             results["contenders"][name]["corruption"] = {
