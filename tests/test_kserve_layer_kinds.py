@@ -63,3 +63,29 @@ def test_every_layer_kind_lands_verified_at_dest(registry, pod: Pod, tmp_path: P
         run = run_initializer(pod, [f"modelpack://{ref}", str(dest)], env)
         assert run.returncode == 0, run.stderr
         assert pod.files(dest) == expected, (kind, cached)
+
+
+def test_s3_and_layout_uris_as_kserve_passes_them(s3, pod: Pod, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``s3://BUCKET/PREFIX:TAG`` with the variables KServe's S3 credential builder sets
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``), and ``oci:DIR:TAG``
+    on a mounted volume, through the node cache and without."""
+    from modelpack.api import pack
+    from modelpack.targets.opener import TargetOptions
+    from tests.fixtures.s3 import DUMMY_ENV
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), SyntheticSpec(seed=13, shards=2))
+    bucket = s3.make_bucket()
+    pack(str(ckpt), f"s3://{bucket}/models/llama:v1", target_options=TargetOptions())
+    layout = pod.root / "layout"
+    pack(str(ckpt), f"oci:{layout}:v1")
+    os.chmod(pod.root / "layout", 0o755)
+    expected = _checkpoint_files(ckpt)
+    s3_env = {**DUMMY_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "AWS_CONFIG_FILE": os.devnull}
+    for uri in (f"s3://{bucket}/models/llama:v1", f"oci:{layout}:v1"):
+        for cached in (False, True):
+            dest = pod.dest(f"{'cached' if cached else 'direct'}-{uri[:2]}")
+            env = kserve_env(pod, **s3_env, MODELPACK_CACHE=str(pod.node_cache) if cached else None)
+            run = run_initializer(pod, [uri, str(dest)], env)
+            assert run.returncode == 0, run.stderr
+            assert pod.files(dest) == expected, (uri, cached)
