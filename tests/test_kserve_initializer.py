@@ -491,3 +491,26 @@ def test_a_cached_file_changed_under_the_cache_is_not_copied_into_dest(
     assert len(run.stderr.splitlines()) == 1 and weights.name in run.stderr
     assert not (dest / weights.name).exists()
     assert not any(p.name.startswith(".tmp-") for p in dest.rglob("*"))
+
+
+def test_the_pull_secret_is_bound_to_its_registry_host(registry_factory, pod: Pod, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A storage URI naming another host (here a relay in front of the same registry, which
+    would pass any Authorization through) must not receive the pull secret's credentials."""
+    registry = registry_factory.start(basic_auth=True)
+    digest = _push(registry, tmp_path, "kserve/bound", seed=14, plain=True, shards=1)
+    relay = FaultProxy(registry.host)
+    try:
+        write_docker_config(pod, registry.host, registry.username, registry.password)
+        env = kserve_env(pod, MODELPACK_PLAIN_HTTP="true")
+        other = run_initializer(
+            pod, [f"modelpack://{relay.host}/kserve/bound@{digest}", str(pod.dest("other"))], env
+        )
+        assert other.returncode == 1 and len(other.stderr.splitlines()) == 1, other.stderr
+        assert registry.password not in other.stdout + other.stderr
+        assert not any(status in (200, 206) for _, path, status in relay.requests if "/blobs/" in path)
+        own = run_initializer(
+            pod, [f"modelpack://{registry.host}/kserve/bound@{digest}", str(pod.dest("own"))], env
+        )
+        assert own.returncode == 0, own.stderr
+    finally:
+        relay.close()
