@@ -514,3 +514,27 @@ def test_the_pull_secret_is_bound_to_its_registry_host(registry_factory, pod: Po
         assert own.returncode == 0, own.stderr
     finally:
         relay.close()
+
+
+def test_two_pods_starting_together_on_a_node_download_each_blob_once(
+    registry_factory, pod: Pod, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    registry = registry_factory.start(basic_auth=True)
+    digest = _push(registry, tmp_path, "kserve/twice", seed=15, plain=True, shards=2, layers=4)
+    proxy = FaultProxy(registry.host, rate=2 * 1024 * 1024)  # slow enough for the two to overlap
+    try:
+        write_docker_config(pod, proxy.host, registry.username, registry.password)
+        env = kserve_env(pod, MODELPACK_CACHE=str(pod.node_cache), MODELPACK_PLAIN_HTTP="true")
+        uri = f"modelpack://{proxy.host}/kserve/twice@{digest}"
+        mark = registry.log_mark()
+        procs = [start_initializer(pod, [uri, str(pod.dest(f"pod-{i}"))], env) for i in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+        gets = blob_gets(registry, mark)
+        manifest = _manifest(registry, "kserve/twice", digest, plain=True)
+        assert set(gets) == {str(layer.digest) for layer in manifest.layers} | {str(manifest.config.digest)}
+        assert all(statuses.count(200) == 1 for statuses in gets.values()), gets
+        assert pod.files(pod.dest("pod-0")) == pod.files(pod.dest("pod-1"))
+    finally:
+        proxy.close()
