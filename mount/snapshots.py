@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.mediatypes.annotations import layer_filepath
+from modelpack.mount.clock import age_since
 from modelpack.mount.locks import flock_bounded, lock_holder_uids, pid_alive, try_exclusive
 from modelpack.mount.modes import (
     DIR_MODE,
@@ -447,7 +448,7 @@ class Snapshots:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            age = _age(entry.path, st.st_mtime, now)
+            age = age_since(entry.path, st.st_mtime, now)
             if not stat.S_ISDIR(st.st_mode):
                 if age < temp_ttl:
                     continue  # possibly another process's marker, being written right now
@@ -481,16 +482,6 @@ class Snapshots:
                 if fd is not None:
                     os.close(fd)
         return removed
-
-
-def _age(path: str, mtime: float, now: float) -> float:
-    """Seconds since ``mtime``; an mtime in the future (the clock stepped back) is reset to now,
-    so the entry ages from this sweep on instead of never reaching a TTL."""
-    if mtime <= now + 1.0:
-        return now - mtime
-    with contextlib.suppress(OSError):
-        os.utime(path, (now, now), follow_symlinks=False)
-    return 0.0
 
 
 def _safe_join(root: str, rel: str) -> str:

@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
+from modelpack.mount.clock import age_since
 from modelpack.mount.locks import default_lock_timeout, exclusive_lock, is_locked
 from modelpack.mount.modes import (
     DIR_MODE,
@@ -291,7 +292,10 @@ class Store:
         with contextlib.suppress(FileNotFoundError, PermissionError):
             for entry in list(os.scandir(self.quarantine_dir)):
                 with contextlib.suppress(FileNotFoundError):
-                    if now - entry.stat(follow_symlinks=False).st_ctime >= QUARANTINE_TTL_S:
+                    if (
+                        age_since(entry.path, entry.stat(follow_symlinks=False).st_ctime, now)
+                        >= QUARANTINE_TTL_S
+                    ):
                         os.unlink(entry.path)
                         removed.append(entry.path)
         for directory in (self.blobs_dir, self.ingest_dir, self.root):
@@ -299,7 +303,9 @@ class Store:
                 if not entry.name.startswith(TEMP_PREFIX):
                     continue
                 try:
-                    if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime >= temp_ttl:
+                    if entry.is_file(follow_symlinks=False) and (
+                        age_since(entry.path, entry.stat(follow_symlinks=False).st_mtime, now) >= temp_ttl
+                    ):
                         os.unlink(entry.path)
                         removed.append(entry.path)
                 except FileNotFoundError:
@@ -316,7 +322,10 @@ class Store:
                 continue
             try:
                 committed = os.path.exists(self.blob_path(digest))
-                if committed or now - entry.stat(follow_symlinks=False).st_mtime >= partial_ttl:
+                if (
+                    committed
+                    or age_since(entry.path, entry.stat(follow_symlinks=False).st_mtime, now) >= partial_ttl
+                ):
                     os.unlink(entry.path)
                     removed.append(entry.path)
             except FileNotFoundError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -335,3 +336,19 @@ def test_events_feed_the_timeline_per_state(
     assert summary["states"]["cold"]["starts"] == 1 and summary["states"]["hit"]["starts"] == 3
     assert cold["t2"]["at"]["count"] == cold["t3"]["at"]["count"] == cold["t4"]["at"]["count"] == 1
     assert hit["t2"]["at"]["count"] == hit["t4"]["at"]["count"] == 3 and hit["t3"]["at"]["count"] == 0
+
+
+def test_sweep_ages_leftovers_whose_mtime_is_in_the_future(tmp_path: Path) -> None:
+    """The clock stepped back after a crash: a temp file or partial stamped "tomorrow" must age
+    from now on and go at its TTL, not be kept forever (issue 24 item 7's class, in the store)."""
+    nc = NodeCache(str(tmp_path / "cache"))
+    tomorrow = time.time() + 86400
+    temp = Path(nc.store.ingest_dir) / f"{TEMP_PREFIX}left-behind"
+    partial = Path(nc.store.ingest_dir) / ("ab" * 32 + ".partial")
+    for path in (temp, partial):
+        path.write_bytes(b"x" * 10)
+        os.utime(path, (tomorrow, tomorrow))
+    nc.store.sweep()  # default TTLs: nothing is due yet, but the future stamps are taken back
+    assert temp.stat().st_mtime <= time.time() + 1 and partial.stat().st_mtime <= time.time() + 1
+    removed = nc.store.sweep(temp_ttl=0, partial_ttl=0)
+    assert str(temp) in removed and str(partial) in removed
