@@ -16,7 +16,7 @@ import os
 import stat
 import tarfile
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
 from modelpack.mount.store import Store
@@ -28,7 +28,7 @@ from modelpack.errors import (
     UnsafeTarError,
 )
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.oci.digest import HASH_CHUNK, sha256_file
+from modelpack.oci.digest import HASH_CHUNK, HashingReader, sha256_file
 from modelpack.oci.image_config import image_diff_ids
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats, needs_config
 from modelpack.transfer.untar import MAX_TAR_MEMBERS, open_layer_stream
@@ -55,30 +55,13 @@ def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
     return rel
 
 
-class _Hashing:
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.h = hashlib.sha256()
-        self.n = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data: bytes = self.raw.read(n)
-        self.h.update(data)
-        self.n += len(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(HASH_CHUNK):
-            pass
-
-
 def _tar_members(
     blob: BinaryIO, layer: Descriptor, fmt: LayerFormat, diff_id: str | None
 ) -> list[ExpectedFile]:
     where = f"layer {layer.digest}"
     strip = fmt.strip
-    compressed = _Hashing(blob)
-    uncompressed = _Hashing(open_layer_stream(compressed, fmt.format))  # type: ignore[arg-type]
+    compressed = HashingReader(blob)
+    uncompressed = HashingReader(open_layer_stream(compressed, fmt.format))  # type: ignore[arg-type]
     out: list[ExpectedFile] = []
     with tarfile.open(fileobj=uncompressed, mode="r|", encoding="utf-8") as tar:  # type: ignore[call-overload]
         for count, member in enumerate(tar, 1):
@@ -109,10 +92,10 @@ def _tar_members(
             out.append(ExpectedFile(rel, "sha256:" + h.hexdigest(), n, False))
     uncompressed.drain()
     compressed.drain()
-    if "sha256:" + compressed.h.hexdigest() != layer.digest or compressed.n != layer.size:
-        raise DigestMismatchError(layer.digest, "sha256:" + compressed.h.hexdigest(), what=where)
-    if diff_id is not None and "sha256:" + uncompressed.h.hexdigest() != diff_id:
-        raise DigestMismatchError(diff_id, "sha256:" + uncompressed.h.hexdigest(), what=f"{where} diff_id")
+    if compressed.digest != layer.digest or compressed.size != layer.size:
+        raise DigestMismatchError(layer.digest, compressed.digest, what=where)
+    if diff_id is not None and uncompressed.digest != diff_id:
+        raise DigestMismatchError(diff_id, uncompressed.digest, what=f"{where} diff_id")
     return out
 
 

@@ -10,7 +10,6 @@ extraction (no links, no escaping paths, no duplicates), fed through a digest-ch
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import stat
 import tarfile
@@ -24,7 +23,7 @@ from modelpack.assets.format import MAX_ASSET_BYTES, MAX_ASSET_FILES
 from modelpack.assets.kinds import AssetKind
 from modelpack.errors import AssetError, LayerFormatError, UnsafeTarError
 from modelpack.files import TEMP_PREFIX
-from modelpack.oci.digest import HASH_CHUNK, Digest, VerifyingReader
+from modelpack.oci.digest import HASH_CHUNK, Digest, HashingWriter, VerifyingReader
 from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
 GZIP_LEVEL = 6
@@ -39,21 +38,6 @@ class PackedCache:
     size: int
     files: int
     bytes: int
-
-
-class _HashingWriter:
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.h = hashlib.sha256()
-        self.n = 0
-
-    def write(self, data: bytes) -> int:
-        self.h.update(data)
-        self.n += len(data)
-        return self.raw.write(data)
-
-    def flush(self) -> None:
-        self.raw.flush()
 
 
 def cache_files(directory: str, kind: AssetKind) -> list[tuple[str, str, os.stat_result]]:
@@ -95,17 +79,17 @@ def pack_cache(directory: str, kind: AssetKind, *, work_dir: str | None = None) 
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tar.gz", dir=work_dir)
     try:
         with os.fdopen(fd, "wb") as raw:
-            out = _HashingWriter(raw)
+            out = HashingWriter(raw)
             total = _write_tar_gz(out, entries, directory)
             raw.flush()
             os.fsync(raw.fileno())
-        return PackedCache(tmp, Digest.from_hex(out.h.hexdigest()), out.n, len(entries), total)
+        return PackedCache(tmp, out.digest, out.size, len(entries), total)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
-def _write_tar_gz(out: _HashingWriter, entries: list[tuple[str, str, os.stat_result]], directory: str) -> int:
+def _write_tar_gz(out: HashingWriter, entries: list[tuple[str, str, os.stat_result]], directory: str) -> int:
     total = 0
     gz = gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=GZIP_LEVEL)
     with gz, tarfile.open(fileobj=gz, mode="w|", format=tarfile.PAX_FORMAT) as tar:

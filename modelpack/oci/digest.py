@@ -6,7 +6,7 @@ import hashlib
 import io
 import os
 import re
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from modelpack.errors import DigestMismatchError, InvalidDigestError, SizeMismatchError
 
@@ -76,6 +76,66 @@ def sha256_fileobj(f: io.RawIOBase, *, chunk: int = HASH_CHUNK) -> tuple[Digest,
         h.update(view[:n])
         size += n
     return Digest.from_hex(h.hexdigest()), size
+
+
+class HashingReader:
+    """A stream passed through unchanged, hashed and counted on the way.
+
+    For a digest known only once the last byte went by — a layer blob's digest and its diff_id
+    while tarfile reads the decompressed stream. It checks nothing itself: the caller compares
+    ``digest`` and ``size`` when done (``VerifyingReader`` is the one that knows what to expect).
+    Subclasses override ``_read`` to translate a source's own errors.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def _read(self, n: int) -> bytes:
+        data: bytes = self.raw.read(n)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._read(n)
+        self._h.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self, chunk: int = HASH_CHUNK) -> None:
+        """Read (and hash) the rest of the stream."""
+        while self.read(chunk):
+            pass
+
+    @property
+    def digest(self) -> Digest:
+        return Digest.from_hex(self._h.hexdigest())
+
+
+class HashingWriter:
+    """A sink that hashes and counts what is written through it (a tar's diff_id, the blob digest
+    of what reaches the file), so the digest exists the moment the last byte is written."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self._h.update(data)
+        self.size += len(data)
+        self.sink.write(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    @property
+    def digest(self) -> Digest:
+        return Digest.from_hex(self._h.hexdigest())
 
 
 class VerifyingReader:

@@ -15,12 +15,11 @@ Reading such layers back (pull to a directory, the node cache) is ``modelpack.tr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from modelpack.errors import PackError
 from modelpack.mediatypes import (
@@ -37,7 +36,7 @@ from modelpack.mediatypes.annotations import (
     safe_relative_path,
 )
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json
-from modelpack.oci.digest import Digest
+from modelpack.oci.digest import Digest, HashingWriter
 from modelpack.oci.image_config import MODELS_PREFIX
 from modelpack.packing.file_metadata import source_date_epoch
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
@@ -84,42 +83,6 @@ def _tarinfo(
     return ti
 
 
-class _HashingWriter:
-    """File-like sink: hashes what tarfile writes (the diff_id) and passes it on."""
-
-    def __init__(self, sink: IO[bytes]) -> None:
-        self.sink = sink
-        self.h = hashlib.sha256()
-        self.n = 0
-
-    def write(self, data: bytes) -> int:
-        self.h.update(data)
-        self.n += len(data)
-        self.sink.write(data)
-        return len(data)
-
-    def tell(self) -> int:
-        return self.n
-
-    def flush(self) -> None:
-        self.sink.flush()
-
-
-class _DigestingFile:
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f = f
-        self.h = hashlib.sha256()
-        self.n = 0
-
-    def write(self, data: bytes) -> int:
-        self.h.update(data)
-        self.n += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def write_layer_tar(
     members: Iterable[tuple[str, str]],
     out_path: str,
@@ -149,7 +112,7 @@ def _write_tar(
     members: list[tuple[str, str]], out_path: str, compression: str | None, modes: dict[str, int], mtime: int
 ) -> tuple[Digest, Digest, int]:
     with open(out_path, "wb") as raw_out:
-        digesting = _DigestingFile(raw_out)
+        digesting = HashingWriter(raw_out)
         compressor: Any = None
         sink: Any = digesting
         if compression == "zstd":
@@ -160,7 +123,7 @@ def _write_tar(
                 closefd=False,
             )
             sink = compressor
-        hw = _HashingWriter(sink)
+        hw = HashingWriter(sink)
         with tarfile.open(fileobj=hw, mode="w|", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar:  # type: ignore[call-overload]
             dirs_done: set[str] = set()
             for rel, src in members:
@@ -182,8 +145,7 @@ def _write_tar(
             compressor.close()
         raw_out.flush()
         os.fsync(raw_out.fileno())
-    diff_id = Digest.from_hex(hw.h.hexdigest())
-    return diff_id, Digest.from_hex(digesting.h.hexdigest()), digesting.n
+    return hw.digest, digesting.digest, digesting.size
 
 
 def _group_layers(files: list[PackedFile], max_layers: int) -> list[list[PackedFile]]:

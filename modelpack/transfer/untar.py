@@ -35,7 +35,7 @@ from modelpack.errors import (
 from modelpack.files import write_error
 from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
 from modelpack.mediatypes.annotations import safe_relative_path
-from modelpack.oci.digest import HASH_CHUNK
+from modelpack.oci.digest import HASH_CHUNK, HashingReader
 from modelpack.oci.image_config import MODELS_PREFIX
 
 MAX_TAR_MEMBERS = 1_000_000
@@ -114,17 +114,15 @@ def _claim(existing: ClaimedPaths | set[str], rel: str, where: str) -> None:
     existing.add(rel)
 
 
-class _LayerReader:
+class _LayerReader(HashingReader):
     """The decompressed layer as tarfile reads it: hashed (for the diff_id), counted, and with every
     decompression failure turned into a ``LayerFormatError`` that names the layer."""
 
     def __init__(self, raw: Any, where: str) -> None:
-        self.raw = raw
+        super().__init__(raw)
         self.where = where
-        self.h = hashlib.sha256()
-        self.n = 0
 
-    def read(self, n: int = -1) -> bytes:
+    def _read(self, n: int) -> bytes:
         try:
             data: bytes = self.raw.read(n)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
@@ -134,15 +132,13 @@ class _LayerReader:
             if zstd is not None and isinstance(exc, zstd.ZstdError):
                 raise LayerFormatError(f"{self.where}: the zstd stream is corrupt: {exc}") from exc
             raise
-        self.h.update(data)
-        self.n += len(data)
         return data
 
-    def drain(self, limit: int) -> None:
+    def drain_after_end(self, limit: int) -> None:
         """Read to the end, refusing more than ``limit`` bytes after the end-of-archive marker."""
-        start = self.n
+        start = self.size
         while self.read(HASH_CHUNK):
-            if self.n - start > limit:
+            if self.size - start > limit:
                 raise LayerFormatError(
                     f"{self.where}: more than {limit} bytes of data after the end of the archive"
                 )
@@ -264,7 +260,7 @@ def extract_tar_layer(
                 outside == "skip",
                 keep_prefix,
             )
-        reader.drain(MAX_TRAILER_BYTES)
+        reader.drain_after_end(MAX_TRAILER_BYTES)
     except UnsafeTarError as exc:
         located = _located(exc, where)
         if located is exc:
@@ -273,7 +269,7 @@ def extract_tar_layer(
     except tarfile.TarError as exc:
         raise LayerFormatError(f"{where}: not a readable tar: {exc}") from exc
     if diff_id is not None:
-        actual = "sha256:" + reader.h.hexdigest()
+        actual = reader.digest
         if actual != diff_id:
             raise DigestMismatchError(diff_id, actual, what="uncompressed layer (diff_id)", source=where)
     return out
