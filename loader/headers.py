@@ -97,6 +97,17 @@ class ChunkFetcher:
         # usually fall in the same chunk, which should cross the network once
         self._seen: dict[int, bytearray] = {}
 
+    @property
+    def seen(self) -> dict[int, bytearray]:
+        """The chunks verified so far, by index."""
+        return self._seen
+
+    def preload(self, index: int, data: bytearray) -> None:
+        """A chunk the caller verified already (a peer's broadcast): used instead of a read."""
+        self._seen[index] = data
+        if self.keep is not None:
+            self.keep.offer(self.file.relpath, index, data)
+
     def __call__(self, offset: int, length: int) -> bytes:
         cs = self.table.chunk_size
         out = bytearray()

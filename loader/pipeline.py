@@ -32,7 +32,7 @@ from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.request import EventsLike, LoadFields, LoadRequest
-from modelpack.loader.shared_read import check_group, peer_plans
+from modelpack.loader.shared_read import check_group, check_sources, peer_plans, read_header_shared
 from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
 
@@ -109,8 +109,10 @@ def prepare(
             raise LoaderError(f"{src.name}: the model has no safetensors weight files")
         headers: dict[str, SafetensorsHeader] = {}
         header_bytes: dict[str, bytes] = {}
+        if opts.group is not None:
+            check_sources(opts.group, src, tp_size, tp_rank)
         # plan order (the plan sorts files by path): the chunk budget goes to the files read first
-        for f in sorted(src.files, key=lambda f: f.relpath):
+        for i, f in enumerate(sorted(src.files, key=lambda f: f.relpath)):
             reader = f.open()
             readers[f.relpath] = reader
             if f.size >= 0 and reader.size != f.size:
@@ -120,10 +122,14 @@ def prepare(
                     reader.size,
                     source=src.name,
                 )
+            name = f"{src.name}/{f.relpath}"
+            if f.mode == "chunks" and opts.group is not None:  # one rank reads it, the others verify
+                headers[f.relpath], header_bytes[f.relpath] = read_header_shared(
+                    opts.group, i, f, reader, verified, name
+                )
+                continue
             verify = ChunkFetcher(reader, f, verified) if f.mode == "chunks" else None
-            headers[f.relpath], header_bytes[f.relpath] = read_header(
-                reader, f"{src.name}/{f.relpath}", reader.size, verify
-            )
+            headers[f.relpath], header_bytes[f.relpath] = read_header(reader, name, reader.size, verify)
         plan = ReadPlan.build(headers, tp_size, tp_rank, rules, presets=presets, uneven=opts.uneven)
         dev = torch.device(device)
         for t in plan.tensors:

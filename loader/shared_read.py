@@ -12,7 +12,9 @@ of each chunk-verified file are split:
   shares) has one owner: the shared chunks of a file, in order, are cut into ``group size``
   contiguous runs, run ``r`` owned by rank ``r``. The owner reads and verifies it and
   broadcasts it over the group (gloo: host memory; NCCL: the device scratch buffer);
-- the header chunks (every rank verified them to plan) are never exchanged.
+- the chunks holding a file's header are read and verified by one rank (files in turn) and
+  broadcast before planning; every rank verifies them and keeps them for the data pass, so
+  they are never exchanged again.
 
 So a rank reads its own share plus 1/TP of the shared chunks, and the node reads every needed
 chunk once. Every rank **verifies every chunk it receives** against the signed table before using
@@ -21,8 +23,9 @@ any byte (a peer is not a trust root), so a broken or hostile peer costs a
 failure (one status byte after the data), so every rank raises instead of waiting.
 
 Every rank must load the same source with the same plan options: the first collective compares
-a summary of the load (digest, files, their modes and chunk sizes, TP layout) across the group
-and refuses a mismatch on every rank. A rank that stops early (its consumer broke off, or it
+a digest of the source (manifest digest, files, their modes and chunk sizes), a later one of the
+plan (TP size, rules), across the group, and refuses a mismatch on every rank. Only tensors cross
+the group (digests, chunk bytes, status bytes): nothing a peer sends is unpickled. A rank that stops early (its consumer broke off, or it
 failed outside a shared read) leaves the others waiting in the next broadcast until the group's
 own timeout, as any collective does. Files that are not chunk-verified (trusted snapshot files,
 whole-layer hashing) are read as without a group.
@@ -39,46 +42,123 @@ import torch
 from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.chunked import needed_chunks, read_chunked
 from modelpack.loader.engine import LoadEngine
+from modelpack.loader.headers import ChunkFetcher, VerifiedChunks, read_header
 from modelpack.loader.plan import FilePlan, ReadPlan
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import ResolvedSource, WeightFile
 
 from modelpack.errors import LoaderError
+from modelpack.packing.safetensors_format import SafetensorsHeader
 
 OK, FAILED = 1, 0
 
 
-def check_group(group: Any, plan: ReadPlan, src: ResolvedSource) -> None:
-    """The group is exactly the TP ranks and every rank loads the same thing (else refuse on all)."""
+def _comm_device(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(group: Any, doc: Any, what: str) -> None:
+    """Every rank holds the same ``doc`` (compared as sha256 digests: tensors, never pickles — a
+    peer's bytes are data, not code), else ``LoaderError`` on every rank."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
+    dev = _comm_device(group)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(dev)
+    everyone = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(size)]
+    dist.all_gather(everyone, mine, group=group)
+    odd = [r for r, d in enumerate(everyone) if not torch.equal(d, everyone[0])]
+    if odd:
+        raise LoaderError(
+            f"LoaderOptions.group: ranks {odd} load {what} different from rank 0's "
+            "(digest, files, chunk tables and shard rules must be the same on every rank)"
+        )
+
+
+def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -> None:
+    """Before any collective read: the group is exactly the TP ranks, all loading the same files."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise LoaderError("LoaderOptions.group: torch.distributed is not initialized")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if size != plan.tp_size or rank != plan.tp_rank:
+    if size != tp_size or rank != tp_rank:
         raise LoaderError(
             f"LoaderOptions.group has {size} ranks and this process is rank {rank}; the load is rank "
-            f"{plan.tp_rank} of --tp-size {plan.tp_size}: the group must hold exactly the TP ranks in order"
+            f"{tp_rank} of --tp-size {tp_size}: the group must hold exactly the TP ranks in order"
         )
-    doc = {
-        "digest": src.digest,
-        "files": sorted(
-            (f.relpath, f.mode, f.chunks.chunk_size if f.mode == "chunks" else 0, f.size) for f in src.files
-        ),
-        "tp": plan.tp_size,
-        "rules": plan.rules_digest,
-        "uneven": plan.uneven,
-    }
-    mine = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
-    if len(set(everyone)) != 1:
-        odd = [r for r, d in enumerate(everyone) if d != everyone[0]]
-        raise LoaderError(
-            f"LoaderOptions.group: ranks {odd} load a different source or plan than rank 0 "
-            "(digest, files, chunk tables and shard rules must be the same on every rank)"
-        )
+    files = sorted(
+        (f.relpath, f.mode, f.chunks.chunk_size if f.mode == "chunks" else 0, f.size) for f in src.files
+    )
+    _agree(group, {"digest": src.digest, "files": files}, "a source")
+
+
+def check_group(group: Any, plan: ReadPlan, src: ResolvedSource) -> None:
+    """After planning: every rank planned with the same rules (so every rank's view of who needs
+    which chunk, and so the order of the broadcasts, is the same)."""
+    _agree(group, {"tp": plan.tp_size, "rules": plan.rules_digest, "uneven": plan.uneven}, "a plan")
+
+
+def read_header_shared(
+    group: Any, index: int, f: WeightFile, reader: RangeReader, keep: VerifiedChunks, name: str
+) -> tuple[SafetensorsHeader, bytes]:
+    """A chunk-verified file's header, its chunks read once per group: rank ``index % size``
+    reads and verifies them and broadcasts them; every other rank verifies what it received
+    before parsing it (and keeps them for the data pass, as for a header it read itself)."""
+    import torch.distributed as dist
+
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    owner = index % size
+    src_rank = dist.get_global_rank(group, owner)
+    fetcher = ChunkFetcher(reader, f, keep)
+    dev = _comm_device(group)
+    result: tuple[SafetensorsHeader, bytes] | None = None
+    failure: BaseException | None = None
+    payload = b""
+    count = 0
+    if me == owner:
+        try:
+            result = read_header(reader, name, reader.size, fetcher)
+            seen = fetcher.seen
+            count = max(seen) + 1 if seen else 0
+            if sorted(seen) != list(range(count)):  # pragma: no cover - headers start at byte 0
+                raise LoaderError(f"{name}: header chunks {sorted(seen)} are not a prefix of the file")
+            payload = b"".join(bytes(seen[i]) for i in range(count))
+        except BaseException as exc:
+            failure = exc
+    meta = torch.tensor([0 if failure else OK, count, len(payload)], dtype=torch.int64, device=dev)
+    dist.broadcast(meta, src=src_rank, group=group)
+    status, count, total = (int(x) for x in meta.tolist())
+    data = torch.empty(total, dtype=torch.uint8, device=dev)
+    if me == owner and total:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    if status == OK:
+        dist.broadcast(data, src=src_rank, group=group)
+    if me == owner:
+        if failure is not None:
+            raise failure
+        assert result is not None
+        return result
+    if status != OK:
+        raise LoaderError(f"{name}: rank {owner} failed to read the header chunks it shares; see its error")
+    host = bytearray(data.cpu().numpy().tobytes())
+    layer = str(f.descriptor.digest) if f.descriptor else ""
+    for i in range(count):
+        c0, clen = f.chunks.chunk_range(layer, i)
+        if c0 + clen > len(host):
+            raise LoaderError(
+                f"{name}: rank {owner} sent {len(host)} header bytes, chunk {i} ends at {c0 + clen}"
+            )
+        buf = bytearray(host[c0 : c0 + clen])
+        f.chunks.verify_chunk(layer, i, memoryview(buf))  # a peer is not a trust root
+        fetcher.preload(i, buf)
+    return read_header(reader, name, reader.size, fetcher)  # from the verified chunks, no read
 
 
 def header_chunks(fp: FilePlan, chunk_size: int) -> set[int]:
