@@ -320,7 +320,37 @@ def prewarm_daemonset(
     }
 
 
-_MODEL_CLASSES = {("v1", "Pod"): "V1Pod", ("apps/v1", "DaemonSet"): "V1DaemonSet"}
+def as_deployment(pod: Mapping[str, Any], replicas: int) -> dict[str, Any]:
+    """``pod`` as the template of a Deployment of ``replicas``.
+
+    Serving replicas want a controller that restarts and rolls them; the template is exactly the
+    pod (same spec, labels and digest annotation), so the model stays pinned by digest and a
+    rollout to another model is a change of that digest, never a moved tag.
+    """
+    if replicas < 1:
+        raise K8sError(f"a Deployment needs at least one replica, got {replicas}")
+    meta = pod["metadata"]
+    labels = dict(meta["labels"])
+    template_meta: dict[str, Any] = {"labels": labels}
+    if meta.get("annotations"):
+        template_meta["annotations"] = dict(meta["annotations"])
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": dict(meta),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(labels)},
+            "template": {"metadata": template_meta, "spec": pod["spec"]},
+        },
+    }
+
+
+_MODEL_CLASSES = {
+    ("v1", "Pod"): "V1Pod",
+    ("apps/v1", "DaemonSet"): "V1DaemonSet",
+    ("apps/v1", "Deployment"): "V1Deployment",
+}
 
 
 def validate(obj: Mapping[str, Any]) -> Any:

@@ -215,3 +215,31 @@ def test_prewarm_and_image_volume_commands_are_literal(tmp_path: Path) -> None:
     assert env["MODELPACK_MODEL_DIR"] == mount
     assert cmd[cmd.index("--model") + 1] == mount and cmd[-1] == "--x=$(HOME)"
     k8s.validate(served)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["k8s", "pod", "--image-volume", REF, "--vllm", "--tensor-parallel-size", "2"],
+        ["k8s", "init-container", REF, "--vllm", "--policy-secret", "p"],
+    ],
+    ids=["image-volume", "init-container"],
+)
+def test_replicas_make_a_deployment_whose_template_is_the_pod(argv: list[str]) -> None:
+    """Serving replicas are a Deployment: the pod printed without --replicas is its template,
+    the model still pinned by digest, the selector the pod's labels."""
+    runner = CliRunner()
+    pod = json.loads(runner.invoke(main, [*argv, "--json"]).output)
+    res = runner.invoke(main, [*argv, "--replicas", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    dep = json.loads(res.output)
+    assert (dep["apiVersion"], dep["kind"], dep["spec"]["replicas"]) == ("apps/v1", "Deployment", 3)
+    template = dep["spec"]["template"]
+    assert template["spec"] == pod["spec"]
+    assert (
+        template["metadata"]["labels"] == pod["metadata"]["labels"] == dep["spec"]["selector"]["matchLabels"]
+    )
+    assert template["metadata"]["annotations"]["modelpack.dev/model-digest"] == REF.split("@")[1]
+    assert dep["metadata"]["name"] == pod["metadata"]["name"]
+    k8s.validate(dep)
+    assert runner.invoke(main, [*argv, "--replicas", "0"]).exit_code == 2

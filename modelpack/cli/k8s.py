@@ -56,7 +56,18 @@ def _as_vllm(
     return pod, [*notes, *VLLM_POD_NOTES]
 
 
-def _emit(obj: dict[str, Any], notes: list[str], as_json: bool) -> None:
+def replicas_option(f: Any) -> Any:
+    return click.option(
+        "--replicas",
+        type=click.IntRange(1, 10000),
+        default=None,
+        help="Print a Deployment of this many replicas whose template is the Pod.",
+    )(f)
+
+
+def _emit(obj: dict[str, Any], notes: list[str], as_json: bool, replicas: int | None = None) -> None:
+    if replicas is not None:
+        obj = k8s.as_deployment(obj, replicas)
     k8s.validate(obj)
     if as_json:
         emit_json(obj)
@@ -90,6 +101,7 @@ k8s_group.add_command(kserve_group)
 @click.option("--namespace", default=None)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
 @vllm_options
+@replicas_option
 @target_options
 @json_option
 @handle_errors
@@ -103,6 +115,7 @@ def k8s_pod(
     resolve: bool,
     vllm: bool,
     tp_size: int,
+    replicas: int | None,
     as_json: bool,
     **kwargs: Any,
 ) -> None:
@@ -115,6 +128,7 @@ def k8s_pod(
     \b
     Example:
       modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve > pod.yaml
+      modelpack k8s pod --image-volume reg.example/models/llama@sha256:… --vllm --replicas 2
     """
     ref = _resolve_if_asked(reference, resolve, kwargs)
     obj = k8s.image_volume_pod(
@@ -123,7 +137,7 @@ def k8s_pod(
     notes = list(k8s.IMAGE_VOLUME_NOTES)
     if vllm:
         obj, notes = _as_vllm(obj, notes, mount_path, obj["metadata"]["annotations"], "runtime", tp_size)
-    _emit(obj, notes, as_json)
+    _emit(obj, notes, as_json, replicas)
 
 
 @k8s_group.command("init-container")
@@ -151,17 +165,25 @@ def k8s_pod(
 @click.option("--namespace", default=None)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
 @vllm_options
+@replicas_option
 @target_options
 @json_option
 @handle_errors
 def k8s_init_container(
-    reference: str, resolve: bool, vllm: bool, tp_size: int, as_json: bool, **kwargs: Any
+    reference: str,
+    resolve: bool,
+    vllm: bool,
+    tp_size: int,
+    replicas: int | None,
+    as_json: bool,
+    **kwargs: Any,
 ) -> None:
     """A Pod whose init container runs 'modelpack pull --cache' (verified, signature-checked).
 
     \b
     Example:
       modelpack k8s init-container localhost:5000/models/llama:v1 --resolve --size-limit 20Gi
+      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --replicas 4
     """
     opts = {
         k: kwargs.pop(k)
@@ -189,7 +211,7 @@ def k8s_init_container(
         digest_hex = obj["metadata"]["annotations"]["modelpack.dev/model-digest"].split(":", 1)[1]
         snapshot = k8s.snapshot_path(opts["cache_path"], digest_hex)  # not the escaped env value
         obj, notes = _as_vllm(obj, notes, snapshot, obj["metadata"]["annotations"], "snapshot", tp_size)
-    _emit(obj, notes, as_json)
+    _emit(obj, notes, as_json, replicas)
 
 
 @k8s_group.command("prewarm")
