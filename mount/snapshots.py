@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.mount.clock import age_since
@@ -49,6 +49,7 @@ from modelpack.mount.treewalk import remove_tree as _remove_tree
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import (
+    DigestMismatchError,
     DocumentError,
     ManifestError,
     ModelpackError,
@@ -58,8 +59,11 @@ from modelpack.errors import (
     UnsafePathError,
 )
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
-from modelpack.oci.descriptor import Manifest
+from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
+
+if TYPE_CHECKING:
+    from modelpack.transfer.layer_formats import LayerFormat
 
 MARKER_SUFFIX = ".ready"
 LEASE_SUFFIX = ".lease"
@@ -312,7 +316,7 @@ class Snapshots:
                         dest,
                         strip=fmt.strip,
                         media_type=fmt.format,
-                        diff_id=diff_ids[i] if fmt.diff_id else None,
+                        diff_id=_diff_id_to_hash(layer, fmt, diff_ids[i]) if fmt.diff_id else None,
                         where=f"layer {layer.digest}",
                         existing=seen,
                         budget=budget,
@@ -482,6 +486,20 @@ class Snapshots:
                 if fd is not None:
                     os.close(fd)
         return removed
+
+
+def _diff_id_to_hash(layer: Descriptor, fmt: LayerFormat, diff_id: str) -> str | None:
+    """The diff_id extraction must hash the tar stream for, or None when it is already vouched for.
+
+    An uncompressed layer's tar stream is its blob, and the store committed the blob only after
+    hashing it to ``layer.digest``: its diff_id must be that digest (a string compare), and hashing
+    the same bytes again would be the extraction's costliest step for nothing.
+    """
+    if fmt.format != "tar":
+        return diff_id
+    if diff_id != layer.digest:
+        raise DigestMismatchError(diff_id, layer.digest, what=f"layer {layer.digest} diff_id (uncompressed)")
+    return None
 
 
 def _safe_join(root: str, rel: str) -> str:

@@ -42,6 +42,8 @@ DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
+DOCKER_LAYER = "application/vnd.docker.image.rootfs.diff.tar"
 
 
 @pytest.fixture(autouse=True)
@@ -159,11 +161,13 @@ def push_kserve_style(
     *,
     oci: bool = False,
     wrong_diff_id: bool = False,
+    gzipped: bool = True,
 ) -> str:
     """``FROM busybox`` + ``COPY models /models/`` as docker build pushes it: Docker media types,
     gzip layers, a base layer of the OS, a ``models/`` directory entry and per-file modes.
     ``oci``: the same image with OCI media types (buildah, ``docker buildx --output oci-mediatypes``);
-    ``wrong_diff_id``: the config's diff_id of the model layer is not its uncompressed tar's."""
+    ``wrong_diff_id``: the config's diff_id of the model layer is not its uncompressed tar's;
+    ``gzipped=False``: uncompressed tar layers (a layer's digest is then its diff_id)."""
     base_layer = _tar(
         [
             ("bin/", None, 0o755),
@@ -182,10 +186,13 @@ def push_kserve_style(
     model_entries += extra or []
     layers, diff_ids = [], []
     for raw in (base_layer, _tar(model_entries)):
-        blob = gzip.compress(raw, mtime=0)
+        blob = gzip.compress(raw, mtime=0) if gzipped else raw
+        layer_type = (
+            (OCI_LAYER_GZIP if oci else DOCKER_LAYER_GZIP) if gzipped else OCI_LAYER if oci else DOCKER_LAYER
+        )
         layers.append(
             {
-                "mediaType": OCI_LAYER_GZIP if oci else DOCKER_LAYER_GZIP,
+                "mediaType": layer_type,
                 "digest": _put_blob(registry, repo, blob),
                 "size": len(blob),
             }

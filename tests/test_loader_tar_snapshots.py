@@ -191,12 +191,20 @@ def test_an_edited_file_of_a_docker_built_modelcar_is_caught_by_verify_and_by_th
     assert r.exit_code != 0 and victim.name in r.output, r.output
 
 
+@pytest.mark.parametrize("gzipped", [True, False], ids=["gzip", "uncompressed"])
 @pytest.mark.parametrize("oci", [False, True], ids=["docker-config", "oci-config"])
 def test_an_image_config_whose_diff_ids_disagree_with_its_layers_is_refused_by_the_cache(
-    registry: RegistryServer, checkpoint: Path, tmp_path: Path, oci: bool
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, oci: bool, gzipped: bool
 ) -> None:
+    """Also for uncompressed layers, whose diff_id the cache compares with the verified blob's
+    digest instead of hashing the same bytes a second time."""
     ref = push_kserve_style(
-        registry, checkpoint, f"tarload/diffid-{'oci' if oci else 'docker'}", oci=oci, wrong_diff_id=True
+        registry,
+        checkpoint,
+        f"tarload/diffid-{'oci' if oci else 'docker'}-{'gz' if gzipped else 'tar'}",
+        oci=oci,
+        wrong_diff_id=True,
+        gzipped=gzipped,
     )
     nc = NodeCache(str(tmp_path / "cache"))
     with pytest.raises(DigestMismatchError, match="diff_id"):

@@ -84,12 +84,14 @@ class HashingReader:
     For a digest known only once the last byte went by — a layer blob's digest and its diff_id
     while tarfile reads the decompressed stream. It checks nothing itself: the caller compares
     ``digest`` and ``size`` when done (``VerifyingReader`` is the one that knows what to expect).
-    Subclasses override ``_read`` to translate a source's own errors.
+    Subclasses override ``_read`` to translate a source's own errors. With ``hashing=False`` it
+    only counts: hashing is the costliest step of a tar layer's extraction, and paid once more
+    for nothing where no caller will compare the digest.
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, *, hashing: bool = True) -> None:
         self.raw = raw
-        self._h = hashlib.sha256()
+        self._h = hashlib.sha256() if hashing else None
         self.size = 0
 
     def _read(self, n: int) -> bytes:
@@ -98,7 +100,8 @@ class HashingReader:
 
     def read(self, n: int = -1) -> bytes:
         data = self._read(n)
-        self._h.update(data)
+        if self._h is not None:
+            self._h.update(data)
         self.size += len(data)
         return data
 
@@ -109,6 +112,8 @@ class HashingReader:
 
     @property
     def digest(self) -> Digest:
+        if self._h is None:
+            raise ValueError("this reader was opened without hashing")
         return Digest.from_hex(self._h.hexdigest())
 
 

@@ -43,6 +43,9 @@ MAX_TAR_MEMBERS = 1_000_000
 MAX_HEADER_BYTES = 1024 * 1024
 #: data read after the end-of-archive marker: tar pads to a record (10 KiB); more is not a tar
 MAX_TRAILER_BYTES = 1024 * 1024
+# how much tarfile's stream reader asks for at a time (its default is one 10 KiB record: 100
+# calls through the decompressor and the digest check per MiB of model)
+TAR_READ_SIZE = 1024 * 1024
 
 
 class ExpansionBudget:
@@ -115,11 +118,11 @@ def _claim(existing: ClaimedPaths | set[str], rel: str, where: str) -> None:
 
 
 class _LayerReader(HashingReader):
-    """The decompressed layer as tarfile reads it: hashed (for the diff_id), counted, and with every
-    decompression failure turned into a ``LayerFormatError`` that names the layer."""
+    """The decompressed layer as tarfile reads it: counted, hashed when a diff_id is to be checked,
+    and with every decompression failure turned into a ``LayerFormatError`` that names the layer."""
 
-    def __init__(self, raw: Any, where: str) -> None:
-        super().__init__(raw)
+    def __init__(self, raw: Any, where: str, *, hashing: bool) -> None:
+        super().__init__(raw, hashing=hashing)
         self.where = where
 
     def _read(self, n: int) -> bytes:
@@ -240,12 +243,14 @@ def extract_tar_layer(
     ``strip`` (``models/config.json``). When ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last
     byte); on any failure the caller discards ``dest_dir``.
     """
-    reader = _LayerReader(open_layer_stream(stream, media_type), where)
+    reader = _LayerReader(open_layer_stream(stream, media_type), where, hashing=diff_id is not None)
     claims: ClaimedPaths | set[str] = existing if existing is not None else set()
     spend = budget if budget is not None else ExpansionBudget(max_bytes)
     out: list[tuple[str, int, str]] = []
     try:
-        tar = tarfile.open(fileobj=reader, mode="r|", encoding="utf-8", tarinfo=_BoundedTarInfo)  # type: ignore[call-overload]
+        tar = tarfile.open(  # type: ignore[call-overload]
+            fileobj=reader, mode="r|", encoding="utf-8", tarinfo=_BoundedTarInfo, bufsize=TAR_READ_SIZE
+        )
         with tar:
             _extract_members(
                 tar,
