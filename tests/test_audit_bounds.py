@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.loopback import LoopbackServer
+
 pytestmark = pytest.mark.timeout(240)
 
 MANIFEST = json.dumps(
@@ -39,7 +41,7 @@ MANIFEST = json.dumps(
 MANIFEST_DIGEST = "sha256:" + hashlib.sha256(MANIFEST).hexdigest()
 
 
-class EndlessTags:
+class EndlessTags(LoopbackServer):
     """``tags/list`` pages of ``per_page`` tags each, every page linking to the next, forever."""
 
     def __init__(self, per_page: int) -> None:
@@ -90,17 +92,7 @@ class EndlessTags:
 
             do_HEAD = do_GET
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

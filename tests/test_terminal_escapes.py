@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import requests
 
 from modelpack.progress import Progress
 from modelpack.terminal import for_terminal
+from tests.fixtures.loopback import LoopbackServer
 from tests.fixtures.registry import RegistryServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -153,7 +153,7 @@ MANIFEST: dict[str, Any] = {
 }
 
 
-class HostileRegistry:
+class HostileRegistry(LoopbackServer):
     """A loopback 'registry' whose tags and error messages carry terminal escapes."""
 
     def __init__(self) -> None:
@@ -188,17 +188,7 @@ class HostileRegistry:
 
             do_HEAD = do_GET
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
