@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -183,12 +184,22 @@ class TargetReader:
 
     local = False
 
-    def __init__(self, target: ReadableTarget, descriptor: Descriptor, *, name: str = "") -> None:
+    def __init__(
+        self,
+        target: ReadableTarget,
+        descriptor: Descriptor,
+        *,
+        name: str = "",
+        check: Callable[[int, bytes], list[tuple[int, int]]] | None = None,
+    ) -> None:
         self.target = target
         self.descriptor = descriptor
         self.size = descriptor.size
         self.name = name or f"{target.name} blob {descriptor.digest}"
         self._count = _Counter()
+        # the signed chunk table's check: a mirror's wrong chunks are refetched beneath this reader
+        self._checked = getattr(target, "fetch_range_checked", None) if check is not None else None
+        self._check = check
 
     @property
     def bytes_read(self) -> int:
@@ -202,7 +213,10 @@ class TargetReader:
         want = len(buf)
         if offset + want > self.size:
             raise TruncatedSourceError(self.name, offset, want, max(0, self.size - offset))
-        data = self.target.fetch_range(self.descriptor, offset, want)
+        if self._checked is not None:
+            data = self._checked(self.descriptor, offset, want, self._check)
+        else:
+            data = self.target.fetch_range(self.descriptor, offset, want)
         if len(data) != want:
             raise TruncatedSourceError(self.name, offset, want, len(data))
         buf[:want] = data

@@ -116,7 +116,7 @@ def open_target_source(
         if local_path is not None:
             opener = file_opener(local_path(layer.digest), layer.size, direct)
         else:
-            opener = _target_opener(target, layer, rel)
+            opener = _target_opener(target, layer, rel, layer_table)
         files.append(WeightFile(rel, layer.size, opener, mode, descriptor=layer, chunks=layer_table))
     notices: list[tuple[str, dict[str, Any]]] = []
     if uncovered:
@@ -150,8 +150,12 @@ def open_target_source(
     )
 
 
-def _target_opener(target: ReadableTarget, layer: Descriptor, rel: str) -> Callable[[], RangeReader]:
+def _target_opener(
+    target: ReadableTarget, layer: Descriptor, rel: str, table: Any = None
+) -> Callable[[], RangeReader]:
+    check = table.range_check(str(layer.digest)) if table is not None else None
+
     def opener() -> RangeReader:
-        return TargetReader(target, layer, name=f"{target.name} {rel} ({layer.digest})")
+        return TargetReader(target, layer, name=f"{target.name} {rel} ({layer.digest})", check=check)
 
     return opener

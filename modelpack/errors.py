@@ -149,6 +149,10 @@ class RegistryConnectionError(RegistryError):
     """The registry could not be reached (refused, reset, timed out)."""
 
 
+class MirrorTooSlowError(RegistryConnectionError):
+    """A mirror or peer delivered less than its throughput floor over a window (it trickles)."""
+
+
 class RegistryTLSError(RegistryConnectionError):
     """TLS failed: unknown CA (pass --ca-file), wrong host name, or HTTPS spoken to an HTTP port."""
 

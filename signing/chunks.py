@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +112,25 @@ class ChunkTable:
                 f"sha256:{expected.hex()} ({length} bytes)",
                 f"sha256:{actual.hex()} ({len(data)} bytes)",
             )
+
+    def wrong_chunks(self, layer_digest: str, offset: int, data: bytes) -> list[tuple[int, int]]:
+        """(offset, length) of each whole chunk inside ``data`` (read at ``offset`` of the layer)
+        whose bytes do not match the table; chunks ``data`` covers only in part are not judged."""
+        layer = self._layer(layer_digest)
+        cs = self.chunk_size
+        wrong = []
+        for idx in range(-(-offset // cs), len(layer.digests)):
+            c0, clen = idx * cs, min(cs, layer.size - idx * cs)
+            if c0 + clen > offset + len(data):
+                break
+            part = data[c0 - offset : c0 - offset + clen]
+            if not hmac.compare_digest(hashlib.sha256(part).digest(), layer.digests[idx]):
+                wrong.append((c0, clen))
+        return wrong
+
+    def range_check(self, layer_digest: str) -> Callable[[int, bytes], list[tuple[int, int]]]:
+        """``wrong_chunks`` for one layer: what a mirrored range read uses to refetch bad chunks."""
+        return lambda offset, data: self.wrong_chunks(layer_digest, offset, data)
 
     # -------------------------------------------------------------- wire form
     def to_predicate(self) -> dict[str, Any]:

@@ -199,10 +199,12 @@ def signals_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from modelpack import stopping
     from modelpack.errors import TransferInterrupted
 
     def interrupt(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
+        stopping.request_stop()  # worker threads blocked in a read or a retry sleep stop too
         raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=128 + signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -211,6 +213,7 @@ def signals_interrupt() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stopping.clear()
 
 
 def handle_errors(fn: F) -> F:

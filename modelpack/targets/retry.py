@@ -26,6 +26,8 @@ import re
 import threading
 import time
 
+from modelpack import stopping
+
 #: Long enough to ride out a registry restart (~30 s) or a load balancer failing over.
 DEFAULT_RETRY_FOR = 60.0
 FIRST_DELAY_S = 0.2
@@ -118,11 +120,12 @@ class RetryBudget:
         return delay
 
     def wait(self, hint: float | None = None) -> bool:
-        """Sleep before the next attempt; False (without sleeping) when the budget is spent."""
+        """Sleep before the next attempt; False (without sleeping) when the budget is spent. A stop
+        request (SIGTERM in the CLI) ends the sleep with ``TransferCancelled``."""
         delay = self.next_delay(hint)
         if delay is None:
             return False
-        time.sleep(delay)
+        stopping.sleep(delay)
         return True
 
     @property

@@ -17,18 +17,30 @@ detected after ``silence_limit()`` seconds, not after the socket's read timeout 
 300 s by default): the limit follows the retry settings, half the retry budget, between 1 s and
 30 s (and never more than ``--timeout``), so ``--retry-for 4s`` resumes a stalled blob after
 2 s; with ``--retry-for 0`` there is no resume and the read timeout applies.
+
+A read given a ``Floor`` (mirrors and peers) must also keep up a throughput: fewer than
+``min_bps × window_s`` bytes in any window of ``window_s`` seconds is ``MirrorTooSlowError``, so a
+source that trickles one byte a second (never silent long enough to be a stall) is abandoned
+too. Such reads take what each ``recv`` delivers (``read1``) so the floor is checked as bytes
+arrive. Every open response shuts its socket down on a stop request (``stopping``: SIGTERM in the
+CLI), so no worker stays blocked in a read after the command was interrupted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
+import socket
+import time
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import requests
 
-from modelpack.errors import RegistryError, SizeMismatchError
+from modelpack import stopping
+from modelpack.errors import MirrorTooSlowError, RegistryError, SizeMismatchError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.bodies import TRANSPORT_ERRORS, is_transport_error
 from modelpack.targets.registry.client import RegistryClient
@@ -52,33 +64,88 @@ def silence_limit(client: RegistryClient) -> float:
     return min(client.timeout, MAX_SILENCE_S, max(1.0, retry_for / 2))
 
 
-def _bound_silence(repo: RepositoryAPI, resp: requests.Response) -> requests.Response:
-    """Make a streamed body's reads give up after ``silence_limit`` (a socket timeout, which the
-    callers' transport-error handling resumes from the byte reached)."""
+@dataclass(frozen=True)
+class Floor:
+    """The least a mirror must deliver: ``min_bps`` bytes per second over each ``window_s``."""
+
+    min_bps: float
+    window_s: float
+
+
+class _Pace:
+    """Counts bytes per window and raises once a whole window fell below the floor."""
+
+    def __init__(self, floor: Floor, what: str) -> None:
+        self.floor = floor
+        self.what = what
+        self.start = time.monotonic()
+        self.got = 0
+
+    def note(self, n: int, pos: int) -> None:
+        self.got += n
+        now = time.monotonic()
+        elapsed = now - self.start
+        if elapsed < self.floor.window_s:
+            return
+        if self.got < self.floor.min_bps * self.floor.window_s:
+            raise MirrorTooSlowError(
+                f"{self.what}: too slow, {self.got} bytes in {elapsed:.1f} s (floor "
+                f"{self.floor.min_bps:.0f} B/s over {self.floor.window_s:g} s), at byte {pos}"
+            )
+        self.start, self.got = now, 0
+
+
+def _socket_of(resp: requests.Response) -> socket.socket | None:
     # the response's own socket (http.client keeps it on the body's reader; the connection
     # object lets go of it once the headers are read)
     reader = getattr(getattr(resp.raw, "_fp", None), "fp", None)
     sock = getattr(getattr(reader, "raw", None), "_sock", None)
     if sock is None:
         sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _shutdown(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _bound_silence(repo: RepositoryAPI, resp: requests.Response) -> requests.Response:
+    """Make a streamed body's reads give up after ``silence_limit`` (a socket timeout, which the
+    callers' transport-error handling resumes from the byte reached)."""
+    sock = _socket_of(resp)
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.settimeout(silence_limit(repo.client))
     return resp
 
 
+def _read(resp: requests.Response, n: int | None, paced: bool) -> bytes:
+    """Up to ``n`` bytes of the body: all of them, or (paced) what the next ``recv`` brings."""
+    if paced:
+        data: bytes = resp.raw.read1(n, decode_content=False)
+    else:
+        data = resp.raw.read(n, decode_content=False)
+    return data
+
+
 class ResumingBlobStream:
     """A blob download as a binary stream that resumes itself after a cut; closing it releases
     the connection. ``resumes`` counts the ranged requests that continued it."""
 
-    def __init__(self, repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0) -> None:
+    def __init__(
+        self, repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0, *, floor: Floor | None = None
+    ) -> None:
         self._repo = repo
         self._desc = descriptor
         self._pos = offset
         self._budget = repo.client.budget()
         self._resp: requests.Response | None = None
+        self._stop_hook: contextlib.ExitStack | None = None
         self._empty = 0
         self.resumes = 0
+        self._pace = _Pace(floor, self._what()) if floor is not None else None
         self._resp = self._open()
 
     @property
@@ -89,14 +156,19 @@ class ResumingBlobStream:
         return f"blob {self._desc.digest} from {self._repo.name}"
 
     def _open(self) -> requests.Response:
+        stopping.check()
         try:
-            return _open_at(self._repo, self._desc, self._pos, self._budget)
+            resp = _open_at(self._repo, self._desc, self._pos, self._budget)
         except RegistryError as exc:
             if exc.status == 416 and self._pos:  # nothing after the byte reached: a short blob
                 raise SizeMismatchError(
                     self._desc.digest, self._desc.size, self._pos, source=self._repo.name
                 ) from None
             raise
+        self._stop_hook = contextlib.ExitStack()
+        sock = _socket_of(resp)
+        self._stop_hook.enter_context(stopping.abort_on_stop(functools.partial(_shutdown, sock)))
+        return resp
 
     def read(self, n: int = -1) -> bytes:
         want = None if n is None or n < 0 else n
@@ -106,12 +178,14 @@ class ResumingBlobStream:
             if self._resp is None:
                 self._resp = self._open()
             try:
-                data: bytes = self._resp.raw.read(want, decode_content=False)
+                data = _read(self._resp, want, self._pace is not None)
             except TRANSPORT_ERRORS as exc:
                 if not is_transport_error(exc):
                     raise
                 self._cut(exc)
                 continue
+            if self._pace is not None:
+                self._pace.note(len(data), self._pos + len(data))
             if data:
                 self._pos += len(data)
                 self._empty = 0
@@ -130,6 +204,7 @@ class ResumingBlobStream:
     def _cut(self, exc: BaseException | None) -> None:
         """Drop the broken response and wait for the next attempt (raise when out of budget)."""
         self._release()
+        stopping.check()
         reason = type(exc).__name__ if exc is not None else "end of stream"
         log.debug("%s: cut at byte %d (%s); resuming", self._what(), self._pos, reason)
         if not self._budget.wait():
@@ -150,6 +225,9 @@ class ResumingBlobStream:
         return True
 
     def _release(self) -> None:
+        if self._stop_hook is not None:
+            self._stop_hook.close()
+            self._stop_hook = None
         if self._resp is not None:
             try:
                 self._resp.close()
@@ -219,9 +297,12 @@ def open_blob(repo: RepositoryAPI, descriptor: Descriptor, offset: int = 0) -> B
     return ResumingBlobStream(repo, descriptor, offset)  # type: ignore[return-value]
 
 
-def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length: int) -> bytes:
+def read_range(
+    repo: RepositoryAPI, descriptor: Descriptor, offset: int, length: int, *, floor: Floor | None = None
+) -> bytes:
     """Exactly ``length`` bytes at ``offset`` (a registry that ignores ``Range`` is skipped
-    through); a cut range is continued from the byte it reached."""
+    through); a cut range is continued from the byte it reached. With a ``floor``, a source that
+    delivers less than it is ``MirrorTooSlowError``."""
     if length <= 0:
         return b""
     if offset < 0 or offset + length > descriptor.size:
@@ -230,7 +311,9 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
     parts: list[bytes] = []  # one part unless the range was cut: then joined once at the end
     have = 0
     what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
+    pace = _Pace(floor, what) if floor is not None else None
     while have < length:
+        stopping.check()
         start = offset + have
         resp = repo.client.request(
             "GET",
@@ -244,8 +327,9 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
             budget=budget,
         )
         _bound_silence(repo, resp)
+        sock = _socket_of(resp)
         try:
-            with resp:
+            with resp, stopping.abort_on_stop(functools.partial(_shutdown, sock)):
                 if resp.status_code == 416:
                     # distribution 2.8's 416 carries a wrong Content-Length: never read its body
                     raise RegistryError(f"{what} not satisfiable", status=416, target=repo.name)
@@ -256,7 +340,9 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
                 before = have
                 while have < length:
                     # a cut returns what arrived first, then raises on the next read
-                    data = resp.raw.read(length - have, decode_content=False)
+                    data = _read(resp, length - have, pace is not None)
+                    if pace is not None:
+                        pace.note(len(data), offset + have + len(data))
                     if not data:
                         break
                     parts.append(data)
@@ -268,6 +354,7 @@ def read_range(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length:
             if not is_transport_error(exc):
                 raise
             log.debug("%s: cut at byte %d (%s); resuming", what, offset + have, type(exc).__name__)
+            stopping.check()
             if not budget.wait():
                 raise repo.client.connection_error(what, exc, budget) from None
             repo.client.count_retry()

@@ -17,9 +17,15 @@ event (``registry.mirror_abandoned``: mirror, blob, reason, offset); each blob a
 totals the bytes delivered per source host for the run. A mirror whose connection failed is skipped for
 ``DOWN_FOR_S`` so a dead mirror costs one short budget per run, not one per blob.
 
+Every mirror read has a stall limit (no byte for ``stall_s``) and a throughput floor
+(``Floor``: fewer than ``min_rate`` bytes per second over ``rate_window_s`` is a mirror that
+trickles), and is abandoned mid-blob for the next mirror and finally the origin, from the byte
+reached. A stop request (``stopping``: SIGTERM) ends every wait at once.
+
 Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
-a range cannot be verified alone, so its bytes are checked by the loader against the signed
-chunk table, as for the origin.
+a range cannot be verified alone, so the caller may pass ``check`` (the loader's signed chunk
+table): the chunks of a mirror's bytes that fail it are fetched again from the next source and
+finally the origin, chunk by chunk. The loader verifies every chunk again, as for the origin.
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from modelpack.errors import MirrorConfigError, ModelpackError, RegistryConnectionError, RegistryError
+from modelpack import stopping
+from modelpack.errors import (
+    MirrorConfigError,
+    ModelpackError,
+    RegistryConnectionError,
+    RegistryError,
+    TransferInterrupted,
+)
 from modelpack.oci.descriptor import Descriptor
-from modelpack.targets.registry.blob_reads import ResumingBlobStream, read_range
+from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.hosts import canonical_host
 from modelpack.targets.registry.repository import RepositoryAPI
@@ -55,6 +68,10 @@ DEFAULT_HOSTS_DIR = "/etc/containerd/certs.d"
 MIRROR_RETRY_FOR = 3.0
 #: no byte from a mirror for this long is a stall (its client's read timeout)
 MIRROR_STALL_S = 10.0
+#: a mirror must deliver at least this many bytes per second (``MODELPACK_MIRROR_MIN_RATE``)…
+MIRROR_MIN_RATE = 256 * 1024
+#: …over each window of this many seconds (``MODELPACK_MIRROR_RATE_WINDOW``)
+MIRROR_RATE_WINDOW_S = 10.0
 #: a mirror whose connection failed is not asked again for this long
 DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
@@ -151,6 +168,34 @@ def _parse_hosts_toml(raw: bytes, path: str) -> list[MirrorEndpoint]:
     return out
 
 
+#: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
+RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
+
+
+def mirror_limits(extra: Mapping[str, Any] | None = None) -> tuple[float, Floor | None]:
+    """(stall seconds, throughput floor) from ``TargetOptions.extra`` (``mirror_stall_s``,
+    ``mirror_min_rate``, ``mirror_rate_window_s``), else ``MODELPACK_MIRROR_STALL``,
+    ``MODELPACK_MIRROR_MIN_RATE`` (bytes/s; 0 turns the floor off), ``MODELPACK_MIRROR_RATE_WINDOW``."""
+    extra = extra or {}
+
+    def value(key: str, env: str, default: float) -> float:
+        raw = extra.get(key)
+        if raw is None:
+            raw = os.environ.get(env) or None
+        try:
+            got = float(raw) if raw is not None else default
+        except ValueError:
+            raise MirrorConfigError(f"{env} must be a number, got {raw!r}", target=env) from None
+        if got < 0 or got != got:
+            raise MirrorConfigError(f"{env} must not be negative, got {raw!r}", target=env)
+        return got
+
+    stall = value("mirror_stall_s", "MODELPACK_MIRROR_STALL", MIRROR_STALL_S) or MIRROR_STALL_S
+    rate = value("mirror_min_rate", "MODELPACK_MIRROR_MIN_RATE", MIRROR_MIN_RATE)
+    window = value("mirror_rate_window_s", "MODELPACK_MIRROR_RATE_WINDOW", MIRROR_RATE_WINDOW_S)
+    return stall, (Floor(rate, window) if rate > 0 and window > 0 else None)
+
+
 def configured_mirrors(
     registry: str, mirrors: list[str] | None, hosts_dir: str | None
 ) -> list[MirrorEndpoint]:
@@ -194,12 +239,14 @@ class MirroredBlobs:
         *,
         retry_for: float | None = None,
         stall_s: float | None = None,
+        floor: Floor | None = None,
         events: Any = None,
         spool_dir: str | None = None,
     ) -> None:
         self.origin = origin
         self.events = events
         self.spool_dir = spool_dir
+        self.floor = floor
         budget = MIRROR_RETRY_FOR if retry_for is None else min(retry_for, MIRROR_RETRY_FOR)
         self.mirrors = []
         for ep in endpoints:
@@ -273,10 +320,12 @@ class MirroredBlobs:
                 if pos >= desc.size:
                     break
                 repo = mirror.repo if mirror is not None else self.origin
+                floor = self.floor if mirror is not None else None
                 start = pos
                 try:
-                    with ResumingBlobStream(repo, desc, pos) as stream:
+                    with ResumingBlobStream(repo, desc, pos, floor=floor) as stream:
                         while pos < desc.size:
+                            stopping.check()
                             data = stream.read(min(_CHUNK, desc.size - pos))
                             if not data:
                                 break
@@ -285,6 +334,8 @@ class MirroredBlobs:
                             pos += len(data)
                     if pos < desc.size and mirror is not None:
                         self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos)
+                except TransferInterrupted:
+                    raise
                 except (RegistryError, ModelpackError) as exc:
                     if mirror is None:
                         raise
@@ -314,22 +365,57 @@ class MirroredBlobs:
             raise
 
     # ------------------------------------------------------------------ ranges
-    def read_range(self, desc: Descriptor, offset: int, length: int) -> bytes:
-        """Exactly ``length`` bytes at ``offset`` from the first source that serves them (the
-        loader verifies them against the signed chunk table)."""
+    def read_range(
+        self, desc: Descriptor, offset: int, length: int, check: RangeCheck | None = None
+    ) -> bytes:
+        """Exactly ``length`` bytes at ``offset`` from the first source that serves them. With
+        ``check``, the chunks a mirror got wrong are fetched again from the next source and the
+        origin (the loader verifies every chunk against the signed chunk table either way)."""
+        out: bytearray | None = None
+        missing = [(offset, length)]
         for mirror in self._usable():
-            try:
-                data = read_range(mirror.repo, desc, offset, length)
-            except (RegistryError, ModelpackError) as exc:
-                if isinstance(exc, RegistryConnectionError):
-                    mirror.down_until = time.monotonic() + DOWN_FOR_S
-                self._abandon(mirror, desc, str(exc), offset)
-                continue
-            self._count(mirror.name, len(data))
-            return data
-        data = read_range(self.origin, desc, offset, length)
-        self._count(self.origin.client.host, len(data))
-        return data
+            left: list[tuple[int, int]] = []
+            for o, n in missing:
+                try:
+                    data = read_range(mirror.repo, desc, o, n, floor=self.floor)
+                except TransferInterrupted:
+                    raise
+                except (RegistryError, ModelpackError) as exc:
+                    if isinstance(exc, RegistryConnectionError):
+                        mirror.down_until = time.monotonic() + DOWN_FOR_S
+                    self._abandon(mirror, desc, str(exc), o)
+                    left.append((o, n))
+                    continue
+                bad = check(o, data) if check is not None else []
+                if bad:
+                    first = bad[0][0]
+                    self._abandon(
+                        mirror,
+                        desc,
+                        f"digest mismatch: {len(bad)} chunk(s) of range {o}+{n} are wrong",
+                        first,
+                    )
+                if not bad and o == offset and n == length:
+                    self._count(mirror.name, len(data))
+                    return data
+                if out is None:
+                    out = bytearray(length)
+                out[o - offset : o - offset + n] = data
+                self._count(mirror.name, n - sum(b for _, b in bad))
+                left.extend(bad)
+            missing = left
+            if not missing:
+                break
+        for o, n in missing:
+            data = read_range(self.origin, desc, o, n)
+            self._count(self.origin.client.host, len(data))
+            if o == offset and n == length and out is None:
+                return data
+            if out is None:
+                out = bytearray(length)
+            out[o - offset : o - offset + n] = data
+        assert out is not None
+        return bytes(out)
 
     def close(self) -> None:
         for m in self.mirrors:

@@ -27,7 +27,7 @@ from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
-from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors
+from modelpack.targets.registry.mirrors import MirroredBlobs, RangeCheck, configured_mirrors, mirror_limits
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
 
@@ -111,12 +111,13 @@ class RegistryTarget:
         if not for_write:
             endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
             if endpoints:
-                stall = extra.get("mirror_stall_s")
+                stall, floor = mirror_limits(extra)
                 target.mirrors = MirroredBlobs(
                     target._repo,
                     endpoints,
                     retry_for=opts.retry_for,
-                    stall_s=float(stall) if stall is not None else None,
+                    stall_s=stall,
+                    floor=floor,
                     events=extra.get("events"),
                 )
         return target
@@ -138,6 +139,15 @@ class RegistryTarget:
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         if self.mirrors is not None:
             return self.mirrors.read_range(descriptor, offset, length)
+        return read_range(self._repo, descriptor, offset, length)
+
+    def fetch_range_checked(
+        self, descriptor: Descriptor, offset: int, length: int, check: RangeCheck
+    ) -> bytes:
+        """``fetch_range``, with the chunks a mirror got wrong (``check``) fetched again from the
+        next source and the origin."""
+        if self.mirrors is not None:
+            return self.mirrors.read_range(descriptor, offset, length, check)
         return read_range(self._repo, descriptor, offset, length)
 
     def bytes_by_source(self) -> dict[str, int]:
