@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +193,42 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
     ]
     assert gone and all("digest mismatch" in e["reason"] for e in gone), gone
     assert any("chunk(s) of range" in e["reason"] for e in gone), gone
+
+
+def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_clearly(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path
+) -> None:
+    """Issue 23 item 3: manifests by digest may come from a mirror (verified by digest); tags
+    resolve only at the origin. Before, every manifest read went to the origin."""
+    origin = registry_factory.start()
+    mirror = registry_factory.start()
+    digest, _manifest, _blobs = _push(origin, checkpoint, "faults/down")
+    transfer.cp(origin.ref("faults/down", "v1"), mirror.ref("faults/down", "v1"), progress="off")
+    origin.kill()
+    mark = mirror.log_mark()
+    env = _env(tmp_path)
+    base = ["--mirror", f"http://{mirror.host}", "--retry-for", "2s"]
+    pinned = subprocess.run(
+        _cli("pull", "--cache", str(tmp_path / "cache"), *base, f"{origin.host}/faults/down@{digest}"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert pinned.returncode == 0, pinned.stderr
+    snapshot = Path(pinned.stdout.strip().splitlines()[-1])
+    for f in checkpoint.glob("*.safetensors"):
+        assert (snapshot / f.name).read_bytes() == f.read_bytes()
+    tagged = subprocess.run(
+        _cli("pull", "--cache", str(tmp_path / "cache2"), *base, f"{origin.host}/faults/down:v1"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert tagged.returncode != 0
+    assert origin.host in tagged.stderr and "Traceback" not in tagged.stderr, tagged.stderr
+    # the mirror served the manifest by digest, and was never asked what a tag names
+    asked = [p for m, p, _ in mirror.requests_since(mark) if "/manifests/" in p]
+    assert f"/v2/faults/down/manifests/{digest}" in asked
+    assert not [p for p in asked if not p.rsplit("/", 1)[1].startswith("sha256:")], asked

@@ -78,6 +78,10 @@ class ManifestStore:
         with self._cache_lock:
             return self._manifest_cache.get(digest)
 
+    def cached(self, digest: str) -> tuple[bytes, str] | None:
+        """The manifest ``digest`` when read or written recently (verified then), else None."""
+        return self._cache_get(digest)
+
     def get(self, reference: str) -> tuple[bytes, str, Digest]:
         """GET a manifest by tag or digest; bounded, and verified when addressed by digest."""
         is_digest = reference.startswith("sha256:")

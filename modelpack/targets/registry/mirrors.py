@@ -5,8 +5,9 @@ Configured the way containerd, Dragonfly's dfdaemon, Harbor proxy caches and Spe
 ``/etc/containerd/certs.d``), ``[host."URL"]`` tables with the ``pull`` capability in file order,
 plus ``--mirror URL`` (repeatable) / ``MODELPACK_MIRRORS`` ahead of them.
 
-A mirror never chooses the version: tags and manifests are resolved at the origin (the target
-sends every manifest read there), and a mirror only serves blobs, by digest. A mirror's bytes go
+A mirror never chooses the version: tags are resolved at the origin only; a mirror serves blobs
+and manifests by digest (the target asks it for a manifest by digest first, verified against the
+digest), and referrer listings only when the origin cannot be reached. A mirror's bytes go
 to a spool (memory, then a temp file) and are hashed on the way; the consumer sees them only once
 the whole blob matched its digest. So a mirror that refuses, errors, stalls (no byte for the
 stall time: the read timeout of its client, whose retry budget is short) or dies mid-blob is
@@ -282,6 +283,27 @@ class MirroredBlobs:
                 blob=str(desc.digest),
                 reason=reason[:300],
                 offset=offset,
+                registry=self.origin.name,
+            )
+
+    def usable(self, name: str) -> bool:
+        """Whether mirror ``name`` may be asked now (not marked down after a failed connection)."""
+        return any(m.name == name for m in self._usable())
+
+    def manifest_abandoned(self, name: str, what: str, exc: BaseException) -> None:
+        """A manifest (or referrers listing) ``name`` could not serve: the next source is asked."""
+        mirror = next(m for m in self.mirrors if m.name == name)
+        if isinstance(exc, RegistryConnectionError):
+            mirror.down_until = time.monotonic() + DOWN_FOR_S
+        with self._lock:
+            self.abandoned += 1
+        log.warning("mirror %s abandoned for %s: %s", name, what, exc)
+        if self.events is not None:
+            self.events.emit(
+                "registry.mirror_abandoned",
+                mirror=name,
+                manifest=what,
+                reason=str(exc)[:300],
                 registry=self.origin.name,
             )
 

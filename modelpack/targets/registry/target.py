@@ -13,12 +13,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlencode, urljoin, urlsplit
 
 from modelpack import boundedjson
-from modelpack.errors import DocumentError, ListingCutError, NotFoundError, RegistryError, UploadError
+from modelpack.errors import (
+    DocumentError,
+    ListingCutError,
+    ModelpackError,
+    NotFoundError,
+    RegistryConnectionError,
+    RegistryError,
+    TransferInterrupted,
+    UploadError,
+)
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
 from modelpack.targets.base import BlobSource
@@ -32,6 +41,7 @@ from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
 
 log = logging.getLogger("modelpack.targets.registry")
+T = TypeVar("T")
 
 MAX_TAGS_PAGE_BYTES = 16 * 1024 * 1024
 #: pages of one tag or catalog listing followed at most (``Link: rel=next``); past it, the listing
@@ -67,6 +77,7 @@ class RegistryTarget:
         )
         #: blob reads through mirrors first (``modelpack.targets.registry.mirrors``), when configured
         self.mirrors: MirroredBlobs | None = None
+        self._mirror_manifests: list[tuple[str, ManifestStore]] = []
 
     @property
     def chunk_size(self) -> int:
@@ -120,14 +131,34 @@ class RegistryTarget:
                     floor=floor,
                     events=extra.get("events"),
                 )
+                target._mirror_manifests = [(m.name, ManifestStore(m.repo)) for m in target.mirrors.mirrors]
         return target
 
     # ------------------------------------------------------------------ manifests (read)
+    def _by_digest(self, reference: str, op: Callable[[ManifestStore], T]) -> T:
+        """A manifest by digest from the mirrors first (verified against the digest by the
+        store), then the origin; a tag only ever at the origin: a mirror never picks a version."""
+        if (
+            reference.startswith("sha256:")
+            and self.mirrors is not None
+            and self._manifests.cached(reference) is None
+        ):
+            for name, store in self._mirror_manifests:
+                if not self.mirrors.usable(name):
+                    continue
+                try:
+                    return op(store)
+                except TransferInterrupted:
+                    raise
+                except ModelpackError as exc:
+                    self.mirrors.manifest_abandoned(name, reference, exc)
+        return op(self._manifests)
+
     def resolve(self, reference: str) -> Descriptor:
-        return self._manifests.resolve(reference)
+        return self._by_digest(reference, lambda store: store.resolve(reference))
 
     def fetch_manifest(self, reference: str) -> tuple[bytes, str]:
-        raw, media_type, _ = self._manifests.get(reference)
+        raw, media_type, _ = self._by_digest(reference, lambda store: store.get(reference))
         return raw, media_type
 
     # ------------------------------------------------------------------ blobs (read)
@@ -219,8 +250,25 @@ class RegistryTarget:
 
     # ------------------------------------------------------------------ referrers
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
-        """Referrers of ``subject``: the API when served, else the ``sha256-<hex>`` fallback tag."""
-        return self._manifests.referrers(subject, artifact_type)
+        """Referrers of ``subject``: the API when served, else the ``sha256-<hex>`` fallback tag.
+        Asked of the origin; of the mirrors in order only when the origin cannot be reached (a
+        listing cannot be verified, but every entry is a digest whose manifest and signature are
+        checked: a mirror can withhold a signature, never forge one)."""
+        try:
+            return self._manifests.referrers(subject, artifact_type)
+        except RegistryConnectionError as exc:
+            if self.mirrors is None:
+                raise
+            for name, store in self._mirror_manifests:
+                if not self.mirrors.usable(name):
+                    continue
+                try:
+                    return store.referrers(subject, artifact_type)
+                except TransferInterrupted:
+                    raise
+                except ModelpackError as mirror_exc:
+                    self.mirrors.manifest_abandoned(name, f"referrers of {subject.digest}", mirror_exc)
+            raise exc
 
     @staticmethod
     def fallback_tag(digest: str) -> str:
