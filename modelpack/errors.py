@@ -378,6 +378,12 @@ class StoreError(ModelpackError):
     """The cache store is damaged or cannot be written."""
 
 
+class CacheServeError(ModelpackError):
+    """``cache serve`` cannot start: TLS files that do not load, an address that cannot be bound."""
+
+    exit_code = 2
+
+
 class SnapshotError(ModelpackError):
     """A snapshot cannot be built, published or used."""
 

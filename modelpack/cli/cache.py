@@ -326,4 +326,82 @@ def cache_rm(reference: str, cache_dir: str | None, force: bool) -> None:
     click.echo(open_cache(cache_dir).rm(reference, force=force))
 
 
+@cache_group.command("serve")
+@cache_dir_option
+@click.option(
+    "--listen",
+    default="127.0.0.1:5050",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Address to bind (port 0: any free port; the URL is printed on stdout).",
+)
+@click.option(
+    "--tls-cert", type=click.Path(exists=True, dir_okay=False), help="PEM certificate (chain) for HTTPS."
+)
+@click.option(
+    "--tls-key", type=click.Path(exists=True, dir_okay=False), help="PEM private key for --tls-cert."
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Require 'Authorization: Bearer <token>' with the token in this file "
+    "(env MODELPACK_SERVE_TOKEN); never on the command line.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="Connections served at once; the next is answered 503 with Retry-After.",
+)
+@handle_errors
+def cache_serve(
+    cache_dir: str | None,
+    listen: str,
+    tls_cert: str | None,
+    tls_key: str | None,
+    token_file: str | None,
+    max_connections: int,
+) -> None:
+    """Serve the node cache to peers as a read-only OCI registry mirror.
+
+    GET /v2/, blobs by digest (HEAD, GET, Range) and manifests by digest; never tags, listings
+    or writes (405). Only committed, read-only store blobs are reachable. Use it as another
+    node's --mirror, or in containerd's hosts.toml with capabilities = ["pull"].
+
+    \b
+    Examples:
+      modelpack cache serve --cache /var/cache/modelpack --listen 0.0.0.0:5050
+      modelpack pull reg.example/models/llama@sha256:<hex> --cache /var/cache/modelpack --mirror http://node-a:5050
+    """
+    import os
+
+    from modelpack.mount.serve import CacheServer, ServeSettings
+
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise click.BadParameter(
+            f"{listen!r}: expected HOST:PORT, e.g. 127.0.0.1:5050", param_hint="--listen"
+        )
+    token = os.environ.get("MODELPACK_SERVE_TOKEN") or None
+    if token_file:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read(4096).strip() or None
+        if token is None:
+            raise click.BadParameter(f"{token_file}: the file is empty", param_hint="--token-file")
+    settings = ServeSettings(
+        host=host,
+        port=int(port),
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        token=token,
+        max_connections=max_connections,
+    )
+    server = CacheServer(cache_dir or default_cache_dir(), settings)
+    click.echo(server.url)
+    click.echo(f"serving {server.store.root} read-only on {server.url}", err=True)
+    server.serve_forever()
+
+
 __all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]

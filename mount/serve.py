@@ -1,0 +1,357 @@
+"""``cache serve``: a node cache as a read-only OCI distribution endpoint for its peers.
+
+Spegel's design: every node's content store is a registry mirror for the others, plugged in
+through ``--mirror`` (modelpack) or containerd's ``hosts.toml`` (``capabilities = ["pull"]``).
+What it answers, and nothing else:
+
+- ``GET /v2/`` (the API check);
+- ``GET``/``HEAD /v2/<name>/blobs/sha256:<hex>``, with one ``Range`` (``bytes=a-b``, ``a-``,
+  ``-n``);
+- ``GET``/``HEAD /v2/<name>/manifests/sha256:<hex>``, its media type read from the manifest.
+
+Never a tag (a peer never chooses a version: 404), never a listing (``_catalog``, ``tags/list``:
+404), never a write (any method but ``GET``/``HEAD``: 405, and a request with a body: 400). The
+only path from a request to the filesystem is a validated 64-digit sha256 hex under the store's
+``blobs/sha256/``, opened with ``O_NOFOLLOW`` and served only when ``fstat`` says it is a
+committed blob (a regular, read-only file of the cache owner that nobody else can write): a
+planted, writable, linked or quarantined file, a partial download or anything outside the store
+is 404. Whatever a peer serves, its client verifies against the digest.
+
+Bounded: at most ``max_connections`` connections at once (the next is answered ``503`` with
+``Retry-After`` and closed), request lines and headers bounded by ``http.server`` (64 KiB, 100
+headers), paths of more than 2 KiB refused, every socket read and write times out after
+``io_timeout`` seconds (a peer that stops reading frees its slot). Optional TLS (certificate and
+key; the handshake runs on the connection's thread, bounded by the same timeout) and bearer token
+(compared in constant time; ``401`` with a ``WWW-Authenticate`` challenge otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import http.server
+import json
+import logging
+import os
+import re
+import socket
+import ssl
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
+from modelpack.mount.store import Store
+
+from modelpack.boundedjson import loads_object
+from modelpack.errors import CacheServeError, DocumentError
+
+log = logging.getLogger("modelpack.mount.serve")
+
+_NAME = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+_ROUTE = re.compile(rf"^/v2/({_NAME})/(blobs|manifests)/([^/]+)$")
+_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+MAX_PATH = 2048
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+_CHUNK = 1024 * 1024
+_MANIFEST_TYPES = frozenset(
+    {
+        "application/vnd.oci.image.manifest.v1+json",
+        "application/vnd.oci.image.index.v1+json",
+        "application/vnd.docker.distribution.manifest.v2+json",
+        "application/vnd.docker.distribution.manifest.list.v2+json",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 5050
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+    max_connections: int = 64
+    io_timeout: float = 30.0
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, settings: ServeSettings, store: Store, tls: ssl.SSLContext | None) -> None:
+        self.settings = settings
+        self.store = store
+        self.tls = tls
+        self.slots = threading.BoundedSemaphore(settings.max_connections)
+        self.served = 0
+        self.refused = 0
+        self.count_lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        self.address_family = family
+        super().__init__((settings.host, settings.port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            with self.count_lock:
+                self.refused += 1
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                if self.tls is None:  # a TLS client would not read plain bytes: just close
+                    request.sendall(
+                        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+                        b"Content-Length: 0\r\nConnection: close\r\n\r\n"
+                    )
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(self.settings.io_timeout)
+        if self.tls is not None:
+            try:
+                request = self.tls.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError) as exc:
+                log.debug("TLS handshake with %s failed: %s", client_address, exc)
+                return
+        _Handler(request, client_address, self)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    server_version = "modelpack-cache"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    # ------------------------------------------------------------------ answers
+    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD" and body:
+            self.wfile.write(body)
+
+    def _error(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        body = json.dumps({"errors": [{"code": code, "message": message}]}).encode()
+        self._send(status, body, {"Content-Type": "application/json", **(headers or {})})
+
+    def _refuse_method(self) -> None:
+        self.close_connection = True
+        self._error(405, "UNSUPPORTED", "read-only: only GET and HEAD are served", {"Allow": "GET, HEAD"})
+
+    do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_TRACE = do_CONNECT = _refuse_method
+
+    def do_HEAD(self) -> None:
+        self._get()
+
+    def do_GET(self) -> None:
+        self._get()
+
+    # ------------------------------------------------------------------ routing
+    def _authorized(self) -> bool:
+        token = self.server.settings.token
+        if token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
+            return True
+        self._error(
+            401,
+            "UNAUTHORIZED",
+            "a bearer token is required",
+            {"WWW-Authenticate": 'Bearer realm="modelpack-cache"'},
+        )
+        return False
+
+    def _get(self) -> None:
+        length = self.headers.get("Content-Length")
+        if (length not in (None, "0")) or self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            self._error(400, "UNSUPPORTED", "requests with a body are not accepted")
+            return
+        if len(self.path) > MAX_PATH:
+            self.close_connection = True
+            self._error(414, "NAME_INVALID", "path too long")
+            return
+        if not self._authorized():
+            return
+        path = self.path.split("?", 1)[0]
+        if path in ("/v2", "/v2/"):
+            self._send(200, b"{}", {"Content-Type": "application/json"})
+            return
+        m = _ROUTE.match(path)
+        if not m:
+            self._error(404, "NOT_FOUND", "only blobs and manifests by digest are served")
+            return
+        kind, reference = m.group(2), m.group(3)
+        d = _DIGEST.match(reference)
+        if d is None:
+            what = "tags are resolved at the origin only" if kind == "manifests" else "not a sha256 digest"
+            self._error(404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", what)
+            return
+        fd = self._open_committed(d.group(1))
+        if fd is None:
+            self._error(
+                404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", "not in this cache"
+            )
+            return
+        with contextlib.closing(os.fdopen(fd, "rb", buffering=0)) as f:
+            if kind == "manifests":
+                self._manifest(f, reference)
+            else:
+                self._blob(f, reference)
+
+    def _open_committed(self, hex_digest: str) -> int | None:
+        """An fd on ``blobs/sha256/<hex>`` when it is a committed blob (checked on the open fd)."""
+        path = os.path.join(self.server.store.blobs_dir, hex_digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and self.server.store.trusted(st, read_only=True):
+                os.set_blocking(fd, True)
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+    def _manifest(self, f: Any, digest: str) -> None:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MANIFEST_BYTES:
+            self._error(404, "MANIFEST_UNKNOWN", "not a manifest")
+            return
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        try:
+            doc = loads_object(raw, what=f"manifest {digest}", max_bytes=MAX_MANIFEST_BYTES)
+        except DocumentError:
+            self._error(404, "MANIFEST_UNKNOWN", "not a manifest")
+            return
+        media_type = doc.get("mediaType") if isinstance(doc.get("mediaType"), str) else None
+        if media_type is None and "layers" in doc and "config" in doc:
+            media_type = MEDIA_TYPE_OCI_MANIFEST
+        if media_type not in _MANIFEST_TYPES:
+            self._error(404, "MANIFEST_UNKNOWN", "not a manifest")
+            return
+        self._count()
+        self._send(200, raw, {"Content-Type": str(media_type), "Docker-Content-Digest": digest})
+
+    def _blob(self, f: Any, digest: str) -> None:
+        size = os.fstat(f.fileno()).st_size
+        start, end = 0, size - 1
+        status = 200
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Docker-Content-Digest": digest,
+            "Accept-Ranges": "bytes",
+        }
+        rng = self.headers.get("Range")
+        if rng is not None:
+            m = _RANGE.match(rng.strip())
+            first, last = (m.group(1), m.group(2)) if m else ("", "")
+            if m is None or (not first and not last):
+                self._error(416, "RANGE_INVALID", "one bytes=a-b range", {"Content-Range": f"bytes */{size}"})
+                return
+            if first:
+                start = int(first)
+                end = min(int(last), size - 1) if last else size - 1
+            else:
+                start, end = max(0, size - int(last)), size - 1
+            if start >= size or start > end:
+                self._error(416, "RANGE_INVALID", "not satisfiable", {"Content-Range": f"bytes */{size}"})
+                return
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        length = end - start + 1
+        self.send_response(status)
+        self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        self._count()
+        f.seek(start)
+        left = length
+        while left > 0:
+            data = f.read(min(_CHUNK, left))
+            if not data:  # the file shrank under us: cut the connection, the client resumes
+                self.close_connection = True
+                return
+            self.wfile.write(data)
+            left -= len(data)
+
+    def _count(self) -> None:
+        with self.server.count_lock:
+            self.server.served += 1
+
+
+class CacheServer:
+    """A running ``cache serve`` endpoint over the store at ``root`` (opened read-only)."""
+
+    def __init__(self, root: str, settings: ServeSettings) -> None:
+        if settings.max_connections < 1:
+            raise CacheServeError("--max-connections must be at least 1")
+        if (settings.tls_cert is None) != (settings.tls_key is None):
+            raise CacheServeError("--tls-cert and --tls-key go together")
+        self.store = Store(root, create=False)
+        tls = None
+        if settings.tls_cert and settings.tls_key:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                tls.load_cert_chain(settings.tls_cert, settings.tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise CacheServeError(f"cannot load the TLS certificate or key: {exc}") from None
+        try:
+            self._server = _Server(settings, self.store, tls)
+        except OSError as exc:
+            raise CacheServeError(
+                f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}"
+            ) from None
+        self.settings = settings
+
+    @property
+    def url(self) -> str:
+        address = self._server.server_address
+        host, port = str(address[0] if isinstance(address[0], str) else address[0].decode()), address[1]
+        shown = f"[{host}]" if ":" in host else host
+        return f"{'https' if self._server.tls else 'http'}://{shown}:{port}"
+
+    @property
+    def served(self) -> int:
+        return self._server.served
+
+    def serve_forever(self) -> None:
+        try:
+            self._server.serve_forever(poll_interval=0.2)
+        finally:
+            self._server.server_close()
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+
+__all__ = ["CacheServeError", "CacheServer", "ServeSettings"]
