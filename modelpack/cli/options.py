@@ -328,9 +328,11 @@ def target_options(fn: F) -> F:
             "mirrors",
             multiple=True,
             metavar="URL",
-            help="Fetch blobs from this mirror before the origin (repeatable, in order; e.g. "
-            "http://mirror:5000). Manifests always come from the origin; any blob a mirror cannot "
-            "deliver intact comes from the origin. Else MODELPACK_MIRRORS (space or comma separated).",
+            help="Fetch blobs, and manifests by digest, from this mirror or peer ('cache serve') "
+            "before the origin (repeatable, in order; e.g. http://node-a:5050). Tags always resolve "
+            "at the origin; anything a mirror cannot deliver intact, or delivers below its floor "
+            "(MODELPACK_MIRROR_MIN_RATE), comes from the next one and the origin. Else "
+            "MODELPACK_MIRRORS (space or comma separated).",
         ),
         click.option(
             "--hosts-dir",
