@@ -28,6 +28,7 @@ from modelpack.oci.descriptor import Manifest
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import open_readable
 from tests.fixtures.registry import RegistryServer, make_ca
+from tests.test_interop_containerd import Containerd, containerd  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -287,3 +288,51 @@ def test_tls_and_a_bearer_token_and_bounded_connections(
         except (ssl.SSLError, OSError, http.client.HTTPException):
             time.sleep(0.2)
     assert status == 200  # the slots came back once the idle peers went away
+
+
+@pytest.mark.parametrize("origin_up", [True, False])
+def test_containerd_pulls_the_image_variant_from_a_peer_through_hosts_toml(
+    containerd: Containerd,  # noqa: F811 (the fixture imported above)
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,
+    origin_up: bool,
+) -> None:
+    """containerd (its own daemon, ``ctr images pull --hosts-dir``) as the peer's client. With the
+    origin up, ``capabilities = ["pull"]``: the origin resolves, every blob comes from the peer.
+    With the origin down, a pinned pull needs ``resolve`` too (containerd fetches even a manifest
+    by digest only from resolve hosts); the peer answers by digest only, never a tag."""
+    daemon = containerd
+    origin = registry_factory.start()
+    pushed = transfer.push(str(checkpoint), origin.ref("peers/image", "v1"), format="image", progress="off")
+    cache_a = tmp_path / "node-a"
+    done = _pull_cache(tmp_path, cache_a, f"{origin.host}/peers/image@{pushed.digest}")
+    assert done.returncode == 0, done.stderr
+    peer = serve(cache_a)
+    caps = '["pull"]' if origin_up else '["pull", "resolve"]'
+    hosts = tmp_path / "certs.d" / origin.host
+    hosts.mkdir(parents=True)
+    (hosts / "hosts.toml").write_text(
+        f'server = "http://{origin.host}"\n\n[host."{peer.url}"]\n  capabilities = {caps}\n'
+    )
+    mark = origin.log_mark()
+    if not origin_up:
+        origin.kill()
+    out = daemon.ctr(
+        "images",
+        "pull",
+        "--plain-http",
+        "--hosts-dir",
+        str(tmp_path / "certs.d"),
+        "--snapshotter",
+        "native",
+        "--platform",
+        "linux/amd64",
+        f"{origin.host}/peers/image@{pushed.digest}",
+        timeout=300,
+    )
+    assert "done" in out or "unpacking" in out
+    assert str(pushed.digest) in daemon.ctr("images", "ls")
+    if origin_up:
+        assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p]
