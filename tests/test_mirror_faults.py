@@ -232,3 +232,33 @@ def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_cl
     asked = [p for m, p, _ in mirror.requests_since(mark) if "/manifests/" in p]
     assert f"/v2/faults/down/manifests/{digest}" in asked
     assert not [p for p in asked if not p.rsplit("/", 1)[1].startswith("sha256:")], asked
+
+
+def test_a_mirror_forging_a_manifest_by_digest_is_abandoned_for_the_origin(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    digest, _manifest, blobs = _push(registry, checkpoint, "faults/forged")
+    target = open_readable(registry.ref("faults/forged", None))
+    raw, media_type = target.fetch_manifest(digest)
+    liar = HostileMirror(blobs, "zero", manifests={digest: (raw, media_type)})  # zeroed manifest too
+    crawler_for.append(liar)
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--mirror",
+            liar.url,
+            f"{registry.host}/faults/forged@{digest}",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    snapshot = Path(proc.stdout.strip().splitlines()[-1])
+    for f in checkpoint.glob("*.safetensors"):
+        assert (snapshot / f.name).read_bytes() == f.read_bytes()
+    assert ("GET", f"/v2/faults/forged/manifests/{digest}") in liar.requests
+    assert f"abandoned for {digest}" in proc.stderr, proc.stderr
