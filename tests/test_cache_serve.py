@@ -336,3 +336,37 @@ def test_containerd_pulls_the_image_variant_from_a_peer_through_hosts_toml(
     assert str(pushed.digest) in daemon.ctr("images", "ls")
     if origin_up:
         assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p]
+
+
+def test_peers_from_a_dns_name_in_each_nodes_rendezvous_order(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path, serve: Any
+) -> None:
+    """Issue 23 build 2: ``--mirror dns+http://NAME:PORT`` is every address NAME resolves to (a
+    headless Service), ordered per node by rendezvous hashing. Before, ``dns+http`` was refused."""
+    from modelpack.targets.registry.peers import expand_peer_urls, rendezvous
+
+    peers = [f"10.0.0.{i}" for i in range(1, 5)]
+    firsts = [rendezvous(peers, f"node-{n}")[0] for n in range(400)]
+    assert all(40 <= firsts.count(p) <= 160 for p in peers), [firsts.count(p) for p in peers]  # spread
+    for n in range(50):  # a peer leaving does not reorder the others for any node
+        order = rendezvous(peers, f"node-{n}")
+        assert rendezvous(peers[1:], f"node-{n}") == [p for p in order if p != peers[0]]
+    assert rendezvous(peers, "node-1") == rendezvous(list(reversed(peers)), "node-1")  # deterministic
+    assert expand_peer_urls(["dns+http://localhost:5050"], node="n")[0] in (
+        "http://127.0.0.1:5050",
+        "http://[::1]:5050",
+    )
+
+    origin = registry_factory.start()
+    digest, _manifest, cache_a = _node_a(origin, checkpoint, tmp_path, "peers/dns")
+    peer = serve(cache_a)
+    origin.kill()
+    done = _pull_cache(
+        tmp_path,
+        tmp_path / "node-b",
+        f"{origin.host}/peers/dns@{digest}",
+        "--mirror",
+        f"dns+http://localhost:{peer.port}",
+    )
+    assert done.returncode == 0, done.stderr
+    _same(done.stdout, checkpoint)

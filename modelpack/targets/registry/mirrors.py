@@ -55,6 +55,7 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.hosts import canonical_host
+from modelpack.targets.registry.peers import expand_peer_urls
 from modelpack.targets.registry.repository import RepositoryAPI
 
 if sys.version_info >= (3, 11):
@@ -205,7 +206,7 @@ def configured_mirrors(
     urls = list(mirrors or [])
     if not urls:
         urls = [u for u in os.environ.get("MODELPACK_MIRRORS", "").replace(",", " ").split() if u]
-    found = [parse_mirror_url(u, origin="--mirror") for u in urls]
+    found = [parse_mirror_url(u, origin="--mirror") for u in expand_peer_urls(urls)]
     directory = hosts_dir or os.environ.get("MODELPACK_HOSTS_DIR") or DEFAULT_HOSTS_DIR
     found += hosts_toml_mirrors(directory, registry)
     own = canonical_host(registry)
