@@ -263,11 +263,17 @@ def prewarm_daemonset(
     name: str = "modelpack-prewarm",
     namespace: str | None = None,
     tolerate_all: bool = False,
+    serve_port: int | None = None,
 ) -> dict[str, Any]:
     """A DaemonSet that pulls ``references`` into every selected node's cache and re-checks them.
 
     Tags are allowed here (pre-warming "the current v1"), but pods should consume digests.
     Re-pulling a cached digest is a hit (no hashing, no transfer), so the loop is cheap.
+
+    With ``serve_port``, each pod also runs ``cache serve`` on that port (the cache mounted
+    read-only) and its pulls ask the other nodes first: ``MODELPACK_MIRRORS`` is
+    ``dns+http://`` the headless Service ``peers_service`` makes, ordered per node
+    (``MODELPACK_NODE_NAME``, its own pod IP left out), the origin last.
     """
     if not references:
         raise K8sError("prewarm needs at least one reference")
@@ -281,7 +287,16 @@ def prewarm_daemonset(
         refs.append(str(ref))
     if interval_s < 10:
         raise K8sError("--interval must be at least 10 seconds")
+    if serve_port is not None and not 1 <= serve_port <= 65535:
+        raise K8sError(f"--serve-peers {serve_port}: not a port")
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    if serve_port is not None:
+        env = [
+            *env,
+            _env("MODELPACK_MIRRORS", peers_url(name, namespace, serve_port)),
+            {"name": "MODELPACK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "MODELPACK_NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ]
     pulls = _pull_command(refs, cache_path, policy_secret, policy_key)
     script = "set -u\nwhile true; do\n" + "".join(
         f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls
@@ -306,6 +321,27 @@ def prewarm_daemonset(
         ],
         "volumes": [_cache_volume("hostPath", host_path, None), *volumes],
     }
+    if serve_port is not None:
+        pod_spec["containers"].append(
+            {
+                "name": "peer-serve",
+                "image": modelpack_image,
+                "command": [
+                    "modelpack",
+                    "cache",
+                    "serve",
+                    "--cache",
+                    literal(cache_path),
+                    "--listen",
+                    f"0.0.0.0:{serve_port}",
+                ],
+                "ports": [{"name": "peers", "containerPort": serve_port, "protocol": "TCP"}],
+                "readinessProbe": {"httpGet": {"path": "/v2/", "port": serve_port}, "periodSeconds": 10},
+                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": True}],
+                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
+            }
+        )
     if tolerate_all:
         pod_spec["tolerations"] = [{"operator": "Exists"}]
     return {
@@ -316,6 +352,32 @@ def prewarm_daemonset(
             "selector": {"matchLabels": dict(labels)},
             "updateStrategy": {"type": "RollingUpdate"},
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
+    }
+
+
+def peers_url(name: str, namespace: str | None, port: int) -> str:
+    """The ``dns+http://`` mirror naming every pod behind ``peers_service``."""
+    host = f"{name}-peers" + (f".{namespace}.svc" if namespace else "")
+    return f"dns+http://{host}:{port}"
+
+
+def peers_service(name: str, namespace: str | None, port: int) -> dict[str, Any]:
+    """The headless Service over the pre-warm DaemonSet's ``cache serve`` containers: its name
+    resolves to one address per ready pod (``publishNotReadyAddresses`` off: a pod whose serve
+    is not answering yet is not a peer)."""
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "modelpack-prewarm"}
+    meta: dict[str, Any] = {"name": f"{name}-peers", "labels": dict(labels)}
+    if namespace:
+        meta["namespace"] = namespace
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            "selector": dict(labels),
+            "ports": [{"name": "peers", "port": port, "targetPort": port, "protocol": "TCP"}],
         },
     }
 
@@ -350,6 +412,7 @@ _MODEL_CLASSES = {
     ("v1", "Pod"): "V1Pod",
     ("apps/v1", "DaemonSet"): "V1DaemonSet",
     ("apps/v1", "Deployment"): "V1Deployment",
+    ("v1", "Service"): "V1Service",
 }
 
 

@@ -228,6 +228,15 @@ def k8s_init_container(
 @click.option("--name", default="modelpack-prewarm", show_default=True)
 @click.option("--namespace", default=None)
 @click.option("--tolerate-all", is_flag=True, help="Also run on tainted (e.g. GPU) nodes.")
+@click.option(
+    "--serve-peers",
+    "serve_port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    metavar="PORT",
+    help="Also run 'cache serve' on PORT in each pod and pull from the other nodes first "
+    "(a headless Service NAME-peers is emitted too, before the DaemonSet).",
+)
 @json_option
 @handle_errors
 def k8s_prewarm(
@@ -246,8 +255,21 @@ def k8s_prewarm(
             raise click.BadParameter(f"{s!r}: expected KEY=VALUE", param_hint="--node-selector")
         node_selector[key] = value
     obj = k8s.prewarm_daemonset(list(references), node_selector=node_selector, **kwargs)
-    _emit(
-        obj,
-        ["Pre-warm: re-pulls every interval; a cached digest is a hit (no transfer, no hashing)."],
-        as_json,
+    notes = ["Pre-warm: re-pulls every interval; a cached digest is a hit (no transfer, no hashing)."]
+    port = kwargs.get("serve_port")
+    if port is None:
+        _emit(obj, notes, as_json)
+        return
+    service = k8s.peers_service(kwargs["name"], kwargs.get("namespace"), port)
+    k8s.validate(service)
+    k8s.validate(obj)
+    notes.append(
+        f"Peers: each pod serves its node's cache on port {port} (read-only, digests only) and pulls "
+        f"ask the other nodes first ({k8s.peers_url(kwargs['name'], kwargs.get('namespace'), port)}), the "
+        "origin last. For containerd, list peers in /etc/containerd/certs.d/<registry>/hosts.toml with "
+        'capabilities = ["pull"] (see docs/distribution.md).'
     )
+    if as_json:
+        emit_json({"apiVersion": "v1", "kind": "List", "items": [service, obj]})
+    else:
+        click.echo(k8s.to_yaml(service) + "---\n" + k8s.to_yaml(obj, notes), nl=False)
