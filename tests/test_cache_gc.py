@@ -151,7 +151,9 @@ def test_gc_stat_work_grows_linearly_with_the_number_of_snapshots(tmp_path: Path
     for i in range(small, large):
         cache.pull(f"oci:{layout}:v{i}")
     per_snapshot_large = (_gc_stat_calls(cache.root, tmp_path) - base) / large
-    print(f"stat calls per snapshot: {per_snapshot_small:.1f} at {small}, {per_snapshot_large:.1f} at {large}")
+    print(
+        f"stat calls per snapshot: {per_snapshot_small:.1f} at {small}, {per_snapshot_large:.1f} at {large}"
+    )
     assert per_snapshot_large <= 1.25 * per_snapshot_small + 2, (per_snapshot_small, per_snapshot_large)
     res = cache.gc(max_bytes=1, min_age=0)
     assert len(res.evicted) == large and cache.store.blob_digests() == []
