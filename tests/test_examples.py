@@ -250,6 +250,10 @@ def test_the_policy_example_loads_and_names_each_teams_key() -> None:
 
 def test_the_hosts_toml_example_loads_in_order_with_its_headers() -> None:
     mirrors = hosts_toml_mirrors(str(EXAMPLES / "hosts.toml"), "registry.example.com")
-    assert [m.url for m in mirrors] == ["http://127.0.0.1:65001", "https://mirror.dc1.example.com"]
-    assert mirrors[0].headers == {"X-Dragonfly-Registry": "https://registry.example.com"}
-    assert mirrors[1].ca_file == "/etc/containerd/certs.d/registry.example.com/mirror-ca.pem"
+    assert [m.url for m in mirrors] == [
+        "http://modelpack-prewarm-peers.default.svc:5050",
+        "http://127.0.0.1:65001",
+        "https://mirror.dc1.example.com",
+    ]
+    assert mirrors[1].headers == {"X-Dragonfly-Registry": "https://registry.example.com"}
+    assert mirrors[2].ca_file == "/etc/containerd/certs.d/registry.example.com/mirror-ca.pem"
