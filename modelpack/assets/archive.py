@@ -9,6 +9,7 @@ extraction (no links, no escaping paths, no duplicates), fed through a digest-ch
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import stat
@@ -24,6 +25,7 @@ from modelpack.assets.kinds import AssetKind
 from modelpack.errors import AssetError, LayerFormatError, UnsafeTarError
 from modelpack.files import TEMP_PREFIX
 from modelpack.oci.digest import HASH_CHUNK, Digest, HashingWriter, VerifyingReader
+from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
 GZIP_LEVEL = 6
@@ -31,13 +33,22 @@ GZIP_LEVEL = 6
 
 @dataclass(frozen=True)
 class PackedCache:
-    """A packed cache: the layer file (the caller deletes it) and what went into it."""
+    """A packed cache: the layer file and what went into it. The caller removes it with
+    ``discard()`` (its staging directory too, when it has one)."""
 
     path: str
     digest: Digest
     size: int
     files: int
     bytes: int
+    staging: str | None = None  # the held staging directory the file lives in (work_dir not given)
+
+    def discard(self) -> None:
+        if self.staging is not None:
+            remove_staging_dir(self.staging)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def cache_files(directory: str, kind: AssetKind) -> list[tuple[str, str, os.stat_result]]:
@@ -70,23 +81,30 @@ def cache_files(directory: str, kind: AssetKind) -> list[tuple[str, str, os.stat
 
 
 def pack_cache(directory: str, kind: AssetKind, *, work_dir: str | None = None) -> PackedCache:
-    """Write ``directory`` (minus the kind's scratch entries) as a tar+gzip file in ``work_dir``."""
+    """Write ``directory`` (minus the kind's scratch entries) as a tar+gzip file in ``work_dir``,
+    else in a staging directory of its own (``modelpack.packing.staging_area``): held while this
+    process lives, so what a SIGKILLed push left is swept by the next run."""
     entries = cache_files(directory, kind)
     if not entries:
         raise AssetError(f"{directory}: no {kind.name} cache files to pack (is it the cache directory?)")
     if len(entries) > MAX_ASSET_FILES:
         raise AssetError(f"{directory}: {len(entries)} files; an asset holds at most {MAX_ASSET_FILES}")
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tar.gz", dir=work_dir)
+    staging = make_staging_dir("asset") if work_dir is None else None
     try:
-        with os.fdopen(fd, "wb") as raw:
-            out = HashingWriter(raw)
-            total = _write_tar_gz(out, entries, directory)
-            raw.flush()
-            os.fsync(raw.fileno())
-        return PackedCache(tmp, out.digest, out.size, len(entries), total)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".tar.gz", dir=staging or work_dir)
+        try:
+            with os.fdopen(fd, "wb") as raw:
+                out = HashingWriter(raw)
+                total = _write_tar_gz(out, entries, directory)
+                raw.flush()
+                os.fsync(raw.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except BaseException:
-        os.unlink(tmp)
+        remove_staging_dir(staging)
         raise
+    return PackedCache(tmp, out.digest, out.size, len(entries), total, staging)
 
 
 def _write_tar_gz(out: HashingWriter, entries: list[tuple[str, str, os.stat_result]], directory: str) -> int:

@@ -141,7 +141,7 @@ def push_asset(
         target.push_blob(bytes_blob_source(config, config_bytes))
         target.push_blob(file_blob_source(layer, packed.path, verified=True))
     finally:
-        os.unlink(packed.path)
+        packed.discard()
     manifest = Manifest.build(
         config,
         [layer],

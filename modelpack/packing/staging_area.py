@@ -25,7 +25,7 @@ import time
 STAGING_ENV = "MODELPACK_STAGING_DIR"
 PREFIX = ".modelpack-"
 #: the kinds of staging directory packing makes (only these are ever swept)
-KINDS = ("reshard", "image")
+KINDS = ("reshard", "image", "asset")  # asset: modelpack.assets' packed compile caches
 #: a staging directory younger than this is never swept (its owner may not hold it yet)
 MIN_AGE_S = 2.0
 
