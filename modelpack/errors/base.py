@@ -1,0 +1,85 @@
+"""The root of the hierarchy, errors every layer shares, and the contract's (mediatypes)."""
+
+from __future__ import annotations
+
+
+class ModelpackError(Exception):
+    """Base of every error modelpack raises on purpose; the CLI maps it to exit code 1."""
+
+    exit_code = 1
+
+
+class InvalidReferenceError(ModelpackError, ValueError):
+    """A reference string that cannot be parsed (``host/repo:tag``, ``oci:DIR:TAG``, ``s3://…``)."""
+
+    exit_code = 2
+
+
+class InvalidDigestError(ModelpackError, ValueError):
+    """A digest string that is not ``sha256:<64 lowercase hex>``."""
+
+    exit_code = 2
+
+
+class DigestMismatchError(ModelpackError):
+    """Content did not hash to the digest (or size) it was addressed by. Always fatal."""
+
+    def __init__(self, expected: str, actual: str, *, what: str = "blob", source: str = "") -> None:
+        where = f" from {source}" if source else ""
+        super().__init__(f"{what}{where}: expected {expected}, got {actual}; refusing it")
+        self.expected = expected
+        self.actual = actual
+        self.source = source
+
+
+class SizeMismatchError(ModelpackError):
+    def __init__(self, digest: str, expected: int, actual: int, *, source: str = "") -> None:
+        where = f" from {source}" if source else ""
+        super().__init__(f"blob {digest}{where}: expected {expected} bytes, got {actual}; refusing it")
+        self.digest = digest
+        self.expected = expected
+        self.actual = actual
+
+
+class NotFoundError(ModelpackError):
+    """A tag, manifest or blob that the target does not have."""
+
+
+class ManifestError(ModelpackError, ValueError):
+    """A manifest or index that is malformed, too large or of an unsupported media type."""
+
+
+class DocumentError(ModelpackError, ValueError):
+    """A JSON document from outside that is too large, too deep, not UTF-8/JSON or has duplicate
+    keys; ``what`` names the document (e.g. ``manifest sha256:…``, ``referrer …``, a file path)."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"{what}: {reason}; refusing it")
+        self.what = what
+        self.reason = reason
+
+
+class PackError(ModelpackError):
+    """The checkpoint directory cannot be packed (bad file, escaping symlink, empty, …)."""
+
+
+class SafetensorsError(PackError):
+    """A safetensors file that breaks the format rules; names the file and, when known, the tensor."""
+
+    def __init__(self, path: str, message: str, *, tensor: str | None = None) -> None:
+        where = f"{path}: tensor {tensor!r}: " if tensor else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.tensor = tensor
+
+
+class UnsafePathError(ModelpackError, ValueError):
+    """A path from an untrusted manifest or checkpoint would escape its directory."""
+
+
+class ConfigError(ModelpackError, ValueError):
+    """A model config that breaks the ModelPack schema; ``path`` is the JSON path at fault."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"model config {path}: {message}")
+        self.path = path
