@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 from modelpack.mediatypes.annotations import PROJECT_PREFIX
 
-from modelpack.errors import DocumentError
+from modelpack.errors import VariantIndexError
 
 VARIANT_PREFIX = PROJECT_PREFIX + "variant."
 
@@ -79,7 +79,7 @@ def annotation_key(short: str) -> str:
         return VARIANT_KEYS[short]
     if short in VARIANT_KEYS.values():
         return short
-    raise DocumentError(f"unknown variant field {short!r}: known are {', '.join(VARIANT_KEYS)}")
+    raise VariantIndexError(f"unknown variant field {short!r}: known are {', '.join(VARIANT_KEYS)}")
 
 
 def short_name(key: str) -> str:
@@ -88,21 +88,21 @@ def short_name(key: str) -> str:
 
 
 def check_variant_value(short: str, value: str, *, where: str = "variant") -> str:
-    """The value if it is well formed for field ``short``, else DocumentError naming it.
+    """The value if it is well formed for field ``short``, else VariantIndexError naming it.
 
     Every value is 1–128 bytes of letters, digits, ``. _ + -`` and spaces (the accelerator's device
     name has spaces); ``tp-size`` is a positive integer; ``layout`` is one of :data:`LAYOUTS`.
     """
     if not isinstance(value, str) or not value:
-        raise DocumentError(f"{where}: {short} must be a non-empty string")
+        raise VariantIndexError(f"{where}: {short} must be a non-empty string")
     if len(value.encode("utf-8")) > MAX_VARIANT_VALUE_BYTES:
-        raise DocumentError(f"{where}: {short} is longer than {MAX_VARIANT_VALUE_BYTES} bytes")
+        raise VariantIndexError(f"{where}: {short} is longer than {MAX_VARIANT_VALUE_BYTES} bytes")
     if not _VALUE.match(value):
-        raise DocumentError(f"{where}: {short} value {value!r} has characters outside [A-Za-z0-9._+ -]")
+        raise VariantIndexError(f"{where}: {short} value {value!r} has characters outside [A-Za-z0-9._+ -]")
     if short == "tp-size" and not _TP_SIZE.match(value):
-        raise DocumentError(f"{where}: tp-size must be a positive integer, not {value!r}")
+        raise VariantIndexError(f"{where}: tp-size must be a positive integer, not {value!r}")
     if short == "layout" and value not in LAYOUTS:
-        raise DocumentError(f"{where}: layout must be one of {', '.join(LAYOUTS)}, not {value!r}")
+        raise VariantIndexError(f"{where}: layout must be one of {', '.join(LAYOUTS)}, not {value!r}")
     return value
 
 

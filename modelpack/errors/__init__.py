@@ -43,6 +43,12 @@ from modelpack.errors.base import (
 from modelpack.errors.base import (
     UnsafePathError as UnsafePathError,
 )
+from modelpack.errors.base import (
+    VariantIndexError as VariantIndexError,
+)
+from modelpack.errors.base import (
+    VariantSelectionError as VariantSelectionError,
+)
 from modelpack.errors.loading import (
     ExpectedDigestError as ExpectedDigestError,
 )

@@ -83,3 +83,29 @@ class ConfigError(ModelpackError, ValueError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"model config {path}: {message}")
         self.path = path
+
+
+class VariantIndexError(ManifestError):
+    """An index of variants (or a ``--variant KEY=VALUE``) that breaks the variant rules: too many
+    entries, an oversized or unprintable annotation, a nested index, an entry that is not a
+    ModelPack manifest. Names the index digest and the entry."""
+
+
+class VariantSelectionError(ModelpackError):
+    """No entry of an index fits this node, or several fit equally: never a silent pick.
+
+    ``reasons`` maps each entry (``#i sha256:…``) to the fields that did not match (empty for
+    the tied candidates); ``candidates`` lists the entries that tied."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: str,
+        reasons: dict[str, list[str]] | None = None,
+        candidates: list[str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.index = index
+        self.reasons = reasons or {}
+        self.candidates = candidates or []
