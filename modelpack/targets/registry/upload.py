@@ -28,36 +28,33 @@ Every acknowledged chunk is progress: it ends the outage on the budget's clock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
 import logging
-import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
 from urllib.parse import urlencode
 
 import requests
 
-from modelpack import boundedjson
 from modelpack.errors import (
     DigestMismatchError,
-    DocumentError,
     RegistryConnectionError,
     RegistryError,
     RegistryTLSError,
     SizeMismatchError,
     UploadError,
-    UploadSourceError,
 )
-from modelpack.files import atomic_write_bytes
 from modelpack.oci.descriptor import Descriptor
-from modelpack.oci.digest import Digest, VerifyingReader
+from modelpack.oci.digest import VerifyingReader
 from modelpack.targets.base import BlobSource
 from modelpack.targets.registry.client import MAX_500_RETRIES, RETRY_STATUSES, RegistryClient
 from modelpack.targets.registry.repository import RepositoryAPI
+from modelpack.targets.registry.upload_bodies import (
+    BodySlice,
+    SizeCheckedReader,
+    UploadReader,
+    reader_complete,
+)
+from modelpack.targets.registry.upload_state import UploadState
 from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
@@ -71,79 +68,6 @@ SESSION_LOST_CODES = frozenset({"BLOB_UPLOAD_UNKNOWN", "BLOB_UPLOAD_INVALID"})
 MAX_SESSION_RESTARTS = 3
 #: answers to upload requests this module reads itself (the client would raise on them)
 _HANDLED_STATUSES = (400, 404, 408, 429, 500, 502, 503, 504)
-
-
-def _upload_state_root() -> str:
-    env = os.environ.get("MODELPACK_UPLOAD_STATE_DIR")
-    if env:
-        return env
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "modelpack", "uploads")
-
-
-class _Slice:
-    """At most ``n`` bytes of ``reader``; has ``__len__`` so requests sends a Content-Length.
-
-    A read error of the source is raised as ``UploadSourceError``: the HTTP stack would turn an
-    ``OSError`` raised inside a request body into a connection error, and a retry loop would then
-    re-read a broken source until its budget ran out."""
-
-    def __init__(self, reader: _Reader, n: int, desc: Descriptor) -> None:
-        self._reader = reader
-        self._left = n
-        self._n = n
-        self._desc = desc
-
-    def __len__(self) -> int:
-        return self._left
-
-    def read(self, size: int = -1) -> bytes:
-        if self._left <= 0:
-            return b""
-        if size < 0 or size > self._left:
-            size = self._left
-        try:
-            data: bytes = self._reader.read(size)
-        except OSError as exc:
-            raise UploadSourceError(
-                f"{self._reader.source}: reading {self._desc.digest} for upload failed: {exc}; "
-                "nothing was committed"
-            ) from exc
-        if not data:
-            raise SizeMismatchError(
-                self._desc.digest, self._n, self._n - self._left, source=self._reader.source
-            )
-        self._left -= len(data)
-        return data
-
-
-class _SizeCheckedReader:
-    """Reads a ``verified`` local file from ``offset``; fails if it is shorter or longer than the
-    descriptor says (a file edited since it was hashed)."""
-
-    def __init__(self, raw: BinaryIO, desc: Descriptor, offset: int, source: str) -> None:
-        self._raw = raw
-        self._desc = desc
-        self._pos = offset
-        self.source = source
-
-    def read(self, n: int = -1) -> bytes:
-        left = self._desc.size - self._pos
-        if left <= 0:
-            if self._raw.read(1):
-                raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos + 1, source=self.source)
-            return b""
-        data = self._raw.read(left if n < 0 or n > left else n)
-        if not data:
-            raise SizeMismatchError(self._desc.digest, self._desc.size, self._pos, source=self.source)
-        self._pos += len(data)
-        return data
-
-    def close(self) -> None:
-        self._raw.close()
-
-
-_Reader = VerifyingReader | _SizeCheckedReader
 
 
 @dataclass
@@ -191,34 +115,7 @@ class BlobUploader:
         self._repo = repo
         self.chunk_size = chunk_size
         self.monolithic_max = monolithic_max
-        self._state_dir = os.path.join(
-            upload_state_dir or _upload_state_root(),
-            hashlib.sha256(repo.name.encode()).hexdigest()[:32],
-        )
-
-    def _state_path(self, digest: str) -> str:
-        return os.path.join(self._state_dir, Digest(digest).hex + ".json")
-
-    def _save_state(self, digest: str, location: str, offset: int) -> None:
-        os.makedirs(self._state_dir, exist_ok=True)
-        doc = {"location": location, "offset": offset, "repository": self._repo.name}
-        atomic_write_bytes(self._state_path(digest), json.dumps(doc).encode(), mode=0o600)
-
-    def _drop_state(self, digest: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._state_path(digest))
-
-    def _load_state(self, digest: str) -> tuple[str, int] | None:
-        path = self._state_path(digest)
-        try:
-            with open(path, "rb") as f:
-                doc = boundedjson.loads_object(f.read(64 * 1024 + 1), what=path, max_bytes=64 * 1024)
-            location, offset = doc["location"], doc["offset"]
-            if not isinstance(location, str) or not isinstance(offset, int) or offset < 0:
-                return None
-            return location, offset
-        except (OSError, DocumentError, KeyError):
-            return None
+        self._state = UploadState(repo.name, upload_state_dir)
 
     def start(self) -> str:
         """Open an upload session (a POST, never retried); its absolute location."""
@@ -255,37 +152,15 @@ class BlobUploader:
         new_location = resp.headers.get("Location")
         return (self._repo.client.resolve_location(new_location) if new_location else location), offset
 
-    @contextlib.contextmanager
-    def _state_lock(self, digest: str) -> Iterator[bool]:
-        """Own the saved state of ``digest`` for this upload; False when another process (a
-        concurrent push of the same blob) holds it: then upload without saving or resuming."""
-        try:
-            os.makedirs(self._state_dir, exist_ok=True)
-            fd = os.open(self._state_path(digest) + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
-        except OSError:
-            yield False
-            return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                yield False
-                return
-            yield True
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._state_path(digest) + ".lock")
-        finally:
-            os.close(fd)
-
     def upload(self, source: BlobSource) -> None:
         """Store ``source``'s blob, resuming a saved session of it when there is one."""
         if (
             source.descriptor.size <= self.monolithic_max
-            and self._load_state(source.descriptor.digest) is None
+            and self._state.load(source.descriptor.digest) is None
         ):
             self._upload_retrying(source, persist=False)  # one PUT: nothing to save for later
             return
-        with self._state_lock(source.descriptor.digest) as owned:
+        with self._state.lock(source.descriptor.digest) as owned:
             self._upload_retrying(source, owned)
 
     def _upload_retrying(self, source: BlobSource, persist: bool) -> None:
@@ -324,11 +199,11 @@ class BlobUploader:
                 "committing" if attempt.committing else "sending",
             )
             if self._committed(desc, budget):
-                self._drop_state(desc.digest)
+                self._state.drop(desc.digest)
                 return  # the commit landed; only its answer was lost
             if lost:
                 log.debug("registry lost the upload session of %s; restarting that blob", desc.digest)
-                self._drop_state(desc.digest)
+                self._state.drop(desc.digest)
                 session = None
                 continue
             session = self.upload_status(attempt.location, budget) if attempt.location else None
@@ -389,11 +264,11 @@ class BlobUploader:
     def _saved_session(self, desc: Descriptor) -> tuple[str, int] | None:
         """The session a killed push saved for this blob, if the registry still holds exactly the
         bytes it acknowledged (anything else restarts the blob)."""
-        saved = self._load_state(desc.digest)
+        saved = self._state.load(desc.digest)
         if saved is None:
             return None
         status = self.upload_status(saved[0])
-        self._drop_state(desc.digest)
+        self._state.drop(desc.digest)
         if status is not None and status[1] == saved[1] and status[1] <= desc.size:
             log.debug("resuming upload of %s at offset %d", desc.digest, status[1])
             self._repo.count("resumed")
@@ -430,11 +305,11 @@ class BlobUploader:
         location: str = attempt.location
         offset = attempt.offset
         chunked = offset > 0 or desc.size > self.monolithic_max
-        reader: VerifyingReader | _SizeCheckedReader
+        reader: UploadReader
         if source.verified and source.local_path:
             # the packer hashed this very file moments ago: check sizes, skip a second hash pass
             # (the registry hashes what it receives and refuses a commit that does not match)
-            reader = _SizeCheckedReader(source.open(offset), desc, offset, source.local_path)
+            reader = SizeCheckedReader(source.open(offset), desc, offset, source.local_path)
         else:
             reader = VerifyingReader(
                 source.open(0), desc.digest, desc.size, source=source.local_path or "upload source"
@@ -460,14 +335,14 @@ class BlobUploader:
                 offset += n
                 attempt.location, attempt.offset = location, offset
                 if persist:
-                    self._save_state(desc.digest, location, offset)
+                    self._state.save(desc.digest, location, offset)
             reader.read(1)  # end of stream: raises unless size and digest matched
             attempt.committing = True
             self._commit(location, desc)
-            self._drop_state(desc.digest)
+            self._state.drop(desc.digest)
         except (SizeMismatchError, DigestMismatchError):
             # the source is not what the descriptor says: cancel the session, never commit
-            self._drop_state(desc.digest)
+            self._state.drop(desc.digest)
             with contextlib.suppress(RegistryError):
                 self._repo.client.request(
                     "DELETE", location, scopes=self._repo.scopes(push=True), ok=(204, 200), allow=(404,)
@@ -476,28 +351,28 @@ class BlobUploader:
         finally:
             reader.close()
 
-    def _put_monolithic(self, location: str, reader: _Reader, desc: Descriptor) -> None:
+    def _put_monolithic(self, location: str, reader: UploadReader, desc: Descriptor) -> None:
         url = _with_query(location, {"digest": str(desc.digest)})
         try:
             resp = self._request(
                 "PUT",
                 url,
                 headers={"Content-Type": "application/octet-stream"},
-                body=_Slice(reader, desc.size, desc) if desc.size else b"",
+                body=BodySlice(reader, desc.size, desc) if desc.size else b"",
                 ok=(201,),
                 what=f"upload {desc.digest} to {self._repo.name}",
             )
         except (RegistryError, _Interrupted):
             # the registry refuses bytes that do not hash to the digest (DIGEST_INVALID); if that
             # was our source's fault, say so with the digest and the file at fault
-            if _reader_complete(reader, desc.size):
+            if reader_complete(reader, desc.size):
                 reader.read(1)
             raise
         reader.read(1)  # raises if the stream did not hash to the digest (registry checks too)
         self._check_committed(resp, desc)
         self._repo.count("bytes_sent", desc.size)
 
-    def _patch(self, location: str, reader: _Reader, offset: int, n: int, desc: Descriptor) -> str:
+    def _patch(self, location: str, reader: UploadReader, offset: int, n: int, desc: Descriptor) -> str:
         resp = self._request(
             "PATCH",
             location,
@@ -505,7 +380,7 @@ class BlobUploader:
                 "Content-Type": "application/octet-stream",
                 "Content-Range": f"{offset}-{offset + n - 1}",
             },
-            body=_Slice(reader, n, desc),
+            body=BodySlice(reader, n, desc),
             ok=(202,),
             what=f"upload chunk {offset}+{n} of {desc.digest} to {self._repo.name}",
         )
@@ -538,13 +413,6 @@ class BlobUploader:
             raise UploadError(
                 f"registry committed {got}, expected {desc.digest}", status=201, target=self._repo.name
             )
-
-
-def _reader_complete(reader: _Reader, size: int) -> bool:
-    """Whether every byte of the blob went through ``reader`` (so its end check can run)."""
-    if isinstance(reader, VerifyingReader):
-        return reader.bytes_read == size
-    return False
 
 
 def _with_query(url: str, params: dict[str, str]) -> str:
