@@ -11,8 +11,9 @@ copies them onto the entry's descriptor.
 Values (all strings, as OCI annotations are):
 
 ``dev.modelpack.variant.precision``
-    the weights' dtype as the model config declares it (``config.precision``), lower case:
-    ``bf16``, ``f16``, ``f32``, ``fp8``…
+    the weights' dtype as the model config declares it (``config.precision``), in its short
+    lower-case name (:func:`normalize_precision`: ``bfloat16`` → ``bf16``): ``bf16``, ``f16``,
+    ``f32``, ``fp8``…
 ``dev.modelpack.variant.quantization``
     ``config.quantization`` (``awq``, ``gptq``…) or ``none``.
 ``dev.modelpack.variant.tp-size``
@@ -111,7 +112,8 @@ def variant_fields(annotations: Mapping[str, str] | None, *, where: str = "varia
     out: dict[str, str] = {}
     for short, key in VARIANT_KEYS.items():
         if annotations and key in annotations:
-            out[short] = check_variant_value(short, annotations[key], where=where)
+            value = check_variant_value(short, annotations[key], where=where)
+            out[short] = normalize_precision(value) if short == "precision" else value
     return out
 
 
@@ -129,3 +131,29 @@ def accelerator_fits(declared: str, device: str) -> bool:
 def accelerator_specificity(declared: str) -> int:
     """How many ``-``-separated parts ``declared`` names: the longer match is the more specific."""
     return len(declared.split("-")) if declared else 0
+
+
+#: the dtype names configs and people write → the short name the precision field carries
+_PRECISION_ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "fp16": "f16",
+    "half": "f16",
+    "float32": "f32",
+    "fp32": "f32",
+    "float": "f32",
+    "float64": "f64",
+    "fp64": "f64",
+    "float8": "fp8",
+    "f8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "int8": "i8",
+    "int4": "i4",
+}
+
+
+def normalize_precision(value: str) -> str:
+    """``bfloat16``/``BF16`` → ``bf16``, ``float32`` → ``f32``…: the config's spelling and the
+    caller's ``--variant precision=`` compare equal whichever they use."""
+    low = value.strip().lower()
+    return _PRECISION_ALIASES.get(low, low)

@@ -76,6 +76,15 @@ def _fetch_manifest(target: ReadableTarget, manifest_desc: Descriptor) -> Manife
     return Manifest.parse(raw, media_type=media_type)
 
 
+def _is_index(target: ReadableTarget, manifest_desc: Descriptor) -> bool:
+    """Whether ``manifest_desc`` names an image index (its bytes verified against the digest)."""
+    from modelpack.oci.descriptor import Index, parse_manifest_or_index
+
+    raw, media_type = target.fetch_manifest(str(manifest_desc.digest))
+    verify_bytes(raw, manifest_desc.digest, None, what="manifest", source=target.name)
+    return isinstance(parse_manifest_or_index(raw, media_type), Index)
+
+
 def _model_name(target: ReadableTarget, manifest: Manifest, reference: Reference | None) -> str:
     if is_model_config(manifest.config.media_type) and manifest.config.size <= 4 * 1024 * 1024:
         try:
@@ -113,6 +122,17 @@ def sign_artifact(
     Returns once every referrer written is discoverable; raises ``SigningError`` if one is not."""
     key = private_key if isinstance(private_key, PrivateKey) else load_private_key(private_key)
     ref = parse_reference(reference) if isinstance(reference, str) else reference
+    if _is_index(target, manifest_desc):
+        # an index of variants: the manifest signature over its digest (same referrer layout);
+        # files and chunks belong to each entry, signed on its own
+        result = SignResult(
+            str(manifest_desc.digest),
+            key.key_id,
+            sign_manifest(target, manifest_desc, key, signed_at=signed_at),
+        )
+        result.skipped["directorySignature"] = "an index has no files (each variant is signed on its own)"
+        result.skipped["chunkTable"] = "an index has no weight layers"
+        return result
     manifest = _fetch_manifest(target, manifest_desc)
     if manifest.digest != manifest_desc.digest:
         raise SigningError(

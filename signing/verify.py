@@ -39,7 +39,7 @@ from modelpack.signing.referrers import (
 
 from modelpack.errors import BundleError, DirectorySignatureError, ModelpackError, SignatureRefused
 from modelpack.events import EventLog, NullEventLog
-from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import ReadableTarget
@@ -139,7 +139,7 @@ def verify_artifact(
         verify_bytes(
             raw, manifest_desc.digest, manifest_desc.size or None, what="manifest", source=target.name
         )
-        manifest = Manifest.parse(raw, media_type=media_type)
+        parsed = parse_manifest_or_index(raw, media_type)
     except ModelpackError as exc:
         raise _refuse(
             events, ref_text, digest, f"manifest cannot be verified: {exc}", rule=policy.rule
@@ -161,13 +161,17 @@ def verify_artifact(
     if not decision.allowed:
         raise _refuse(events, ref_text, digest, decision.reason, rule=policy.rule, key_ids=policy.key_ids)
     # optional extras: directory signature and chunk table, required only when the policy says so
-    if keys:
+    # (an index of variants has neither: its signature covers the entry digests it lists)
+    manifest = parsed if isinstance(parsed, Manifest) else None
+    if keys and manifest is not None:
         result.directory_signature = _check_directory_signature(target, manifest_desc, manifest, keys, events)
         result.chunk_table = _check_chunk_table(target, manifest_desc, manifest, keys, events)
-    if policy.require_directory_signature and result.directory_signature != "verified":
+    if manifest is None:
+        result.directory_signature = result.chunk_table = "not-applicable (index)"
+    elif policy.require_directory_signature and result.directory_signature != "verified":
         reason = f"directory signature {result.directory_signature}; rule {policy.rule} requires one"
         raise _refuse(events, ref_text, digest, reason, rule=policy.rule)
-    if policy.require_chunk_table and result.chunk_table != "verified":
+    if manifest is not None and policy.require_chunk_table and result.chunk_table != "verified":
         reason = f"chunk table {result.chunk_table}; rule {policy.rule} requires one"
         raise _refuse(events, ref_text, digest, reason, rule=policy.rule)
     events.emit(

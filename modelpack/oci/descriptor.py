@@ -271,12 +271,20 @@ class Index:
         )
 
     @classmethod
-    def build(cls, manifests: list[Descriptor], *, annotations: Mapping[str, str] | None = None) -> Index:
+    def build(
+        cls,
+        manifests: list[Descriptor],
+        *,
+        annotations: Mapping[str, str] | None = None,
+        artifact_type: str | None = None,
+    ) -> Index:
         doc: dict[str, Any] = {
             "schemaVersion": 2,
             "mediaType": MEDIA_TYPE_OCI_INDEX,
             "manifests": [m.to_dict() for m in manifests],
         }
+        if artifact_type:
+            doc["artifactType"] = artifact_type
         if annotations:
             doc["annotations"] = dict(annotations)
         return cls.parse(canonical_json(doc))
