@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
+from modelpack.mount.serve_fill import BUSY, READY, Filler, FillSettings
 from modelpack.mount.store import Store
 
 from modelpack.boundedjson import loads_object
@@ -81,10 +82,13 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, settings: ServeSettings, store: Store, tls: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, settings: ServeSettings, store: Store, tls: ssl.SSLContext | None, filler: Filler | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.tls = tls
+        self.filler = filler  # fill-on-miss for pinned manifests' blobs (``serve_fill``), or None
         self.slots = threading.BoundedSemaphore(settings.max_connections)
         self.served = 0
         self.refused = 0
@@ -209,6 +213,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", what)
             return
         fd = self._open_committed(d.group(1))
+        if fd is None and self.server.filler is not None:
+            outcome = self.server.filler.fill(d.group(1))
+            if outcome == BUSY:
+                self._error(503, "UNAVAILABLE", "being filled; ask another source", {"Retry-After": "1"})
+                return
+            fd = self._open_committed(d.group(1)) if outcome == READY else None
         if fd is None:
             self._error(
                 404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", "not in this cache"
@@ -311,7 +321,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class CacheServer:
     """A running ``cache serve`` endpoint over the store at ``root`` (opened read-only)."""
 
-    def __init__(self, root: str, settings: ServeSettings) -> None:
+    def __init__(self, root: str, settings: ServeSettings, fill: FillSettings | None = None) -> None:
         if settings.max_connections < 1:
             raise CacheServeError("--max-connections must be at least 1")
         if (settings.tls_cert is None) != (settings.tls_key is None):
@@ -325,8 +335,9 @@ class CacheServer:
                 tls.load_cert_chain(settings.tls_cert, settings.tls_key)
             except (OSError, ssl.SSLError) as exc:
                 raise CacheServeError(f"cannot load the TLS certificate or key: {exc}") from None
+        self.filler = Filler(self.store, fill) if fill is not None else None
         try:
-            self._server = _Server(settings, self.store, tls)
+            self._server = _Server(settings, self.store, tls, self.filler)
         except OSError as exc:
             raise CacheServeError(
                 f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}"

@@ -354,6 +354,30 @@ def cache_rm(reference: str, cache_dir: str | None, force: bool) -> None:
     show_default=True,
     help="Connections served at once; the next is answered 503 with Retry-After.",
 )
+@click.option(
+    "--fill",
+    "fill_refs",
+    multiple=True,
+    metavar="REF@sha256:…",
+    help="Fill on miss: a request for a blob of this pinned manifest (or the manifest) that is not "
+    "in the cache is fetched once from REF's registry with this node's own credentials, verified, "
+    "committed and served. Repeatable. Only these manifests' digests are ever fetched.",
+)
+@click.option("--fill-plain-http", is_flag=True, help="Reach the --fill registry over plain HTTP.")
+@click.option(
+    "--fill-concurrency",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="Fills at once; a miss beyond that is answered 503 (the requester asks its next source).",
+)
+@click.option(
+    "--fill-quota",
+    type=SIZE,
+    default=None,
+    help="Bytes fetched from the origin by fills over this process's life "
+    "(default: twice the pinned manifests' total).",
+)
 @handle_errors
 def cache_serve(
     cache_dir: str | None,
@@ -362,6 +386,10 @@ def cache_serve(
     tls_key: str | None,
     token_file: str | None,
     max_connections: int,
+    fill_refs: tuple[str, ...],
+    fill_plain_http: bool,
+    fill_concurrency: int,
+    fill_quota: int | None,
 ) -> None:
     """Serve the node cache to peers as a read-only OCI registry mirror.
 
@@ -373,10 +401,16 @@ def cache_serve(
     Examples:
       modelpack cache serve --cache /var/cache/modelpack --listen 0.0.0.0:5050
       modelpack pull reg.example/models/llama@sha256:<hex> --cache /var/cache/modelpack --mirror http://node-a:5050
+      modelpack cache serve --listen 0.0.0.0:5050 --fill reg.example/models/llama@sha256:<hex>
+
+    With --fill, a release storm costs the origin about one copy: pulling nodes set
+    MODELPACK_PEER_ORDER=blob so every node asks each blob's owner peer first, and the owner
+    fetches it once (docs/distribution.md).
     """
     import os
 
     from modelpack.mount.serve import CacheServer, ServeSettings
+    from modelpack.mount.serve_fill import FillSettings
 
     host, sep, port = listen.rpartition(":")
     host = host.strip("[]")
@@ -398,9 +432,15 @@ def cache_serve(
         token=token,
         max_connections=max_connections,
     )
-    server = CacheServer(cache_dir or default_cache_dir(), settings)
+    fill = None
+    if fill_refs:
+        fill = FillSettings(
+            references=fill_refs, plain_http=fill_plain_http, concurrency=fill_concurrency, quota=fill_quota
+        )
+    server = CacheServer(cache_dir or default_cache_dir(), settings, fill)
     click.echo(server.url)
-    click.echo(f"serving {server.store.root} read-only on {server.url}", err=True)
+    what = f"filling misses for {len(fill_refs)} pinned manifest(s)" if fill_refs else "read-only"
+    click.echo(f"serving {server.store.root} {what} on {server.url}", err=True)
     server.serve_forever()
 
 

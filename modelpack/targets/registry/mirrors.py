@@ -55,7 +55,7 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.hosts import canonical_host
-from modelpack.targets.registry.peers import expand_peer_urls
+from modelpack.targets.registry.peers import PREFIX, blob_order, expand_peer_urls, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
 
 if sys.version_info >= (3, 11):
@@ -92,6 +92,7 @@ class MirrorEndpoint:
     skip_verify: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     origin: str = ""  # where it was configured: "--mirror", or the hosts.toml path
+    peer: bool = False  # one of the addresses of a ``dns+`` peers name
 
     @property
     def url(self) -> str:
@@ -206,7 +207,11 @@ def configured_mirrors(
     urls = list(mirrors or [])
     if not urls:
         urls = [u for u in os.environ.get("MODELPACK_MIRRORS", "").replace(",", " ").split() if u]
-    found = [parse_mirror_url(u, origin="--mirror") for u in expand_peer_urls(urls)]
+    found = [
+        parse_mirror_url(u, origin="--mirror", peer=url.startswith(PREFIX))
+        for url in urls
+        for u in expand_peer_urls([url])
+    ]
     directory = hosts_dir or os.environ.get("MODELPACK_HOSTS_DIR") or DEFAULT_HOSTS_DIR
     found += hosts_toml_mirrors(directory, registry)
     own = canonical_host(registry)
@@ -266,6 +271,8 @@ class MirroredBlobs:
         self._lock = threading.Lock()
         self.bytes_by_source: dict[str, int] = {}
         self.abandoned = 0
+        #: ``MODELPACK_PEER_ORDER=blob``: each blob is asked first of its owner peer (``_for_blob``)
+        self.blob_order = blob_order()
 
     # ------------------------------------------------------------------ bookkeeping
     def _count(self, source: str, n: int) -> None:
@@ -312,6 +319,20 @@ class MirroredBlobs:
         now = time.monotonic()
         return [m for m in self.mirrors if m.down_until <= now]
 
+    def _for_blob(self, desc: Descriptor) -> list[_Mirror]:
+        """The usable mirrors for ``desc``. With blob order, the peers (in the place of the first
+        one) are ranked by rendezvous hashing on the blob digest: every node computes the same
+        owner for a blob, so a storm asks one peer per blob, which fills it once from the origin
+        (``cache serve --fill``); the next-ranked peers are the fallbacks, the origin last."""
+        usable = self._usable()
+        if not self.blob_order:
+            return usable
+        peers = {m.name: m for m in usable if m.endpoint.peer}
+        if len(peers) < 2:
+            return usable
+        ranked = iter([peers[name] for name in rendezvous(list(peers), str(desc.digest))])
+        return [next(ranked) if m.endpoint.peer else m for m in usable]
+
     # ------------------------------------------------------------------ streams
     def open_blob(self, desc: Descriptor, offset: int = 0) -> BinaryIO:
         """The blob from ``offset``: spooled from the mirrors and verified, else from the origin
@@ -339,7 +360,7 @@ class MirroredBlobs:
         pos = 0
         sources: list[tuple[_Mirror | None, int]] = []
         try:
-            for mirror in [*self._usable(), None]:
+            for mirror in [*self._for_blob(desc), None]:
                 if pos >= desc.size:
                     break
                 repo = mirror.repo if mirror is not None else self.origin
@@ -396,7 +417,7 @@ class MirroredBlobs:
         origin (the loader verifies every chunk against the signed chunk table either way)."""
         out: bytearray | None = None
         missing = [(offset, length)]
-        for mirror in self._usable():
+        for mirror in self._for_blob(desc):
             left: list[tuple[int, int]] = []
             for o, n in missing:
                 try:

@@ -6,7 +6,10 @@ node; each becomes a mirror, ordered per node by rendezvous hashing (highest
 of a rollout spreads over all of them, while the order stays stable for a node as peers come
 and go (only the blobs of a peer that left move). At most ``MAX_PEERS`` are kept. The node id is
 ``MODELPACK_NODE_NAME`` (the downward API's ``spec.nodeName``), else the host name; the node's own
-address (``MODELPACK_NODE_IP``) is left out. Resolution is bounded (``RESOLVE_TIMEOUT_S``); a
+address (``MODELPACK_NODE_IP``) is left out — except with ``MODELPACK_PEER_ORDER=blob``, where
+each blob is asked first of its owner (rendezvous on the blob digest over *all* peers, the same
+on every node, so the owner may be this node's own ``cache serve``, which fills it once from the
+origin: ``mount/serve_fill.py``). Resolution is bounded (``RESOLVE_TIMEOUT_S``); a
 name that does not resolve in time is no peers (a warning), never a failed pull: the origin
 serves. With ``dns+https`` each peer's certificate must name its address.
 """
@@ -26,8 +29,18 @@ from modelpack.errors import MirrorConfigError
 log = logging.getLogger("modelpack.targets.registry")
 
 MAX_PEERS = 8
+#: with blob order every node must see the same peer set, or owners differ between nodes
+MAX_BLOB_ORDER_PEERS = 64
 RESOLVE_TIMEOUT_S = 5.0
 PREFIX = "dns+"
+
+
+def blob_order() -> bool:
+    """``MODELPACK_PEER_ORDER=blob``: peers ranked per blob (owner first), not per node."""
+    value = os.environ.get("MODELPACK_PEER_ORDER", "node").strip().lower()
+    if value not in ("node", "blob"):
+        raise MirrorConfigError(f"MODELPACK_PEER_ORDER must be node or blob, got {value!r}", target="env")
+    return value == "blob"
 
 
 def node_id() -> str:
@@ -81,12 +94,13 @@ def expand_peer_urls(urls: list[str], *, node: str | None = None) -> list[str]:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise MirrorConfigError(f"peers {url!r}: bad port", target="--mirror") from None
-        own = os.environ.get("MODELPACK_NODE_IP", "")
+        own = "" if blob_order() else os.environ.get("MODELPACK_NODE_IP", "")
         addresses = [a for a in resolve_all(parts.hostname, port) if a != own]
-        for addr in rendezvous(addresses, node or node_id())[:MAX_PEERS]:
+        limit = MAX_BLOB_ORDER_PEERS if blob_order() else MAX_PEERS
+        for addr in rendezvous(addresses, node or node_id())[:limit]:
             shown = f"[{addr}]" if isinstance(ipaddress.ip_address(addr), ipaddress.IPv6Address) else addr
             out.append(f"{parts.scheme}://{shown}:{port}")
     return out
 
 
-__all__ = ["MAX_PEERS", "expand_peer_urls", "node_id", "rendezvous", "resolve_all"]
+__all__ = ["MAX_PEERS", "blob_order", "expand_peer_urls", "node_id", "rendezvous", "resolve_all"]

@@ -1,0 +1,164 @@
+"""Issue 23 item 4: ``cache serve --fill`` — the owner peer fetches a missing blob once from the origin.
+
+Real parts: a real origin registry, real ``cache serve`` and ``modelpack pull --cache``
+subprocesses on loopback; the test plays the hostile requester with raw HTTP. What is attacked:
+a request for a digest nobody pinned (must not reach the origin), a flood of requests (one
+origin fetch per blob, bounded waiting), and an origin serving wrong bytes (nothing committed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelpack.api import transfer
+from modelpack.oci.descriptor import Manifest
+from modelpack.targets.fetch import fetch_manifest
+from modelpack.targets.opener import open_readable
+from tests.fixtures.registry import RegistryServer
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.test_cache_serve import _cli, _env, _request, _same, serve  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _push(origin: RegistryServer, checkpoint: Path, repo: str) -> tuple[str, Manifest]:
+    res = transfer.push(str(checkpoint), origin.ref(repo, "v1"), progress="off")
+    manifest, _ = fetch_manifest(open_readable(origin.ref(repo, None)), res.digest)
+    return str(res.digest), manifest
+
+
+def _blob_gets(origin: RegistryServer, mark: int) -> dict[str, int]:
+    """Origin GETs per blob digest after ``mark`` (the access log)."""
+    out: dict[str, int] = {}
+    for method, path, status in origin.requests_since(mark):
+        if method == "GET" and "/blobs/sha256:" in path and status in (200, 206):
+            digest = path.rsplit("/", 1)[1]
+            out[digest] = out.get(digest, 0) + 1
+    return out
+
+
+def _empty_cache(tmp_path: Path, name: str) -> Path:
+    """A node cache with nothing in it yet (a storm at t=0): a pull of nothing creates it."""
+    from modelpack.mount.store import Store
+
+    root = tmp_path / name
+    Store(str(root))
+    return root
+
+
+def test_two_nodes_pulling_through_an_empty_owner_cost_the_origin_one_copy(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, serve: Any
+) -> None:
+    digest, manifest = _push(registry, checkpoint, "fill/model")
+    pinned = f"{registry.host}/fill/model@{digest}"
+    owner_cache = _empty_cache(tmp_path, "owner")
+    owner = serve(owner_cache, "--fill", pinned)
+    mark = registry.log_mark()
+
+    def pull(name: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            _cli("pull", "--cache", str(tmp_path / name), "--retry-for", "5s", "--mirror", owner.url, pinned),
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(pull, ["node-b", "node-c"]))
+    for res in results:
+        assert res.returncode == 0, res.stderr
+        _same(res.stdout, checkpoint)
+    gets = _blob_gets(registry, mark)
+    wanted = {str(d.digest) for d in (manifest.config, *manifest.layers)}
+    # every blob crossed the origin's link once (the owner's fill), never once per node
+    assert set(gets) == wanted, gets
+    assert all(n == 1 for n in gets.values()), gets
+    # and the owner now holds the blobs, committed read-only like any pulled blob
+    for d in manifest.layers:
+        st = (owner_cache / "blobs" / "sha256" / d.digest.hex).stat()
+        assert st.st_size == d.size and not st.st_mode & 0o222
+
+
+def test_a_digest_nobody_pinned_is_never_fetched_and_a_flood_costs_one_fetch(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, serve: Any
+) -> None:
+    digest, manifest = _push(registry, checkpoint, "fill/pinned")
+    other_dir = tmp_path / "other"
+    write_checkpoint(str(other_dir), SyntheticSpec(shards=1, seed=7))
+    _other_digest, other = _push(registry, other_dir, "fill/pinned")  # same repo, not pinned
+    cache = _empty_cache(tmp_path, "owner")
+    owner = serve(cache, "--fill", f"{registry.host}/fill/pinned@{digest}")
+    mark = registry.log_mark()
+
+    unrelated = max(other.layers, key=lambda d: d.size)
+    # the requester may name any repository: the fill never uses it, and never fetches this digest
+    for path in (
+        f"/v2/fill/pinned/blobs/{unrelated.digest}",
+        f"/v2/elsewhere/blobs/{unrelated.digest}",
+        f"/v2/fill/pinned/blobs/sha256:{hashlib.sha256(b'nothing').hexdigest()}",
+        f"/v2/fill/pinned/manifests/{_other_digest}",
+    ):
+        assert _request(owner, "GET", path)[0] == 404, path
+    assert not (cache / "blobs" / "sha256" / unrelated.digest.hex).exists()
+    assert _blob_gets(registry, mark) == {}
+
+    # a flood for one pinned blob: one origin fetch, every answer the right bytes or "ask elsewhere"
+    layer = max(manifest.layers, key=lambda d: d.size)
+    want = (checkpoint / layer.annotations["org.opencontainers.image.title"]).read_bytes()  # type: ignore[index]
+
+    def get(_: int) -> tuple[int, bytes]:
+        status, _h, body = _request(owner, "GET", f"/v2/any/name/blobs/{layer.digest}")
+        return status, body
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(get, range(48)))
+    assert all(s in (200, 503) for s, _ in answers), {s for s, _ in answers}
+    assert any(s == 200 for s, _ in answers)
+    assert all(body == want for s, body in answers if s == 200)
+    assert _blob_gets(registry, mark) == {str(layer.digest): 1}
+
+
+def test_an_origin_serving_wrong_bytes_commits_nothing_and_is_not_asked_again_at_once(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path, serve: Any
+) -> None:
+    origin = registry_factory.start()
+    digest, manifest = _push(origin, checkpoint, "fill/lying")
+    layer = max(manifest.layers, key=lambda d: d.size)
+    data_path = origin.blob_data_path(str(layer.digest))
+    size = data_path.stat().st_size
+    with open(data_path, "r+b") as f:  # same length, other bytes: only the digest can tell
+        f.write(b"\0" * min(size, 4096))
+    cache = _empty_cache(tmp_path, "owner")
+    owner = serve(cache, "--fill", f"{origin.host}/fill/lying@{digest}")
+    mark = origin.log_mark()
+
+    status, _h, body = _request(owner, "GET", f"/v2/fill/lying/blobs/{layer.digest}")
+    assert status == 404, (status, body[:200])
+    assert not (cache / "blobs" / "sha256" / layer.digest.hex).exists()
+    assert [p.name for p in (cache / "ingest").iterdir()] == []  # no temp file left behind
+    # asked again at once: refused without another origin fetch (a flood cannot multiply it)
+    for _ in range(5):
+        assert _request(owner, "GET", f"/v2/fill/lying/blobs/{layer.digest}")[0] == 404
+    assert _blob_gets(origin, mark) == {str(layer.digest): 1}
+    # and a puller through this owner is not misled: it finishes from the origin and refuses the bad bytes
+    time.sleep(0.1)
+    res = subprocess.run(
+        _cli("pull", "--cache", str(tmp_path / "node-b"), "--retry-for", "2s", "--mirror", owner.url,
+             f"{origin.host}/fill/lying@{digest}"),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert str(layer.digest) in res.stderr
+    assert not os.path.exists(tmp_path / "node-b" / "blobs" / "sha256" / layer.digest.hex)
