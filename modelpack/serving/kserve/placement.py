@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from modelpack.errors import DigestMismatchError, UnsafePathError
 from modelpack.files import TEMP_PREFIX, DirSyncs, link_or_copy
-from modelpack.mount.snapshots import SnapshotFile, SnapshotInfo
+from modelpack.mount.snapshot_files import SnapshotFile
+from modelpack.mount.snapshots import SnapshotInfo
 from modelpack.oci.digest import HASH_CHUNK
 
 FILE_MODE = 0o444  # what the snapshot's files are; a copy gets the same
