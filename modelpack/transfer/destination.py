@@ -13,7 +13,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from modelpack.errors import FileWriteError, UnsafePathError
@@ -59,9 +59,11 @@ def check_parents(dest: str, relpath: str) -> None:
             raise UnsafePathError(f"{relpath}: its directory {path} leads outside {dest} (symlink?)")
 
 
-def placement(dest: str, relpath: str, digest: str, size: int) -> Placement:
+def placement(dest: str, relpath: str, digest: str | Callable[[], str], size: int) -> Placement:
     """Compare what is at ``relpath`` with the artifact's file (size first, then sha256). A file
-    of another user (not root) never counts as the same: they could change it afterwards."""
+    of another user (not root) never counts as the same: they could change it afterwards.
+    ``digest`` may be a function computing it, called only when a same-sized file is there (a
+    staged tar member's bytes are hashed only when there is something to compare them with)."""
     check_parents(dest, relpath)
     final = os.path.join(dest, *relpath.split("/"))
     try:
@@ -76,7 +78,8 @@ def placement(dest: str, relpath: str, digest: str, size: int) -> Placement:
         # right bytes today, but another user can change them after this pull vouched for them
         return Placement(relpath, final, DIFFERS, f"owned by uid {st.st_uid}")
     got, _ = sha256_file(final)
-    return Placement(relpath, final, SAME if got == digest else DIFFERS)
+    want = digest if isinstance(digest, str) else digest()
+    return Placement(relpath, final, SAME if got == want else DIFFERS)
 
 
 def make_parents(dest: str, relpath: str) -> str:

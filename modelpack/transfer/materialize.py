@@ -36,7 +36,7 @@ from modelpack.errors import (
 from modelpack.files import DirSyncs, free_bytes, write_error
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.oci.digest import HASH_CHUNK, VerifyingReader
+from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.fetch import fetch_manifest
@@ -45,7 +45,7 @@ from modelpack.transfer.dest_lock import destination_locked
 from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
 from modelpack.transfer.staging import StagingDir, partial_path, sweep
-from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_layer
+from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_files
 from modelpack.transfer.workers import run_all
 
 # How each layer becomes files (raw, or which tar with which prefix stripped and which members
@@ -177,7 +177,12 @@ def _budget(dest: str, max_bytes: int | None, raw_bytes: int) -> ExpansionBudget
 @dataclass
 class _Staged:
     dir: StagingDir
-    files: list[tuple[str, int, str]]  # (relpath, size, sha256) inside dir
+    files: list[tuple[str, int]]  # (relpath, size) inside dir, their blob's digest verified
+
+    def digest_of(self, rel: str) -> Callable[[], str]:
+        """The staged file's sha256, computed when asked (only to compare with a file already
+        at the destination: the blob digest already proved these bytes)."""
+        return lambda: str(sha256_file(os.path.join(self.dir.path, *rel.split("/")))[0])
 
 
 def _stage_tar(
@@ -202,7 +207,7 @@ def _stage_tar(
         reader = VerifyingReader(src, desc.digest, desc.size, source=f"{target.name} ({where})")  # type: ignore[arg-type]
         try:
             try:
-                files = extract_tar_layer(
+                files = extract_tar_files(
                     reader,  # type: ignore[arg-type]
                     staging.path,
                     fmt.strip,
@@ -240,9 +245,9 @@ def _publish_staged(
     """Check staged files against the destination, then rename them into place; returns each
     file's outcome. Conflicts are refused before any file moves."""
     places = [
-        (s, rel, destination.placement(dest, rel, digest, size))
+        (s, rel, destination.placement(dest, rel, s.digest_of(rel), size))
         for s in staged
-        for rel, size, digest in s.files
+        for rel, size in s.files
     ]
     conflicts = [p.conflict for _, _, p in places if p.state == destination.DIFFERS]
     if conflicts and not force:
@@ -404,7 +409,7 @@ def _pull_locked(
         assert job.relpath is not None
         state = places[job.relpath].state
         outcome[job.relpath] = {"same": "present", "differs": "replaced"}.get(state, "downloaded")
-    order = [j.relpath for j in plan.raw if j.relpath] + [rel for s in staged for rel, _, _ in s.files]
+    order = [j.relpath for j in plan.raw if j.relpath] + [rel for s in staged for rel, _ in s.files]
     result.files = order
     for rel in order:
         kind = outcome[rel]

@@ -32,10 +32,10 @@ from modelpack.errors import (
     UnsafePathError,
     UnsafeTarError,
 )
-from modelpack.files import write_error
+from modelpack.files import Writeback, write_error
 from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
 from modelpack.mediatypes.annotations import safe_relative_path
-from modelpack.oci.digest import HASH_CHUNK, HashingReader
+from modelpack.oci.digest import HASH_CHUNK
 from modelpack.oci.image_config import MODELS_PREFIX
 
 MAX_TAR_MEMBERS = 1_000_000
@@ -43,9 +43,10 @@ MAX_TAR_MEMBERS = 1_000_000
 MAX_HEADER_BYTES = 1024 * 1024
 #: data read after the end-of-archive marker: tar pads to a record (10 KiB); more is not a tar
 MAX_TRAILER_BYTES = 1024 * 1024
-# how much tarfile's stream reader asks for at a time (its default is one 10 KiB record: 100
-# calls through the decompressor and the digest check per MiB of model)
-TAR_READ_SIZE = 1024 * 1024
+#: how much member data is read, written and hashed at a time: large enough that hashlib (which
+#: releases the GIL above 2 KiB) and the write dominate the Python-level loop, small enough that
+#: several layers extracted at once hold a few MiB between them
+COPY_CHUNK = 1024 * 1024
 
 
 class ExpansionBudget:
@@ -117,15 +118,25 @@ def _claim(existing: ClaimedPaths | set[str], rel: str, where: str) -> None:
     existing.add(rel)
 
 
-class _LayerReader(HashingReader):
-    """The decompressed layer as tarfile reads it: counted, hashed when a diff_id is to be checked,
-    and with every decompression failure turned into a ``LayerFormatError`` that names the layer."""
+class _LayerReader:
+    """The decompressed layer as the extraction reads it: counted, hashed when a diff_id is to be
+    checked, and with every decompression failure turned into a ``LayerFormatError`` that names
+    the layer.
+
+    tarfile parses the headers from it directly (``r:`` mode: no ``_Stream`` buffer joining and
+    slicing every read), and member data is copied from it by ``_write_member`` in
+    ``COPY_CHUNK`` reads with no copy in between. It only goes forward: ``seek`` skips ahead
+    (tarfile passing over a member's data and padding) and refuses to go back.
+    """
 
     def __init__(self, raw: Any, where: str, *, hashing: bool) -> None:
-        super().__init__(raw, hashing=hashing)
+        self.raw = raw
         self.where = where
+        self._h = hashlib.sha256() if hashing else None
+        self.size = 0  # bytes read so far: the position in the uncompressed tar
 
-    def _read(self, n: int) -> bytes:
+    def read_some(self, n: int) -> bytes:
+        """Up to ``n`` bytes (fewer only where the source returns fewer; empty at the end)."""
         try:
             data: bytes = self.raw.read(n)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
@@ -135,16 +146,54 @@ class _LayerReader(HashingReader):
             if zstd is not None and isinstance(exc, zstd.ZstdError):
                 raise LayerFormatError(f"{self.where}: the zstd stream is corrupt: {exc}") from exc
             raise
+        if self._h is not None:
+            self._h.update(data)
+        self.size += len(data)
         return data
+
+    def read(self, n: int = -1) -> bytes:
+        """Exactly ``n`` bytes unless the stream ends first (tarfile's header reads need whole
+        blocks; a decompressor may return short reads)."""
+        if n < 0:
+            raise LayerFormatError(f"{self.where}: unbounded read")  # tarfile never asks for one
+        data = self.read_some(n)
+        if len(data) == n or not data:
+            return data
+        parts = [data]
+        have = len(data)
+        while have < n:
+            more = self.read_some(n - have)
+            if not more:
+                break
+            parts.append(more)
+            have += len(more)
+        return b"".join(parts)
+
+    def tell(self) -> int:
+        return self.size
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        """Skip forward to ``pos`` (reading, so the bytes are still hashed and counted)."""
+        if whence != os.SEEK_SET or pos < self.size:
+            raise LayerFormatError(f"{self.where}: the tar reader asked to go back (to byte {pos})")
+        while self.size < pos:
+            if not self.read_some(min(COPY_CHUNK, pos - self.size)):
+                break  # tarfile's read after the seek reports the end
+        return self.size
 
     def drain_after_end(self, limit: int) -> None:
         """Read to the end, refusing more than ``limit`` bytes after the end-of-archive marker."""
         start = self.size
-        while self.read(HASH_CHUNK):
+        while self.read_some(HASH_CHUNK):
             if self.size - start > limit:
                 raise LayerFormatError(
                     f"{self.where}: more than {limit} bytes of data after the end of the archive"
                 )
+
+    @property
+    def digest(self) -> str:
+        assert self._h is not None, "opened without hashing"
+        return "sha256:" + self._h.hexdigest()
 
 
 def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
@@ -234,22 +283,103 @@ def extract_tar_layer(
     Refuses (``UnsafeTarError``) symlinks, hard links, devices, FIFOs, sparse members, absolute
     or ``..`` paths, whiteouts, members outside ``strip`` and duplicates (also across the layers
     sharing ``existing``). ``max_bytes`` (or a ``budget`` shared by several layers) caps the bytes
-    written: each member's declared size is charged before it is opened and the bytes written are
-    checked against it (``ExpansionLimitError``). ``select`` picks which files to write; the others
-    are still checked and claimed. Files are created with O_EXCL|O_NOFOLLOW and made read-only.
-    ``outside="skip"`` passes over members outside ``strip`` instead (a modelcar built ``FROM
-    busybox`` carries the OS under ``bin/``, ``etc/``: nothing of it is written, so its links and
-    devices are not this pull's concern); ``keep_prefix`` writes files at their paths with
-    ``strip`` (``models/config.json``). When ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last
-    byte); on any failure the caller discards ``dest_dir``.
+    written: each member's declared size is charged before it is opened and exactly that many
+    bytes are written (a stream that ends first is a ``LayerFormatError``). ``select`` picks
+    which files to write; the others are still checked and claimed. Files are created with
+    O_EXCL|O_NOFOLLOW, fsynced and made read-only. ``outside="skip"`` passes over members outside
+    ``strip`` instead (a modelcar built ``FROM busybox`` carries the OS under ``bin/``, ``etc/``:
+    nothing of it is written, so its links and devices are not this pull's concern);
+    ``keep_prefix`` writes files at their paths with ``strip`` (``models/config.json``). When
+    ``diff_id`` is given, the uncompressed stream must hash to it (checked after the last byte);
+    on any failure the caller discards ``dest_dir``.
+
+    Each file's sha256 is computed as it is written: for callers that record it (the node
+    cache's snapshot metadata, assets). ``extract_tar_files`` is the same without it.
     """
+    out = _extract(
+        stream,
+        dest_dir,
+        strip,
+        media_type,
+        diff_id,
+        where,
+        existing,
+        max_bytes,
+        budget,
+        select,
+        outside,
+        keep_prefix,
+        file_digests=True,
+    )
+    return [(rel, size, digest) for rel, size, digest in out if digest is not None]
+
+
+def extract_tar_files(
+    stream: BinaryIO,
+    dest_dir: str,
+    strip: str = MODELS_PREFIX,
+    *,
+    media_type: str = MEDIA_TYPE_IMAGE_LAYER_TAR,
+    diff_id: str | None = None,
+    where: str = "layer",
+    existing: ClaimedPaths | set[str] | None = None,
+    max_bytes: int | None = None,
+    budget: ExpansionBudget | None = None,
+    select: Callable[[str], bool] | None = None,
+    outside: str = "refuse",
+    keep_prefix: bool = False,
+) -> list[tuple[str, int]]:
+    """``extract_tar_layer`` without hashing each file; returns (relpath, size).
+
+    For a caller that proves the files another way before anyone sees them: pull into a
+    directory extracts into a staging directory while the layer's blob digest is checked over
+    the same stream, and renames the files into place only once that digest matched (a file's
+    bytes are a part of the verified blob, so a digest of its own proves nothing more and
+    would cost a second SHA-256 pass over every byte). Same checks, same bounds.
+    """
+    out = _extract(
+        stream,
+        dest_dir,
+        strip,
+        media_type,
+        diff_id,
+        where,
+        existing,
+        max_bytes,
+        budget,
+        select,
+        outside,
+        keep_prefix,
+        file_digests=False,
+    )
+    return [(rel, size) for rel, size, _ in out]
+
+
+def _extract(
+    stream: BinaryIO,
+    dest_dir: str,
+    strip: str,
+    media_type: str,
+    diff_id: str | None,
+    where: str,
+    existing: ClaimedPaths | set[str] | None,
+    max_bytes: int | None,
+    budget: ExpansionBudget | None,
+    select: Callable[[str], bool] | None,
+    outside: str,
+    keep_prefix: bool,
+    *,
+    file_digests: bool,
+) -> list[tuple[str, int, str | None]]:
     reader = _LayerReader(open_layer_stream(stream, media_type), where, hashing=diff_id is not None)
     claims: ClaimedPaths | set[str] = existing if existing is not None else set()
     spend = budget if budget is not None else ExpansionBudget(max_bytes)
-    out: list[tuple[str, int, str]] = []
+    out: list[tuple[str, int, str | None]] = []
     try:
+        # "r:" (not the stream mode "r|"): tarfile reads headers straight from the reader, which
+        # only goes forward, and leaves member data to _write_member
         tar = tarfile.open(  # type: ignore[call-overload]
-            fileobj=reader, mode="r|", encoding="utf-8", tarinfo=_BoundedTarInfo, bufsize=TAR_READ_SIZE
+            fileobj=reader, mode="r:", encoding="utf-8", tarinfo=_BoundedTarInfo
         )
         with tar:
             _extract_members(
@@ -264,6 +394,7 @@ def extract_tar_layer(
                 out,
                 outside == "skip",
                 keep_prefix,
+                file_digests,
             )
         reader.drain_after_end(MAX_TRAILER_BYTES)
     except UnsafeTarError as exc:
@@ -289,9 +420,10 @@ def _extract_members(
     claims: ClaimedPaths | set[str],
     budget: ExpansionBudget,
     select: Callable[[str], bool] | None,
-    out: list[tuple[str, int, str]],
+    out: list[tuple[str, int, str | None]],
     skip_outside: bool = False,
     keep_prefix: bool = False,
+    file_digests: bool = True,
 ) -> None:
     dest_real = os.path.realpath(dest_dir)
     count = 0
@@ -347,10 +479,9 @@ def _extract_members(
         if select is not None and not select(rel):
             continue  # tarfile skips its data; nothing is written, nothing charged
         budget.charge(member.size, where=where, member=member.name)
-        src = tar.extractfile(member)
-        if src is None:  # pragma: no cover - regular files always have data
-            raise UnsafeTarError(f"{where}: member {member.name!r} has no data")
-        out.append((rel, *_write_member(src, target, member, where)))
+        if reader.tell() != member.offset_data:  # pragma: no cover - tarfile leaves it at the data
+            raise LayerFormatError(f"{where}: member {member.name!r}: reader not at its data")
+        out.append((rel, member.size, _write_member(reader, target, member, where, file_digests)))
 
 
 def _makedirs(path: str) -> None:
@@ -360,33 +491,39 @@ def _makedirs(path: str) -> None:
         raise write_error(path, exc) from exc
 
 
-def _write_member(src: Any, target: str, member: tarfile.TarInfo, where: str) -> tuple[int, str]:
-    """Write one member's data; returns (bytes, sha256). Never more than the declared size."""
+def _write_member(
+    reader: _LayerReader, target: str, member: tarfile.TarInfo, where: str, hashing: bool
+) -> str | None:
+    """Write exactly the member's declared bytes from the tar stream; returns their sha256 when
+    ``hashing``. Write-back starts as it goes (``Writeback``), so the fsync waits for little."""
     _makedirs(os.path.dirname(target))
-    h = hashlib.sha256()
-    n = 0
+    h = hashlib.sha256() if hashing else None
+    left = member.size
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            while True:
-                chunk = src.read(min(HASH_CHUNK, member.size - n + 1))
+        try:
+            writeback = Writeback(fd)
+            while left:
+                chunk = reader.read_some(min(COPY_CHUNK, left))
                 if not chunk:
-                    break
-                n += len(chunk)
-                if n > member.size:
                     raise LayerFormatError(
-                        f"{where}: member {member.name!r} holds more than its {member.size} bytes"
+                        f"{where}: member {member.name!r} truncated "
+                        f"({member.size - left} of {member.size} bytes)"
                     )
-                h.update(chunk)
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(target, 0o444)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+                writeback.wrote(len(chunk))
+                if h is not None:
+                    h.update(chunk)
+                left -= len(chunk)
+            os.fsync(fd)
+            os.fchmod(fd, 0o444)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise write_error(target, exc) from exc
-    if n != member.size:
-        raise LayerFormatError(f"{where}: member {member.name!r} truncated ({n} of {member.size} bytes)")
-    return n, "sha256:" + h.hexdigest()
+    return None if h is None else "sha256:" + h.hexdigest()
 
 
 __all__ = [
@@ -395,6 +532,7 @@ __all__ = [
     "MAX_TRAILER_BYTES",
     "ClaimedPaths",
     "ExpansionBudget",
+    "extract_tar_files",
     "extract_tar_layer",
     "open_layer_stream",
 ]
