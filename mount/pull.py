@@ -17,6 +17,7 @@ typed refusal as a download that would not fit. With ``hold`` the snapshot is he
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import time
@@ -71,6 +72,7 @@ class Puller:
     progress: str = "off"  # --progress auto|on|off: bars on stderr for the blobs a miss downloads
     hold: float | None = None  # --hold: keep the snapshot from GC this many seconds after the pull
     rollback: RollbackGuard | None = None  # tag pulls under a policy: no older signed version
+    variants: Any = None  # mount.variants.VariantResolver: an index reference → the entry that fits
 
     def pull(
         self,
@@ -97,6 +99,7 @@ class Puller:
             log.emit(name, **fields)
 
         ev("cache.pull_start", pinned=ref.is_pinned)
+        target_options = _with_events(target_options, log)
         target: ReadableTarget | None = source
         desc: Descriptor | None = None
         try:
@@ -108,6 +111,10 @@ class Puller:
                 digest = desc.digest
                 timings["resolve"] = to_ms(time.monotonic() - t0)
             info = self._ready_unquarantined(digest, ev)
+            if info is None and self.variants is not None:
+                found = self.variants.index_for(ref, digest, desc, target, target_options)
+                if found is not None:
+                    return self._pull_variant(found, ref, target_options, policy, jobs, log, sid, ev)
             if info is not None:
                 signature = "not-checked"
                 if policy is not None:
@@ -136,6 +143,46 @@ class Puller:
             if failure is not exc:
                 raise failure from exc
             raise
+
+    def _pull_variant(
+        self,
+        found: tuple[Any, str, ReadableTarget | None],
+        ref: Reference,
+        target_options: TargetOptions | None,
+        policy: Any,
+        jobs: int,
+        log: EventLog,
+        sid: str,
+        ev: Callable[..., None],
+    ) -> PullResult:
+        """An index: its signature (under a policy), the entry that fits this node (``mount.variants``),
+        then that entry pulled by digest under the same policy, so each variant is one snapshot."""
+        index, media_type, target = found
+        resolver = self.variants
+        index_signature, target = resolver.check_index_trust(
+            index, media_type, ref, target, target_options, policy, log, ev
+        )
+        selection, target = resolver.choose(index, target, ref, target_options)
+        ev(
+            "cache.variant_selected",
+            index=index.digest,
+            digest=selection.digest,
+            variant=dict(selection.chosen.fields),
+        )
+        entry_ref = dataclasses.replace(ref, tag=None, digest=Digest(selection.digest))
+        self.variants = None  # the entry is a manifest (checked): no second look for an index
+        try:
+            result = self.pull(
+                entry_ref, target_options, policy=policy, jobs=jobs, log=log, source=target, start_id=sid
+            )
+        finally:
+            self.variants = resolver
+        resolver.record(index, media_type, str(ref), selection)
+        if not ref.digest:  # the tag stands for the entry this node uses (open_snapshot, load)
+            self.refs.record(ref, Digest(selection.digest))
+        result.reference = str(ref)
+        result.variant = {**selection.to_json(), "index_signature": index_signature}
+        return result
 
     def _no_rollback(
         self, ref: Reference, digest: str, signed_at: float | None, ev: Callable[..., None]
@@ -358,6 +405,8 @@ class Puller:
                 missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes
             )
         timings["download"] = to_ms(time.monotonic() - t)
+        by_source = getattr(target, "bytes_by_source", None)
+        result.bytes_by_source = dict(by_source()) if callable(by_source) else {}
         # downloaded + reused == total: a blob is either fetched (minus a resumed prefix, which is
         # reused) or was already there (committed by someone else meanwhile counts as reused)
         for b, r in zip(missing, results, strict=True):
@@ -467,6 +516,15 @@ def _describe_room(room: tuple[int, str, int, int] | None, root: str) -> str:
     if room[1] == "quota":
         return f"the node cache quota (--max-cache-bytes {room[3]}, {room[2]} bytes used)"
     return f"the free space on {root} ({room[2]} bytes free, {room[3]} reserved)"
+
+
+def _with_events(options: TargetOptions | None, log: EventLog) -> TargetOptions:
+    """The pull's options with its event log for the target's source events (which source served
+    each manifest, referrer listing and blob), unless the caller gave one."""
+    opts = options if options is not None else TargetOptions()
+    if "events" in opts.extra:
+        return opts
+    return dataclasses.replace(opts, extra={**opts.extra, "events": log})
 
 
 def _unique_blobs(manifest: Manifest) -> list[Descriptor]:

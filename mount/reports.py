@@ -35,6 +35,10 @@ class PullResult:
     signature: str = "not-checked"
     hold_path: str = ""  # ``pull --hold``: the hold GC honours until ``hold_until`` (epoch seconds)
     hold_until: float = 0.0
+    #: blob bytes per source host (mirrors, peers, the origin) when mirrors were configured
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    #: an index reference: the selection (index digest, chosen entry, every entry's verdict)
+    variant: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -56,6 +60,10 @@ class PullResult:
         }
         if self.hold_path:
             out["hold"] = {"path": self.hold_path, "until": self.hold_until}
+        if self.variant is not None:
+            out["variant"] = self.variant
+        if self.bytes_by_source:
+            out["bytes_by_source"] = dict(self.bytes_by_source)
         return out
 
 
@@ -71,6 +79,8 @@ class CacheEntry:
     in_use: bool
     last_used: float
     created: float
+    #: the variant indexes whose chosen entry this snapshot is ({index, reference, variant})
+    indexes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

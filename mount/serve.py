@@ -7,7 +7,10 @@ What it answers, and nothing else:
 - ``GET /v2/`` (the API check);
 - ``GET``/``HEAD /v2/<name>/blobs/sha256:<hex>``, with one ``Range`` (``bytes=a-b``, ``a-``,
   ``-n``);
-- ``GET``/``HEAD /v2/<name>/manifests/sha256:<hex>``, its media type read from the manifest.
+- ``GET``/``HEAD /v2/<name>/manifests/sha256:<hex>``, its media type read from the manifest;
+- ``GET /v2/<name>/referrers/sha256:<hex>[?artifactType=…]``: the signature referrers this cache
+  kept for the digest (``mount.kept_referrers``), an OCI image index (empty when none). The
+  ``sha256-<hex>`` tag fallback is never served: a client finds referrers at a peer by the API.
 
 Never a tag (a peer never chooses a version: 404), never a listing (``_catalog``, ``tags/list``:
 404), never a write (any method but ``GET``/``HEAD``: 405, and a request with a body: 400). The
@@ -40,8 +43,10 @@ import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
+from modelpack.mount.kept_referrers import referrers_index
 from modelpack.mount.serve_fill import BUSY, READY, Filler, FillSettings
 from modelpack.mount.store import Store
 
@@ -51,7 +56,7 @@ from modelpack.errors import CacheServeError, DocumentError
 log = logging.getLogger("modelpack.mount.serve")
 
 _NAME = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
-_ROUTE = re.compile(rf"^/v2/({_NAME})/(blobs|manifests)/([^/]+)$")
+_ROUTE = re.compile(rf"^/v2/({_NAME})/(blobs|manifests|referrers)/([^/]+)$")
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 MAX_PATH = 2048
@@ -208,6 +213,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         kind, reference = m.group(2), m.group(3)
         d = _DIGEST.match(reference)
+        if kind == "referrers":
+            self._referrers(d, reference)
+            return
         if d is None:
             what = "tags are resolved at the origin only" if kind == "manifests" else "not a sha256 digest"
             self._error(404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", what)
@@ -312,6 +320,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             self.wfile.write(data)
             left -= len(data)
+
+    def _referrers(self, d: re.Match[str] | None, digest: str) -> None:
+        """The referrers API over the signatures this cache kept (``mount.kept_referrers``):
+        an OCI image index, empty for a digest it holds none for; never the tag fallback."""
+        if d is None:
+            self._error(400, "DIGEST_INVALID", "referrers are listed by sha256 digest only")
+            return
+        query = parse_qs(self.path.partition("?")[2], max_num_fields=4)
+        wanted = (query.get("artifactType") or [None])[0]
+        body = referrers_index(self.server.store, digest, wanted)
+        headers = {"Content-Type": "application/vnd.oci.image.index.v1+json"}
+        if wanted:
+            headers["OCI-Filters-Applied"] = "artifactType"
+        self._count()
+        self._send(200, body, headers)
 
     def _count(self) -> None:
         with self.server.count_lock:

@@ -192,25 +192,49 @@ class Store:
         doc["manifests"] = manifests
         return doc
 
-    def add_manifest(self, raw: bytes, media_type: str, reference: str | None = None) -> None:
-        """Record a manifest in index.json (by digest; ``reference`` as an annotation)."""
-        desc = Descriptor(media_type, Digest.from_bytes(raw), len(raw))
+    def add_manifest(
+        self,
+        raw: bytes,
+        media_type: str,
+        reference: str | None = None,
+        *,
+        annotations: dict[str, str] | None = None,
+        artifact_type: str | None = None,
+    ) -> None:
+        """Record a manifest in index.json (by digest; ``reference`` as an annotation; a kept
+        signature referrer with its ``artifactType`` and annotations, ``mount.kept_referrers``)."""
+        desc = Descriptor(media_type, Digest.from_bytes(raw), len(raw), artifact_type=artifact_type)
         self.put_bytes(desc, raw)
         with self._index_lock(self.lock_timeout):
             doc = self._read_index()
             entries: list[dict[str, Any]] = doc["manifests"]
             if not any(e.get("digest") == desc.digest for e in entries):
                 entry = desc.to_dict()
+                if reference or annotations:
+                    entry["annotations"] = dict(annotations or {})
                 if reference:
-                    entry["annotations"] = {"io.modelpack.cache.reference": reference}
+                    entry["annotations"]["io.modelpack.cache.reference"] = reference
                 entries.append(entry)
                 self._write_index(doc)
 
+    def index_entries(self) -> list[dict[str, Any]]:
+        """index.json's manifest entries as the cache wrote them (empty when foreign or absent)."""
+        return list(self._read_index()["manifests"])
+
     def remove_manifest(self, digest: str, *, timeout: float | None = None) -> None:
+        """Drop a manifest from index.json, and the signature referrers kept for it."""
         with self._index_lock(self.lock_timeout if timeout is None else timeout):
             doc = self._read_index()
             before = len(doc["manifests"])
-            doc["manifests"] = [e for e in doc["manifests"] if e.get("digest") != digest]
+            doc["manifests"] = [
+                e
+                for e in doc["manifests"]
+                if e.get("digest") != digest
+                and not (
+                    isinstance(e.get("annotations"), dict)
+                    and e["annotations"].get("io.modelpack.cache.subject") == digest
+                )
+            ]
             if len(doc["manifests"]) != before:
                 self._write_index(doc)
 

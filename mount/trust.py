@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from modelpack.mount.kept_referrers import RecordingTarget, keep
 from modelpack.mount.modes import FILE_MODE, read_trusted
 from modelpack.mount.reports import to_ms
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
@@ -48,6 +49,8 @@ class TrustRecords:
     def __init__(self, store: Store, snapshots: Snapshots) -> None:
         self.store = store
         self.snapshots = snapshots
+        #: per digest: what its verification read (``mount.kept_referrers``), kept by ``record``
+        self._read_with: dict[str, tuple[RecordingTarget, list[Any], Callable[..., None]]] = {}
 
     def read(self, digest: str) -> dict[str, Any]:
         """What verified ``digest``; empty when unknown, malformed, or not written by the cache
@@ -76,6 +79,22 @@ class TrustRecords:
         atomic_write_bytes(
             self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE
         )
+        self._keep_referrers(digest)
+
+    def _keep_referrers(self, digest: str) -> None:
+        """Keep the signature referrers this digest was verified with, so ``cache serve`` can
+        hand them to a peer whose origin is down. Best effort: a failure is an event, and the
+        pull (already verified and ready) stands."""
+        pending = self._read_with.pop(digest, None)
+        if pending is None:
+            return
+        recorder, keys, ev = pending
+        try:
+            kept = keep(self.store, digest, recorder, keys)
+        except (OSError, ModelpackError) as exc:
+            ev("cache.referrers_not_kept", digest=digest, reason=str(exc)[:300])
+            return
+        ev("cache.referrers_kept", digest=digest, referrers=kept)
 
     def trusted_locally(self, digest: str, ref: Reference, policy: Any) -> bool:
         """Whether an earlier verification of ``digest`` satisfies ``policy`` for ``ref``."""
@@ -155,11 +174,13 @@ class TrustRecords:
         miss records only after publishing, so no trust file exists for a snapshot that never
         became ready."""
         from modelpack.signing import verify_artifact
+        from modelpack.signing.verify import resolve_policy
 
         policy = load_policy(policy)
         desc = Descriptor(manifest.media_type, manifest.digest, manifest.size)
+        recorder = RecordingTarget(target)
         try:
-            result = verify_artifact(target, ref, desc, policy, events=log)
+            result = verify_artifact(recorder, ref, desc, policy, events=log)
         except SignatureRefused as exc:
             ev("cache.signature_refused", digest=str(manifest.digest), reason=exc.reason)
             raise
@@ -169,6 +190,7 @@ class TrustRecords:
             status=result.status,
             key_ids=result.key_ids,
         )
+        self._read_with[str(manifest.digest)] = (recorder, list(resolve_policy(policy, ref).keys), ev)
         if record:
             self.record(str(manifest.digest), result)
         return result

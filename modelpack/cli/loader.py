@@ -47,6 +47,31 @@ def timeline_cmd(event_logs: tuple[str, ...], as_json: bool) -> None:
         click.echo(format_table(summary))
 
 
+def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, Any]:
+    """A registry reference is opened here, with ``--events`` for its source events, so the
+    report can say which source (peer, mirror, origin) served the bytes (``bytesBySource``);
+    any other source is passed on as given. Returns (source for the loader, the target or None)."""
+    import os
+
+    from modelpack.errors import ModelpackError
+    from modelpack.events import EventLog
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.opener import open_readable
+
+    if os.path.isdir(source) or "://" in source or source.startswith("oci:"):
+        return source, None
+    try:
+        ref = parse_reference(source)
+    except ModelpackError:
+        return source, None
+    if ref.scheme != "registry":
+        return source, None
+    if events and "events" not in opts.extra:
+        opts.extra = {**opts.extra, "events": EventLog(events)}
+    target = open_readable(ref, opts)
+    return (target, str(ref.digest) if ref.digest else ref.tag), target
+
+
 @click.command("load")
 @click.argument("source")
 @click.option("--tp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
@@ -138,8 +163,10 @@ def load_cmd(
 
         keys = [load_public_key(k) for k in trusted_keys]
     stats = LoadStats()
+    opts = build_target_options(kwargs)
+    src, streamed = _streamed_source(source, opts, events)
     sd = load_state_dict(
-        source,
+        src,
         device,
         tp_size=tp_size,
         tp_rank=tp_rank,
@@ -149,7 +176,7 @@ def load_cmd(
         events=events,
         start_id=start_id,
         allow_unverified=allow_unverified,
-        target_options=build_target_options(kwargs),
+        target_options=opts,
         options=LoaderOptions(
             direct_io=direct_io, uneven=uneven, allow_missing_chunk_table=allow_missing_chunk_table
         ),
@@ -175,6 +202,7 @@ def load_cmd(
         "startId": stats.start_id,
         "fingerprint": stats.fingerprint.to_dict() if stats.fingerprint else None,
         "fingerprintDigest": stats.fingerprint.digest if stats.fingerprint else None,
+        "bytesBySource": streamed.bytes_by_source() if hasattr(streamed, "bytes_by_source") else {},
     }
     if as_json:
         emit_json(doc)

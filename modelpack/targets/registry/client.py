@@ -358,6 +358,8 @@ class RegistryClient:
         reason = type(exc).__name__ if exc is not None else "connection lost"
         if exc is not None and _timed_out(exc):
             reason = f"no answer within {self.timeout:g} s; --timeout sets the limit"
+        elif exc is not None and "refused" in str(exc).lower():
+            reason = "connection refused"  # named: the source-events say why a source was left
         tried = ""
         if budget is not None and (budget.retries or budget.exhausted):
             tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"

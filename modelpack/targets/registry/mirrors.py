@@ -57,6 +57,7 @@ from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.hosts import canonical_host
 from modelpack.targets.registry.peers import PREFIX, blob_order, expand_peer_urls, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
+from modelpack.targets.registry.source_events import emit, failure_kind, origin_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -284,15 +285,22 @@ class MirroredBlobs:
         with self._lock:
             self.abandoned += 1
         log.warning("mirror %s abandoned for %s at byte %d: %s", mirror.name, desc.digest, offset, reason)
-        if self.events is not None:
-            self.events.emit(
-                "registry.mirror_abandoned",
-                mirror=mirror.name,
-                blob=str(desc.digest),
-                reason=reason[:300],
-                offset=offset,
-                registry=self.origin.name,
-            )
+        emit(
+            self.events,
+            "registry.mirror_abandoned",
+            source=mirror.endpoint.url,
+            kind="mirror",
+            failure=failure_kind(reason),
+            mirror=mirror.name,
+            blob=str(desc.digest),
+            reason=reason[:300],
+            offset=offset,
+            registry=self.origin.name,
+        )
+
+    def url_of(self, name: str) -> str:
+        """Mirror ``name``'s URL (never credentials: a mirror URL carries none)."""
+        return next(m.endpoint.url for m in self.mirrors if m.name == name)
 
     def usable(self, name: str) -> bool:
         """Whether mirror ``name`` may be asked now (not marked down after a failed connection)."""
@@ -306,14 +314,17 @@ class MirroredBlobs:
         with self._lock:
             self.abandoned += 1
         log.warning("mirror %s abandoned for %s: %s", name, what, exc)
-        if self.events is not None:
-            self.events.emit(
-                "registry.mirror_abandoned",
-                mirror=name,
-                manifest=what,
-                reason=str(exc)[:300],
-                registry=self.origin.name,
-            )
+        emit(
+            self.events,
+            "registry.mirror_abandoned",
+            source=mirror.endpoint.url,
+            kind="mirror",
+            failure=failure_kind(exc),
+            mirror=name,
+            manifest=what,
+            reason=str(exc)[:300],
+            registry=self.origin.name,
+        )
 
     def _usable(self) -> list[_Mirror]:
         now = time.monotonic()
@@ -345,7 +356,9 @@ class MirroredBlobs:
                 spooled = None
             if spooled is not None:
                 return spooled
-        stream = _CountingStream(ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host)
+        stream = _CountingStream(
+            ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host, desc
+        )
         return stream  # type: ignore[return-value]
 
     def _spool(self, desc: Descriptor) -> BinaryIO | None:
@@ -394,7 +407,15 @@ class MirroredBlobs:
                     self._count(name, n)
                     split[name] = split.get(name, 0) + n
                 if self.events is not None:
-                    self.events.emit("registry.blob_sources", blob=str(desc.digest), sources=split)
+                    urls = {m.name: m.endpoint.url for m, _ in sources if m is not None}
+                    urls.setdefault(self.origin.client.host, origin_url(self.origin.client))
+                    self.events.emit(
+                        "registry.blob_sources",
+                        blob=str(desc.digest),
+                        bytes=desc.size,
+                        sources=split,
+                        source_urls={k: urls[k] for k in split},
+                    )
                 spool.seek(0)
                 return spool  # type: ignore[return-value]
             for mirror, n in sources:
@@ -415,6 +436,36 @@ class MirroredBlobs:
         """Exactly ``length`` bytes at ``offset`` from the first source that serves them. With
         ``check``, the chunks a mirror got wrong are fetched again from the next source and the
         origin (the loader verifies every chunk against the signed chunk table either way)."""
+        split: dict[str, int] = {}
+        urls: dict[str, str] = {}
+
+        def got(name: str, url: str, n: int) -> None:
+            self._count(name, n)
+            if n:
+                split[name] = split.get(name, 0) + n
+                urls[name] = url
+
+        try:
+            return self._read_range(desc, offset, length, check, got)
+        finally:
+            if self.events is not None and split:
+                self.events.emit(
+                    "registry.range_sources",
+                    blob=str(desc.digest),
+                    offset=offset,
+                    bytes=sum(split.values()),
+                    sources=split,
+                    source_urls=urls,
+                )
+
+    def _read_range(
+        self,
+        desc: Descriptor,
+        offset: int,
+        length: int,
+        check: RangeCheck | None,
+        got: Callable[[str, str, int], None],
+    ) -> bytes:
         out: bytearray | None = None
         missing = [(offset, length)]
         for mirror in self._for_blob(desc):
@@ -440,19 +491,19 @@ class MirroredBlobs:
                         first,
                     )
                 if not bad and o == offset and n == length:
-                    self._count(mirror.name, len(data))
+                    got(mirror.name, mirror.endpoint.url, len(data))
                     return data
                 if out is None:
                     out = bytearray(length)
                 out[o - offset : o - offset + n] = data
-                self._count(mirror.name, n - sum(b for _, b in bad))
+                got(mirror.name, mirror.endpoint.url, n - sum(b for _, b in bad))
                 left.extend(bad)
             missing = left
             if not missing:
                 break
         for o, n in missing:
             data = read_range(self.origin, desc, o, n)
-            self._count(self.origin.client.host, len(data))
+            got(self.origin.client.host, origin_url(self.origin.client), len(data))
             if o == offset and n == length and out is None:
                 return data
             if out is None:
@@ -469,19 +520,24 @@ class MirroredBlobs:
 class _CountingStream:
     """An origin stream that books what it delivers under the origin's name."""
 
-    def __init__(self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str) -> None:
+    def __init__(self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str, desc: Descriptor) -> None:
         self._inner = inner
         self._owner = owner
         self._source = source
+        self._desc = desc
+        self._delivered = 0
+        self._reported = False
 
     def read(self, n: int = -1) -> bytes:
         data = self._inner.read(n)
         self._owner._count(self._source, len(data))
+        self._delivered += len(data)
         return data
 
     def readinto(self, buf: Any) -> int:
         n = self._inner.readinto(buf)
         self._owner._count(self._source, n)
+        self._delivered += n
         return n
 
     def readable(self) -> bool:
@@ -489,6 +545,15 @@ class _CountingStream:
 
     def close(self) -> None:
         self._inner.close()
+        if not self._reported and self._owner.events is not None:  # the origin served this one alone
+            self._reported = True
+            self._owner.events.emit(
+                "registry.blob_sources",
+                blob=str(self._desc.digest),
+                bytes=self._delivered,
+                sources={self._source: self._delivered},
+                source_urls={self._source: origin_url(self._owner.origin.client)},
+            )
 
     def __enter__(self) -> _CountingStream:
         return self

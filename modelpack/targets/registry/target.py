@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlencode, urljoin, urlsplit
 
@@ -33,11 +33,13 @@ from modelpack.oci.reference import Reference
 from modelpack.targets.base import BlobSource
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
-from modelpack.targets.registry.blob_reads import open_blob, read_range
+from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.mirrors import MirroredBlobs, RangeCheck, configured_mirrors, mirror_limits
+from modelpack.targets.registry.peer_referrers import mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
+from modelpack.targets.registry.source_events import emit, origin_url
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
 
 log = logging.getLogger("modelpack.targets.registry")
@@ -78,6 +80,9 @@ class RegistryTarget:
         #: blob reads through mirrors first (``modelpack.targets.registry.mirrors``), when configured
         self.mirrors: MirroredBlobs | None = None
         self._mirror_manifests: list[tuple[str, ManifestStore]] = []
+        #: the JSON event log the source events go to (``TargetOptions.extra['events']``)
+        self.events: Any = None
+        self._origin_unreachable: RegistryConnectionError | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -119,6 +124,7 @@ class RegistryTarget:
             monolithic_max=int(extra.get("monolithic_max") or min(DEFAULT_MONOLITHIC_MAX, chunk_size)),
             upload_state_dir=extra.get("upload_state_dir"),
         )
+        target.events = extra.get("events")
         if not for_write:
             endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
             if endpoints:
@@ -147,12 +153,25 @@ class RegistryTarget:
                 if not self.mirrors.usable(name):
                     continue
                 try:
-                    return op(store)
+                    got = op(store)
                 except TransferInterrupted:
                     raise
                 except ModelpackError as exc:
                     self.mirrors.manifest_abandoned(name, reference, exc)
-        return op(self._manifests)
+                    continue
+                self._manifest_event(reference, got, self.mirrors.url_of(name), "mirror")
+                return got
+        fresh = self._manifests.cached(reference) is None if reference.startswith("sha256:") else True
+        got = op(self._manifests)
+        if fresh:
+            self._manifest_event(reference, got, origin_url(self.client), "origin")
+        return got
+
+    def _manifest_event(self, reference: str, got: Any, source: str, kind: str) -> None:
+        size = got.size if isinstance(got, Descriptor) else len(got[0])
+        emit(
+            self.events, "registry.manifest_fetched", source=source, kind=kind, manifest=reference, bytes=size
+        )
 
     def resolve(self, reference: str) -> Descriptor:
         return self._by_digest(reference, lambda store: store.resolve(reference))
@@ -180,6 +199,25 @@ class RegistryTarget:
         if self.mirrors is not None:
             return self.mirrors.read_range(descriptor, offset, length, check)
         return read_range(self._repo, descriptor, offset, length)
+
+    def fetch_range_into(
+        self,
+        descriptor: Descriptor,
+        offset: int,
+        views: Sequence[memoryview],
+        check: RangeCheck | None = None,
+    ) -> None:
+        """``fetch_range(_checked)`` into caller memory: the range fills ``views`` in order,
+        received straight into them from the origin (through mirrors: read, then copied)."""
+        if self.mirrors is not None:
+            length = sum(len(v) for v in views)
+            data = memoryview(self.mirrors.read_range(descriptor, offset, length, check))
+            pos = 0
+            for v in views:
+                v[:] = data[pos : pos + len(v)]
+                pos += len(v)
+            return
+        read_range_into(self._repo, descriptor, offset, views)
 
     def bytes_by_source(self) -> dict[str, int]:
         """Blob bytes delivered per source host (mirrors and origin; empty without mirrors)."""
@@ -251,24 +289,36 @@ class RegistryTarget:
     # ------------------------------------------------------------------ referrers
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
         """Referrers of ``subject``: the API when served, else the ``sha256-<hex>`` fallback tag.
-        Asked of the origin; of the mirrors in order only when the origin cannot be reached (a
-        listing cannot be verified, but every entry is a digest whose manifest and signature are
-        checked: a mirror can withhold a signature, never forge one)."""
-        try:
-            return self._manifests.referrers(subject, artifact_type)
-        except RegistryConnectionError as exc:
-            if self.mirrors is None:
-                raise
-            for name, store in self._mirror_manifests:
-                if not self.mirrors.usable(name):
-                    continue
-                try:
-                    return store.referrers(subject, artifact_type)
-                except TransferInterrupted:
+        Asked of the origin; of every usable mirror only when the origin cannot be reached (then
+        for the rest of this target's life: one retry budget per run), merged by
+        ``peer_referrers`` (a listing cannot be verified, but every entry is a digest whose
+        manifest and signature are checked: a mirror can withhold a signature, never forge one)."""
+        if self._origin_unreachable is None or self.mirrors is None:
+            try:
+                got = self._manifests.referrers(subject, artifact_type)
+            except RegistryConnectionError as exc:
+                if self.mirrors is None:
                     raise
-                except ModelpackError as mirror_exc:
-                    self.mirrors.manifest_abandoned(name, f"referrers of {subject.digest}", mirror_exc)
-            raise exc
+                self._origin_unreachable = exc  # one retry budget per run, not one per listing
+            else:
+                emit(
+                    self.events,
+                    "registry.referrers_listed",
+                    source=origin_url(self.client),
+                    kind="origin",
+                    subject=str(subject.digest),
+                    artifact_type=artifact_type,
+                    referrers=len(got),
+                )
+                return got
+        return mirror_referrers(
+            self.mirrors,
+            self._mirror_manifests,
+            subject,
+            artifact_type,
+            self._origin_unreachable,
+            self.events,
+        )
 
     @staticmethod
     def fallback_tag(digest: str) -> str:

@@ -1,0 +1,122 @@
+"""Issue 23 item 3: signatures through peers — a signed, pinned start with the origin down.
+
+Real parts: a real origin registry (killed for the outage), ``modelpack push --sign-key`` (a
+manifest signature, a directory signature and a signed chunk table as referrers), real ``modelpack
+pull --cache … --key`` and ``modelpack cache serve`` subprocesses on loopback.
+
+Before this change the node cache kept no signatures and ``cache serve`` answered no referrers,
+so ``pull --cache REF@sha256:… --key K --mirror PEER`` with the origin down was refused as
+unsigned although the peer had verified the very same model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from tests.origin_down_support import events, push_signed, run, serve  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.timeout(240)
+
+SIGNATURE = "application/vnd.dev.sigstore.bundle.v0.3+json"
+
+
+def _get(url: str) -> tuple[int, dict[str, str], bytes]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status, dict(resp.headers), resp.read()
+
+
+def test_a_signed_pinned_pull_succeeds_from_a_peer_with_the_origin_down(
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+) -> None:
+    origin = registry_factory.start()
+    model = push_signed(origin, checkpoint, tmp_path, "peers/signed")
+    node_a = tmp_path / "node-a"
+    first = run(tmp_path, "pull", "--cache", str(node_a), "--key", model.pub, model.pinned)
+    assert first.returncode == 0, first.stderr
+    peer = serve(node_a)
+
+    # the peer answers the referrers API with what node A verified: all three kinds, filterable
+    status, headers, body = _get(f"{peer.url}/v2/{model.repo}/referrers/{model.digest}")
+    index = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/vnd.oci.image.index.v1+json"
+    kinds = sorted(m["artifactType"] for m in index["manifests"])
+    assert len(kinds) == 3 and SIGNATURE in kinds, kinds
+    _, headers, body = _get(
+        f"{peer.url}/v2/{model.repo}/referrers/{model.digest}?artifactType={quote(SIGNATURE, safe='')}"
+    )
+    assert [m["artifactType"] for m in json.loads(body)["manifests"]] == [SIGNATURE]
+    assert headers.get("OCI-Filters-Applied") == "artifactType"
+    # a digest it holds nothing for: an empty index (the API's answer), never the tag fallback
+    _, _, body = _get(f"{peer.url}/v2/{model.repo}/referrers/sha256:{'0' * 64}")
+    assert json.loads(body)["manifests"] == []
+
+    origin.kill()
+    log = tmp_path / "b-events.jsonl"
+    started = time.monotonic()
+    b = run(
+        tmp_path,
+        "pull", "--cache", str(tmp_path / "node-b"), "--key", model.pub, "--mirror", peer.url,
+        "--retry-for", "2s", "--events", str(log), "--json", model.pinned,
+    )  # fmt: skip
+    assert b.returncode == 0, b.stderr
+    doc = json.loads(b.stdout)
+    assert doc["signature"] == "verified" and doc["digest"] == model.digest
+    # every blob byte came from the peer; the one origin attempt cost one short retry budget
+    assert set(doc["bytes_by_source"]) == {peer.host}, doc
+    assert time.monotonic() - started < 30
+    listed = [e for e in events(log) if e["event"] == "registry.referrers_listed"]
+    assert listed and all(e["source"] == peer.url and e["source_kind"] == "mirror" for e in listed), listed
+    assert sum(e["referrers"] for e in listed) == 3
+    fetched = [e for e in events(log) if e["event"] == "registry.manifest_fetched"]
+    assert {e["source"] for e in fetched} == {peer.url} and all(e["bytes"] > 0 for e in fetched)
+    # node B keeps what it verified: it can be a peer itself, for node C
+    peer_b = serve(tmp_path / "node-b")
+    c = run(
+        tmp_path,
+        "pull", "--cache", str(tmp_path / "node-c"), "--key", model.pub, "--mirror", peer_b.url,
+        "--retry-for", "2s", model.pinned,
+    )  # fmt: skip
+    assert c.returncode == 0, c.stderr
+
+    # a tag cannot be resolved by a peer: a typed error naming the origin, no traceback
+    tagged = run(
+        tmp_path, "pull", "--cache", str(tmp_path / "node-d"), "--key", model.pub, "--mirror", peer.url,
+        "--retry-for", "2s", model.tagged,
+    )  # fmt: skip
+    assert tagged.returncode != 0 and origin.host in tagged.stderr and "Traceback" not in tagged.stderr
+
+
+def test_a_peer_withholding_signatures_is_a_refusal_naming_the_digest_not_a_hang(
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+) -> None:
+    origin = registry_factory.start()
+    model = push_signed(origin, checkpoint, tmp_path, "peers/withheld")
+    # node A pulled without a key: it holds the model, but verified (and so keeps) no signature
+    node_a = tmp_path / "node-a"
+    assert run(tmp_path, "pull", "--cache", str(node_a), model.pinned).returncode == 0
+    peer = serve(node_a)
+    origin.kill()
+    started = time.monotonic()
+    b = run(
+        tmp_path,
+        "pull", "--cache", str(tmp_path / "node-b"), "--key", model.pub, "--mirror", peer.url,
+        "--retry-for", "2s", model.pinned,
+    )  # fmt: skip
+    assert b.returncode != 0 and time.monotonic() - started < 30
+    assert model.digest in b.stderr and "Traceback" not in b.stderr, b.stderr
+    assert "unsigned" in b.stderr or "no signature" in b.stderr, b.stderr
+    # nothing was marked ready
+    assert not list((tmp_path / "node-b" / "snapshots").glob("*.ready"))
