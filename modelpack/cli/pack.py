@@ -70,6 +70,13 @@ def check_reference(text: str, param_hint: str, *, tag: bool = True) -> None:
 )
 @pack_options
 @format_options
+@click.option(
+    "--base",
+    metavar="REF",
+    default=None,
+    help="CHECKPOINT_DIR is a PEFT LoRA adapter: pack it as an adapter of the base REF in DESTINATION "
+    "(@sha256:… or a tag, resolved once and pinned; see push --base).",
+)
 @target_options
 @jobs_option
 @progress_option
@@ -112,6 +119,16 @@ def pack_cmd(
     if not checkpoint_dir.startswith("s3://"):
         check_checkpoint_dir(checkpoint_dir)
     check_reference(destination, "DESTINATION")
+    if kwargs.get("base") is not None:
+        if kwargs.pop("modelfile", None):
+            raise click.UsageError("--base packs a PEFT adapter directory: drop --modelfile")
+        kwargs.pop("link", None)
+        from modelpack.cli.adapters import push_adapter_cmd
+
+        kwargs.update(artifact_format=artifact_format, compression=compression)
+        push_adapter_cmd(checkpoint_dir, destination, None, jobs, progress, as_json, kwargs)
+        return
+    kwargs.pop("base", None)
     popts = pack_options_from(kwargs, progress)
     link = kwargs.pop("link", "auto")
     topts = build_target_options(kwargs)
@@ -145,9 +162,13 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
       modelpack inspect registry.example/models/llama:v1 --json
     """
     check_reference(reference, "REFERENCE")
-    summary = api.inspect(reference, build_target_options(kwargs))
+    topts = build_target_options(kwargs)
+    summary = api.inspect(reference, topts)
+    from modelpack.cli.adapters import adapters_section, print_adapters
+
+    adapters = adapters_section(summary.manifest, reference, topts)
     if as_json:
-        emit_json(summary.to_json())
+        emit_json({**summary.to_json(), **adapters})
         return
     # every value below came from the artifact: each shown as one inert line (for_terminal)
     cfg = summary.config or {}
@@ -171,6 +192,7 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
             f"  {path:<{width}}  {for_terminal(layer.kind or layer.media_type):<14} "
             f"{human_size(layer.size):>10}  {layer.digest[:19]}…"
         )
+    print_adapters(adapters)
 
 
 @click.command("ls")

@@ -224,6 +224,19 @@ def report_pull(result: PullResult) -> None:
     help="For a container image (--format image, a KServe modelcar): write its models/ files under "
     "DEST_DIR/models/ as in the image (default: at their paths below models/, ready to load).",
 )
+@click.option(
+    "--with-adapters",
+    is_flag=True,
+    help="Also pull every LoRA adapter whose subject is this base (each verified and checked against "
+    "the policy): to DEST_DIR/adapters/NAME/, or each into its own --cache snapshot.",
+)
+@click.option(
+    "--adapter",
+    "adapter_refs",
+    multiple=True,
+    metavar="REF",
+    help="Also pull the adapter at REF (repeatable); refused unless its subject is this base.",
+)
 @target_options
 @pull_trust_options
 @jobs_option
@@ -258,7 +271,36 @@ def pull_cmd(
       modelpack pull quay.example/org/llama-modelcar:v1 ./model
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --hold 10m
+      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --with-adapters --json
     """
+    with_adapters = kwargs.pop("with_adapters", False)
+    adapter_refs = kwargs.pop("adapter_refs", ())
+    if with_adapters or adapter_refs:
+        if include or exclude or any(kwargs.get(k) for k in ("delete", "max_bytes", "keep_prefix", "hold")):
+            raise click.UsageError(
+                "--with-adapters/--adapter pull whole artifacts: drop --include/--exclude/--delete/"
+                "--max-bytes/--keep-prefix/--hold"
+            )
+        for k in ("delete", "max_bytes", "keep_prefix", "hold", "max_cache_bytes"):
+            kwargs.pop(k, None)
+        cache_dir = kwargs.pop("cache_dir", None)
+        if (dest_dir is None) == (cache_dir is None):
+            raise click.UsageError("give DEST_DIR or --cache DIR")
+        from modelpack.cli.adapters import pull_with_adapters_cmd
+
+        pull_with_adapters_cmd(
+            reference,
+            dest_dir,
+            cache_dir,
+            adapter_refs,
+            with_adapters,
+            jobs=jobs,
+            progress=progress,
+            as_json=as_json,
+            force=kwargs.pop("force", False),
+            kwargs=kwargs,
+        )
+        return
     cache_dir = kwargs.pop("cache_dir", None)
     max_cache_bytes = kwargs.pop("max_cache_bytes", None)
     hold = kwargs.pop("hold", None)

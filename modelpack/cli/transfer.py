@@ -93,6 +93,13 @@ def push_signing_key(kwargs: dict[str, Any]) -> Any:
     "uploading them (repeatable). Without it, blobs this user pushed before are mounted from "
     "where they went.",
 )
+@click.option(
+    "--base",
+    metavar="REF",
+    default=None,
+    help="SOURCE is a PEFT LoRA adapter directory: push it as an adapter of the base model REF "
+    "(same repository: @sha256:…, or a tag, resolved once and pinned); its manifest's subject is the base.",
+)
 @jobs_option
 @progress_option
 @json_option
@@ -124,7 +131,14 @@ def push_cmd(
       modelpack push ./llama-8b registry.example.com/team-b/llama:v1 --mount-from models/llama
       modelpack push ./llama-8b registry.example.com/models/llama:v1 --sign-key env:MODELPACK_SIGNING_KEY
       echo "$TOKEN" | modelpack push ./ckpt reg.example/m:v1 -u ci --password-stdin
+      modelpack push ./my-lora reg.example/models/llama:my-lora --base @sha256:… --name my-lora
     """
+    if kwargs.get("base") is not None:
+        from modelpack.cli.adapters import push_adapter_cmd
+
+        push_adapter_cmd(source, destination, chunk_size, jobs, progress, as_json, kwargs)
+        return
+    kwargs.pop("base", None)
     artifact_format = kwargs.pop("artifact_format", "artifact")
     compression = kwargs.pop("compression", None)
     mount_from = kwargs.pop("mount_from", ())

@@ -253,3 +253,11 @@ from modelpack.errors.trust import (
 from modelpack.errors.trust import (
     TagHistoryError as TagHistoryError,
 )
+from modelpack.errors.adapters import (
+    AdapterBaseMismatchError as AdapterBaseMismatchError,
+)
+from modelpack.errors.adapters import (
+    AdapterError as AdapterError,
+)
+from modelpack.errors.adapters import (
+    AdapterSubjectError as AdapterSubjectError,

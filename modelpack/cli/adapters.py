@@ -1,0 +1,157 @@
+"""The adapter parts of ``push --base``, ``pull --with-adapters/--adapter`` and ``inspect``.
+
+Skins over ``modelpack.api.adapters``; the commands that own the flags (``cli.transfer``,
+``cli.pull``, ``cli.pack``) hand over here only when an adapter flag was given, so a plain
+pull imports none of this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from modelpack.cli.options import (
+    build_target_options,
+    emit_json,
+    human_size,
+    signals_interrupt,
+    trust_policy_from,
+)
+from modelpack.terminal import for_terminal
+
+
+def push_adapter_cmd(
+    source: str,
+    destination: str,
+    chunk_size: int | None,
+    jobs: int,
+    progress: str,
+    as_json: bool,
+    kwargs: dict[str, Any],
+) -> None:
+    """``push ADAPTER_DIR REF --base BASE``."""
+    from modelpack.api.adapters import push_adapter
+    from modelpack.cli.pack_options import pack_options_from
+    from modelpack.cli.transfer import push_signing_key
+
+    base = kwargs.pop("base")
+    if kwargs.pop("artifact_format", "artifact") != "artifact" or kwargs.pop("compression", None):
+        raise click.UsageError("--base pushes a ModelPack adapter artifact: drop --format/--compression")
+    if kwargs.pop("modelfile", None):
+        raise click.UsageError("--base pushes a PEFT adapter directory: drop --modelfile")
+    if kwargs.pop("mount_from", ()):
+        raise click.UsageError("--mount-from does not apply to --base (adapters are small)")
+    popts = pack_options_from(kwargs, progress)
+    topts = build_target_options(kwargs, registry=destination)
+    if chunk_size:
+        topts.extra["chunk_size"] = chunk_size
+    key = push_signing_key(kwargs)
+    result = push_adapter(
+        source, destination, base, pack_options=popts, target_options=topts, jobs=jobs, sign_key=key
+    )
+    if as_json:
+        emit_json(result.to_json())
+        return
+    if result.base_resolved_from_tag:
+        click.echo(
+            f"--base tag {for_terminal(result.base_resolved_from_tag)} resolved to {result.base}; "
+            "the adapter is pinned to that digest",
+            err=True,
+        )
+    c = result.copy
+    click.echo(
+        f"pushed adapter {for_terminal(result.name)} of {result.base} to {for_terminal(result.reference)}: "
+        f"{c.blobs_copied} uploaded ({human_size(c.bytes_copied)}), {c.blobs_skipped} already there",
+        err=True,
+    )
+    click.echo(result.digest)
+
+
+def pull_with_adapters_cmd(
+    reference: str,
+    dest_dir: str | None,
+    cache_dir: str | None,
+    adapters: tuple[str, ...],
+    with_adapters: bool,
+    *,
+    jobs: int,
+    progress: str,
+    as_json: bool,
+    force: bool,
+    kwargs: dict[str, Any],
+) -> None:
+    """``pull BASE [DEST] [--cache DIR] --with-adapters / --adapter REF``."""
+    from modelpack.api.adapters import pull_with_adapters
+
+    if kwargs.pop("signature_path", None):
+        raise click.UsageError("--signature does not apply to pulls with adapters")
+    if kwargs.pop("allow_rollback", False):
+        raise click.UsageError("--allow-rollback does not apply to pulls with adapters")
+    kwargs.pop("trust_events", None)
+    topts = build_target_options(kwargs)
+    policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
+    cache = None
+    if cache_dir is not None:
+        from modelpack.mount.cache import NodeCache
+
+        cache = NodeCache(cache_dir)
+    with signals_interrupt():
+        result = pull_with_adapters(
+            reference,
+            dest_dir,
+            cache=cache,
+            with_adapters=with_adapters,
+            adapters=adapters,
+            policy=policy,
+            target_options=topts,
+            jobs=jobs,
+            progress=progress,
+            force=force,
+        )
+    if as_json:
+        emit_json(result.to_json())
+        return
+    for note in result.skipped:
+        click.echo(f"skipped a listed adapter: {for_terminal(note)}", err=True)
+    for a in result.adapters:
+        click.echo(f"adapter {a.name} {a.descriptor.digest} at {for_terminal(a.path)}", err=True)
+    click.echo(
+        f"pulled {result.digest} with {len(result.adapters)} adapter(s) to {for_terminal(result.path)}",
+        err=True,
+    )
+    click.echo(result.path if cache is not None else result.digest)
+
+
+def adapters_section(manifest: Any, reference: str, topts: Any) -> dict[str, Any]:
+    """``inspect``'s adapter lines: for an adapter, its name and base; for a model, its verified
+    adapters (and the listed referrers that were not, with why). Nothing for other artifacts."""
+    from modelpack.api.adapters import list_adapters
+    from modelpack.errors import ModelpackError
+    from modelpack.packing.adapter import adapter_name_of
+    from modelpack.packing.adapter_referrers import is_model_manifest
+
+    name = adapter_name_of(manifest)
+    if name is not None:
+        base = str(manifest.subject.digest) if manifest.subject is not None else None
+        return {"adapter": {"name": name, "base": base}}
+    if not is_model_manifest(manifest):
+        return {}
+    try:
+        adapters, skipped = list_adapters(reference, topts)
+    except ModelpackError as exc:  # a listing that fails must not hide the artifact itself
+        return {"adapters": [], "skippedAdapters": [f"adapters not listed: {exc}"]}
+    return {"adapters": [a.to_json() for a in adapters], "skippedAdapters": skipped}
+
+
+def print_adapters(doc: dict[str, Any]) -> None:
+    if "adapter" in doc:
+        a = doc["adapter"]
+        click.echo(f"Adapter:       {for_terminal(a['name'])} (LoRA) of base {a['base']}")
+        return
+    if doc.get("adapters"):
+        click.echo(f"Adapters:      {len(doc['adapters'])}")
+    for a in doc.get("adapters", []):
+        click.echo(f"  {for_terminal(a['name'])}  {a['digest']}  {human_size(a['totalSize'])}")
+    for note in doc.get("skippedAdapters", []):
+        click.echo(f"  skipped referrer: {for_terminal(note)}")
