@@ -43,11 +43,13 @@ from modelpack.mount.rollback import RollbackGuard, TagHistory
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords
+from modelpack.mount.variants import IndexRecords, VariantResolver
 
 from modelpack.errors import NotFoundError
 from modelpack.events import EventLog
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference
+from modelpack.oci.variant_selection import VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions
 
@@ -100,6 +102,7 @@ class NodeCache:
         self.blobs = BlobIngest(self.store, stale_after=stale_after)
         self.trust = TrustRecords(self.store, self.snapshots)
         self.tags = TagHistory(self.root, owner, locks_dir=self.store.locks_dir)
+        self.indexes = IndexRecords(self.root, owner, create=writable)
         self.max_cache_bytes = max_cache_bytes
         self.reserve_bytes = reserve_bytes
         self.stale_after = stale_after
@@ -128,7 +131,9 @@ class NodeCache:
         A digest-pinned reference is itself; a tag is what the last pull resolved it to. A bare
         ``sha256:…`` names a cached manifest directly.
         """
-        return self.refs.resolve_local(reference)
+        digest = self.refs.resolve_local(reference)
+        chosen = self.indexes.chosen_entry(str(digest))  # an index: the entry this node took
+        return Digest(chosen) if chosen else digest
 
     def is_pinned(self, digest: str) -> bool:
         return self.pins.is_pinned(digest)
@@ -161,6 +166,7 @@ class NodeCache:
         progress: str = "off",
         hold: float | None = None,
         allow_rollback: bool = False,
+        variant: VariantSelector | None = None,
     ) -> PullResult:
         """Make ``reference`` available as a verified snapshot; returns where and what it cost.
 
@@ -170,7 +176,9 @@ class NodeCache:
         snapshot from GC for that many seconds after the pull, so the process it is handed to
         finds it (``result.hold_path``; ``release_hold`` ends it early). Under a policy, a tag
         naming a version signed before the newest one accepted for it here is refused
-        (``RollbackRefused``) unless ``allow_rollback`` (``mount.rollback``).
+        (``RollbackRefused``) unless ``allow_rollback`` (``mount.rollback``). A reference to an
+        index of variants is resolved to the entry ``variant`` selects (``mount.variants``; no
+        selector: one that knows no node facts), which is then pulled as any manifest.
         """
         log = self.events if events is None else self._event_log(events)
         puller = Puller(
@@ -187,6 +195,7 @@ class NodeCache:
             progress=progress,
             hold=hold,
             rollback=RollbackGuard(self.tags, allow_rollback) if policy is not None else None,
+            variants=VariantResolver(self.indexes, self.store, self.trust, variant),
         )
         return puller.pull(
             reference, target_options, policy=policy, jobs=jobs, log=log, source=source, start_id=start_id
@@ -213,7 +222,21 @@ class NodeCache:
 
     # ------------------------------------------------------------------ listing
     def ls(self) -> list[CacheEntry]:
-        return list_entries(self.refs, self.pins, self.snapshots)
+        entries = list_entries(self.refs, self.pins, self.snapshots)
+        by_entry: dict[str, list[dict[str, Any]]] = {}
+        for rec in self.indexes.all():  # which index each snapshot was chosen from
+            for chosen in rec["taken"].values():
+                if isinstance(chosen, dict) and chosen.get("digest"):
+                    by_entry.setdefault(str(chosen["digest"]), []).append(
+                        {
+                            "index": rec["digest"],
+                            "reference": chosen.get("reference"),
+                            "variant": chosen.get("variant"),
+                        }
+                    )
+        for e in entries:
+            e.indexes = by_entry.get(e.digest, [])
+        return entries
 
     def usage(self) -> int:
         """Bytes the cache holds: blobs (hard links are not counted twice) + extracted files."""

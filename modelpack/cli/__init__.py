@@ -42,6 +42,10 @@ COMMANDS = {
         "modelpack.cli.trust:diff_cmd",
         "Compare two artifacts: config, files, and tensors of changed safetensors files.",
     ),
+    "index": LazyCommand(
+        "modelpack.cli.index:index_group",
+        "Write and show variant indexes: one reference, several layouts of a model.",
+    ),
     "inspect": LazyCommand(
         "modelpack.cli.pack:inspect_cmd",
         "Show an artifact: manifest digest, model config, layers and total size.",

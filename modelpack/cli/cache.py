@@ -93,8 +93,10 @@ def cache_pull(
     progress: str = "auto",
     hold: float | None = None,
     allow_rollback: bool = False,
+    variant: Any = None,
 ) -> PullResult:
-    """What ``modelpack pull REF --cache DIR`` does: pull into the node cache, print the snapshot."""
+    """What ``modelpack pull REF --cache DIR`` does: pull into the node cache, print the snapshot.
+    ``variant`` (a ``VariantSelector``) picks the entry when REF is an index of variants."""
     cache = open_cache(cache_dir, events, max_cache_bytes=max_cache_bytes, create=True)
     result = cache.pull(
         reference,
@@ -104,10 +106,14 @@ def cache_pull(
         progress=progress,
         hold=hold,
         allow_rollback=allow_rollback,
+        variant=variant,
     )
     if as_json:
         emit_json(result.to_json())
     else:
+        if result.variant:
+            fields = " ".join(f"{k}={v}" for k, v in result.variant["variant"].items())
+            click.echo(f"variant {for_terminal(fields)} of index {result.variant['index']}", err=True)
         held = f"; held until {_when(result.hold_until)}" if result.hold_path else ""
         click.echo(
             f"{result.state}: {result.digest} ({result.files} files, {human_size(result.bytes_total)}; "
@@ -160,6 +166,11 @@ def cache_ls(cache_dir: str | None, as_json: bool) -> None:
             f"{e.digest[:19]}…  {human_size(e.size):>10}  {e.files:>5} files  {flags:<14} "
             f"{_when(e.last_used)}  {', '.join(e.references) or e.repository}"
         )
+        for ix in e.indexes:  # the variant indexes this snapshot was chosen from
+            fields = " ".join(f"{k}={v}" for k, v in (ix.get("variant") or {}).items())
+            click.echo(
+                f"    variant of {ix['index'][:19]}… ({for_terminal(fields)}) via {for_terminal(str(ix.get('reference')))}"
+            )
     click.echo(f"{len(entries)} snapshots, {human_size(cache.usage())} in {cache.root}", err=True)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from modelpack.cli.index import selector_from, variant_options
 from modelpack.cli.options import (
     SIZE,
     build_target_options,
@@ -113,6 +114,20 @@ def after_pull(reference: str, digest: str, state: dict[str, Any], target_option
     write_directory_signature(target, desc, path, state.get("keys"))
 
 
+def resolve_variant_before_pull(
+    reference: str, kwargs: dict[str, Any], target_options: TargetOptions, selector: Any
+) -> tuple[str, dict[str, Any] | None]:
+    """An index of variants → the chosen entry, pinned (its index signature verified first under
+    --key/--policy; the entry's own signature is verified next by ``verify_before_pull``)."""
+    from modelpack.api.variants import resolve_variant
+
+    pol = trust_policy_from(tuple(kwargs.get("trust_keys", ()) or ()), kwargs.get("trust_policy"))
+    resolved = resolve_variant(reference, selector, target_options=target_options, policy=pol)
+    if resolved is None:
+        return reference, None
+    return resolved.reference, resolved.to_json()
+
+
 def pull_into_cache(
     reference: str,
     cache_dir: str,
@@ -123,6 +138,7 @@ def pull_into_cache(
     max_cache_bytes: int | None = None,
     progress: str = "auto",
     hold: str | None = None,
+    variant: Any = None,
 ) -> None:
     """``pull REF --cache DIR``: the pull command's trust flags (--key/--policy/--events) become
     the cache's policy and event log; the cache itself verifies, before publishing."""
@@ -150,6 +166,7 @@ def pull_into_cache(
         progress=progress,
         hold=hold_s,
         allow_rollback=allow_rollback,
+        variant=variant,
     )
 
 
@@ -239,6 +256,7 @@ def report_pull(result: PullResult) -> None:
 )
 @target_options
 @pull_trust_options
+@variant_options
 @jobs_option
 @progress_option
 @json_option
@@ -308,6 +326,7 @@ def pull_cmd(
     delete = kwargs.pop("delete", False)
     max_bytes = kwargs.pop("max_bytes", None)
     keep_prefix = kwargs.pop("keep_prefix", False)
+    selector = selector_from(kwargs)  # an index of variants: the entry that fits this node
     if cache_dir is not None:
         if dest_dir is not None or include or exclude:
             raise click.UsageError(
@@ -327,6 +346,7 @@ def pull_cmd(
             max_cache_bytes=max_cache_bytes,
             progress=progress,
             hold=hold,
+            variant=selector,
         )
         return
     if hold is not None:
@@ -336,6 +356,7 @@ def pull_cmd(
     from modelpack.api import transfer
 
     topts = build_target_options(kwargs)
+    reference, chosen = resolve_variant_before_pull(reference, kwargs, topts, selector)
     reference, trust = verify_before_pull(reference, kwargs, topts)
     with signals_interrupt():
         result = transfer.pull(
@@ -353,7 +374,10 @@ def pull_cmd(
         )
     after_pull(reference, result.digest, trust, topts)
     if as_json:
-        emit_json(result.to_json())
+        emit_json({**result.to_json(), **({"variant": chosen} if chosen else {})})
         return
+    if chosen:
+        fields = " ".join(f"{k}={v}" for k, v in chosen["variant"].items())
+        click.echo(f"variant {for_terminal(fields)} of index {chosen['index']}", err=True)
     report_pull(result)
     click.echo(result.digest)

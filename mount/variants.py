@@ -1,0 +1,237 @@
+"""Variant indexes in the node cache: which entry of an index this node took, kept offline.
+
+::
+
+    indexes/<hex>.json   {digest, mediaType, index: <the index's exact bytes as text>,
+                          chosen: {reference, digest, variant, at}}
+
+An index is not a snapshot: the cache keeps its bytes (checked against the digest on every
+read, and only when the cache owner wrote the record, ``mount.modes``) and which entry it chose;
+the entry itself is pulled as any manifest is, so each variant is stored once and its blobs are
+shared by digest with every other variant and model. A pinned ``REF@sha256:<index>`` pull reads
+the index from here, selects again (the same node facts give the same entry) and is a plain
+snapshot hit — no network. GC does not sweep these records (a few KiB each); an entry evicted
+since is simply a miss again.
+
+Trust: under a policy the INDEX signature is verified (or found in the trust record of an
+earlier verification, as for manifests), and then the chosen ENTRY is pulled under the same
+policy, so its own signature is verified too: an entry that only the index signature covers is
+refused (``index create --sign-key`` signs every entry for that reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
+from modelpack.mount.store import Store
+from modelpack.mount.trust import TrustRecords, load_policy
+
+from modelpack.boundedjson import loads_object
+from modelpack.errors import DocumentError, SignatureRefused
+from modelpack.events import EventLog
+from modelpack.files import atomic_write_bytes
+from modelpack.oci.descriptor import MAX_MANIFEST_BYTES, Descriptor
+from modelpack.oci.digest import Digest, verify_bytes
+from modelpack.oci.reference import Reference
+from modelpack.oci.variant_index import (
+    VariantIndex,
+    check_entry_manifest,
+    is_index_media_type,
+    parse_variant_index,
+)
+from modelpack.oci.variant_selection import Selection, VariantSelector
+from modelpack.targets.base import ReadableTarget
+from modelpack.targets.opener import TargetOptions, open_readable
+
+#: an index of 256 entries with their annotations stays far below this
+MAX_INDEX_RECORD_BYTES = 4 * 1024 * 1024 + 64 * 1024
+
+
+class IndexRecords:
+    """``indexes/``: the variant indexes this node resolved, and the entry each one chose."""
+
+    def __init__(self, cache_root: str, owner: int, *, create: bool = True) -> None:
+        self.owner = owner
+        self.dir = os.path.join(cache_root, "indexes")
+        if create:
+            ensure_dir(self.dir, DIR_MODE, owner)
+
+    def path(self, digest: str) -> str:
+        return os.path.join(self.dir, Digest(digest).hex + ".json")
+
+    def read(self, digest: str) -> dict[str, Any] | None:
+        """The record, its index bytes verified against ``digest``; None when absent or not ours."""
+        raw = read_trusted(self.path(digest), self.owner, MAX_INDEX_RECORD_BYTES)
+        if raw is None or len(raw) > MAX_INDEX_RECORD_BYTES:
+            return None
+        try:
+            doc = loads_object(raw, what=self.path(digest), max_bytes=MAX_INDEX_RECORD_BYTES)
+            body = doc["index"].encode("utf-8")
+            if doc.get("digest") != digest or Digest.from_bytes(body) != Digest(digest):
+                return None
+        except (DocumentError, KeyError, AttributeError, ValueError, UnicodeError):
+            return None
+        doc["_raw"] = body
+        return doc
+
+    def load(self, digest: str) -> VariantIndex | None:
+        doc = self.read(digest)
+        if doc is None:
+            return None
+        return parse_variant_index(doc["_raw"], str(doc.get("mediaType") or "") or None)
+
+    def save(self, index: VariantIndex, media_type: str, chosen: dict[str, Any] | None = None) -> None:
+        """Keep the index; with ``chosen`` (``{digest, reference, variant, at}``) also remember
+        that entry as taken (every entry ever taken here is listed; the last one is ``chosen``)."""
+        current = self.read(index.digest) or {}
+        taken = current.get("taken") if isinstance(current.get("taken"), dict) else {}
+        if chosen is not None:
+            taken = {**taken, chosen["digest"]: chosen}
+        doc = {
+            "digest": index.digest,
+            "mediaType": media_type,
+            "index": index.index.raw.decode("utf-8"),
+            "chosen": chosen if chosen is not None else current.get("chosen"),
+            "taken": taken,
+        }
+        atomic_write_bytes(self.path(index.digest), json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE)
+
+    def all(self) -> list[dict[str, Any]]:
+        """Every readable record (without the index bytes): digest, the last chosen entry and
+        every entry taken from it here."""
+        out: list[dict[str, Any]] = []
+        if not os.path.isdir(self.dir):
+            return out
+        for entry in os.scandir(self.dir):
+            if entry.name.endswith(".json") and len(entry.name) == 64 + len(".json"):
+                try:
+                    doc = self.read("sha256:" + entry.name[: -len(".json")])
+                except ValueError:
+                    continue
+                if doc:
+                    taken = doc.get("taken") if isinstance(doc.get("taken"), dict) else {}
+                    out.append({"digest": doc["digest"], "chosen": doc.get("chosen"), "taken": taken})
+        return out
+
+    def chosen_entry(self, digest: str) -> str | None:
+        """The entry digest this node last took from the index ``digest`` (None: not an index here)."""
+        doc = self.read(digest)
+        chosen = (doc or {}).get("chosen")
+        return str(chosen["digest"]) if isinstance(chosen, dict) and "digest" in chosen else None
+
+
+def _is_valid_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class VariantResolver:
+    """Turns an index reference into the entry to pull; ``Puller`` calls it on a non-hit."""
+
+    def __init__(
+        self, records: IndexRecords, store: Store, trust: TrustRecords, selector: VariantSelector | None
+    ) -> None:
+        self.records = records
+        self.store = store
+        self.trust = trust
+        self.selector = selector or VariantSelector()
+
+    def index_for(
+        self,
+        ref: Reference,
+        digest: Digest,
+        desc: Descriptor | None,
+        target: ReadableTarget | None,
+        target_options: TargetOptions | None,
+    ) -> tuple[VariantIndex, str, ReadableTarget | None] | None:
+        """The index ``digest`` names (from the records, offline, else fetched and verified), or
+        None when it names a plain manifest. Returns the target it opened, if any."""
+        cached = self.records.load(str(digest))
+        if cached is not None:
+            doc = self.records.read(str(digest)) or {}
+            return cached, str(doc.get("mediaType") or ""), target
+        if desc is not None and not is_index_media_type(desc.media_type):
+            return None  # a tag resolved to a manifest: no extra request
+        target = target or open_readable(ref, target_options)
+        raw, media_type = target.fetch_manifest(str(digest))
+        if len(raw) > MAX_MANIFEST_BYTES:
+            return None  # the manifest path refuses it with its own message
+        verify_bytes(raw, digest, None, what="manifest", source=target.name)
+        if not (is_index_media_type(media_type) or (_is_valid_utf8(raw) and b'"manifests"' in raw)):
+            return None
+        from modelpack.oci.descriptor import Index, parse_manifest_or_index
+
+        if not isinstance(parse_manifest_or_index(raw, media_type), Index):
+            return None
+        vi = parse_variant_index(raw, media_type)
+        self.records.save(vi, media_type)
+        return vi, media_type, target
+
+    def check_index_trust(
+        self,
+        vi: VariantIndex,
+        media_type: str,
+        ref: Reference,
+        target: ReadableTarget | None,
+        target_options: TargetOptions | None,
+        policy: Any,
+        log: EventLog,
+        ev: Callable[..., None],
+    ) -> tuple[str, ReadableTarget | None]:
+        """Under a policy the index signature must verify (or have verified here before)."""
+        if policy is None:
+            return "not-checked", target
+        policy = load_policy(policy)
+        if self.trust.trusted_locally(vi.digest, ref, policy):
+            ev("cache.signature_verified", digest=vi.digest, status="verified", cached=True, kind="index")
+            return "verified", target
+        from modelpack.signing import verify_artifact
+
+        target = target or open_readable(ref, target_options)
+        desc = Descriptor(media_type or vi.index.media_type, vi.index.digest, len(vi.index.raw))
+        try:
+            result = verify_artifact(target, ref, desc, policy, events=log)
+        except SignatureRefused as exc:
+            ev("cache.signature_refused", digest=vi.digest, reason=exc.reason, kind="index")
+            raise
+        self.trust.record(vi.digest, result)
+        ev("cache.signature_verified", digest=vi.digest, status=result.status, kind="index")
+        return str(result.status), target
+
+    def choose(
+        self,
+        vi: VariantIndex,
+        target: ReadableTarget | None,
+        ref: Reference,
+        target_options: TargetOptions | None,
+    ) -> tuple[Selection, ReadableTarget | None]:
+        """The selector's pick; its manifest must be a ModelPack manifest whose bytes hash to the
+        entry digest (fetched from the store when there, else from the target)."""
+        selection = self.selector.select(vi)
+        entry = selection.chosen
+        d = str(entry.descriptor.digest)
+        try:
+            raw = self.store.read_small(d)
+            media_type: str | None = entry.descriptor.media_type
+        except (FileNotFoundError, OSError):
+            target = target or open_readable(ref, target_options)
+            raw, media_type = target.fetch_manifest(d)
+        check_entry_manifest(entry, raw, media_type, index=vi.digest)
+        return selection, target
+
+    def record(self, vi: VariantIndex, media_type: str, reference: str, selection: Selection) -> None:
+        chosen = {
+            "reference": reference,
+            "digest": selection.digest,
+            "variant": dict(selection.chosen.fields),
+            "at": time.time(),
+        }
+        self.records.save(vi, media_type, chosen)
