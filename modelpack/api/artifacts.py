@@ -48,6 +48,7 @@ def pack(
     compression: str | None = None,
     tag: bool = True,
     mount_from: Sequence[str] = (),
+    modelfile: str | None = None,
 ) -> PackResult:
     """Pack ``checkpoint_dir`` and store it at ``destination`` (any target: layout, registry, S3).
 
@@ -58,9 +59,19 @@ def pack(
 
     ``checkpoint_dir`` may be ``s3://BUCKET/PREFIX/``: the checkpoint is then read from the bucket
     by streaming (``modelpack.packing.s3_checkpoint``), never landing on local disk.
+
+    ``checkpoint_dir`` may be ``hf://ORG/NAME[@REVISION]``: a Hugging Face repository, fetched
+    (or found) by huggingface_hub and packed from its cache's blobs (``modelpack.packing.hf_source``).
+    ``modelfile`` (modctl's Modelfile) names the files of ``checkpoint_dir`` and their layer kinds
+    (``modelpack.packing.modelfile``).
     """
     from_s3 = checkpoint_dir.startswith("s3://")
-    if not from_s3 and not os.path.isdir(checkpoint_dir):
+    from_hf = checkpoint_dir.startswith("hf://")
+    if (from_hf or from_s3) and modelfile:
+        raise PackError(f"{checkpoint_dir}: --modelfile applies to a local context directory")
+    if (from_hf or modelfile) and (format != "artifact" or compression):
+        raise PackError(f"{checkpoint_dir}: --format image is not supported with hf:// or --modelfile")
+    if not from_s3 and not from_hf and not os.path.isdir(checkpoint_dir):
         raise PackError(f"{checkpoint_dir}: not a directory")
     ref = parse_reference(destination) if isinstance(destination, str) else destination
     if ref.digest:
@@ -68,7 +79,15 @@ def pack(
     target = open_target(ref, target_options, for_write=True)
     staging_parent = ref.location if ref.scheme == "oci" else None
     options = options or PackOptions()
-    if from_s3:
+    if from_hf:
+        from modelpack.packing.hf_source import build_hf_artifact
+
+        artifact = build_hf_artifact(checkpoint_dir, options)
+    elif modelfile:
+        from modelpack.packing.modelfile import build_modelfile_artifact
+
+        artifact = build_modelfile_artifact(checkpoint_dir, modelfile, options)
+    elif from_s3:
         from modelpack.packing.s3_checkpoint import build_s3_artifact
 
         if format != "artifact" or compression:

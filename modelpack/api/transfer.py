@@ -60,6 +60,7 @@ def push(
     sign_key: PrivateKey | str | None = None,
     sign_passphrase: str | bytes | None = None,
     mount_from: Sequence[str] = (),
+    modelfile: str | None = None,
 ) -> PushResult:
     """Push a checkpoint directory (packed on the fly, uploaded straight from its files) or an
     artifact at another reference (``oci:DIR:TAG``, ``s3://…``) to ``destination``.
@@ -81,7 +82,7 @@ def push(
     key = _signing_key(sign_key, sign_passphrase)
     tag = dst.tag or "latest"
     files: int | None = None
-    if os.path.isdir(source) or _is_s3_checkpoint(source, target_options):
+    if os.path.isdir(source) or source.startswith("hf://") or _is_s3_checkpoint(source, target_options):
         opts = pack_options or PackOptions(progress=progress)
         packed = pack(
             source,
@@ -93,9 +94,12 @@ def push(
             compression=compression,
             tag=key is None,
             mount_from=mount_from,
+            modelfile=modelfile,
         )
         digest, copied, files = packed.artifact.digest, packed.copy, len(packed.artifact.files)
     else:
+        if modelfile:
+            raise PackError(f"{source}: --modelfile applies when pushing a context directory")
         _refuse_missing_directory(source)
         if format != "artifact" or compression:
             raise InvalidReferenceError(f"{source}: --format/--compression apply when pushing a directory")

@@ -22,7 +22,7 @@ from modelpack.cli.options import (
     progress_option,
     target_options,
 )
-from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
 from modelpack.terminal import for_terminal
 
 
@@ -69,6 +69,7 @@ def check_reference(text: str, param_hint: str, *, tag: bool = True) -> None:
     "else copies; reflink never hard-links (copies where it cannot clone); copy always copies.",
 )
 @pack_options
+@modelfile_option
 @format_options
 @click.option(
     "--base",
@@ -106,6 +107,10 @@ def pack_cmd(
     Hidden files (.git, .cache) are skipped; symlinks leaving the directory are refused.
     CHECKPOINT_DIR may be s3://BUCKET/PREFIX/: the objects are hashed and uploaded by streaming,
     nothing is written to local disk (--max-file-size is not supported there).
+    CHECKPOINT_DIR may be hf://ORG/NAME[@REVISION]: huggingface_hub fetches the revision into its
+    cache (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME as usual) and the files are packed from
+    the cache's blobs without a second copy; the commit goes into descriptor.revision.
+    --modelfile FILE (modctl's Modelfile) chooses the files of CHECKPOINT_DIR and their kinds.
 
     The same directory always packs to the same manifest digest (fixed file metadata, sorted
     files, no timestamp unless --created).
@@ -115,8 +120,10 @@ def pack_cmd(
       modelpack pack ./llama-8b oci:./layout:v1 --version 1.0 --max-file-size 4GiB
       modelpack pack ./llama-8b oci:./layout:v1-image --format image --compression zstd
       modelpack pack s3://bucket/checkpoints/llama-8b/ registry.example/models/llama:v1
+      modelpack pack hf://Qwen/Qwen3-0.6B@main oci:./layout:qwen3
+      modelpack pack ./gemma-2b oci:./layout:gemma --modelfile ./gemma-2b/Modelfile
     """
-    if not checkpoint_dir.startswith("s3://"):
+    if not checkpoint_dir.startswith(("s3://", "hf://")):
         check_checkpoint_dir(checkpoint_dir)
     check_reference(destination, "DESTINATION")
     if kwargs.get("base") is not None:
@@ -131,10 +138,18 @@ def pack_cmd(
     kwargs.pop("base", None)
     popts = pack_options_from(kwargs, progress)
     link = kwargs.pop("link", "auto")
+    modelfile = kwargs.pop("modelfile", None)
     topts = build_target_options(kwargs)
     topts.link = link
     result = api.pack(
-        checkpoint_dir, destination, popts, topts, jobs=jobs, format=artifact_format, compression=compression
+        checkpoint_dir,
+        destination,
+        popts,
+        topts,
+        jobs=jobs,
+        format=artifact_format,
+        compression=compression,
+        modelfile=modelfile,
     )
     if as_json:
         emit_json(result.to_json())

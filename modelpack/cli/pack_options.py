@@ -63,6 +63,20 @@ def pack_options(fn: Any) -> Any:
     return fn
 
 
+def modelfile_option(fn: Any) -> Any:
+    """``--modelfile FILE``: modctl's Modelfile names the files to pack and their layer kinds."""
+    return click.option(
+        "--modelfile",
+        "modelfile",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="modctl's Modelfile: its CONFIG/MODEL/CODE/DOC/DATASET globs (relative to the "
+        "checkpoint directory) choose the files and their layer kinds; NAME, ARCH, FAMILY, FORMAT, "
+        "PARAMSIZE, PRECISION, QUANTIZATION fill the config (flags given here win).",
+    )(fn)
+
+
 def format_options(fn: Any) -> Any:
     """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
     fn = click.option(

@@ -25,7 +25,7 @@ from modelpack.cli.options import (
     read_passphrase,
     target_options,
 )
-from modelpack.cli.pack_options import format_options, pack_options, pack_options_from
+from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import TargetOptions
 from modelpack.targets.registry.hosts import same_registry
@@ -80,6 +80,7 @@ def push_signing_key(kwargs: dict[str, Any]) -> Any:
 @click.argument("source")
 @click.argument("destination")
 @pack_options
+@modelfile_option
 @format_options
 @target_options
 @chunk_size_option
@@ -128,6 +129,7 @@ def push_cmd(
     Examples:
       modelpack push ./llama-8b registry.example.com/models/llama:v1
       modelpack push oci:./layout:v1 127.0.0.1:5000/models/llama:v1
+      modelpack push hf://Qwen/Qwen3-0.6B@main registry.example.com/models/qwen3:main
       modelpack push ./llama-8b registry.example.com/team-b/llama:v1 --mount-from models/llama
       modelpack push ./llama-8b registry.example.com/models/llama:v1 --sign-key env:MODELPACK_SIGNING_KEY
       echo "$TOKEN" | modelpack push ./ckpt reg.example/m:v1 -u ci --password-stdin
@@ -142,6 +144,7 @@ def push_cmd(
     artifact_format = kwargs.pop("artifact_format", "artifact")
     compression = kwargs.pop("compression", None)
     mount_from = kwargs.pop("mount_from", ())
+    modelfile = kwargs.pop("modelfile", None)
     popts = pack_options_from(kwargs, progress)
     topts = _with_chunk_size(build_target_options(kwargs, registry=destination), chunk_size)
     key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
@@ -156,6 +159,7 @@ def push_cmd(
         compression=compression,
         sign_key=key,
         mount_from=mount_from,
+        modelfile=modelfile,
     )
     signed = result.signed
     if as_json:

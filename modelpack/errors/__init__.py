@@ -23,7 +23,16 @@ from modelpack.errors.base import (
     InvalidReferenceError as InvalidReferenceError,
 )
 from modelpack.errors.base import (
+    HFRevisionNotFoundError as HFRevisionNotFoundError,
+)
+from modelpack.errors.base import (
+    HFSourceError as HFSourceError,
+)
+from modelpack.errors.base import (
     ManifestError as ManifestError,
+)
+from modelpack.errors.base import (
+    ModelfileError as ModelfileError,
 )
 from modelpack.errors.base import (
     ModelpackError as ModelpackError,

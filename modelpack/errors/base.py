@@ -73,6 +73,32 @@ class SafetensorsError(PackError):
         self.tensor = tensor
 
 
+class ModelfileError(PackError):
+    """A Modelfile (modctl's format) that cannot be used: too large, an unknown command, bad
+    quoting, a glob leaving the context directory. Names the file and, when known, the line (1-based)."""
+
+    def __init__(self, path: str, message: str, *, line: int | None = None) -> None:
+        super().__init__(f"{path}:{line}: {message}" if line is not None else f"{path}: {message}")
+        self.path = path
+        self.line = line
+
+
+class HFSourceError(PackError):
+    """An ``hf://ORG/NAME[@REVISION]`` source that cannot be packed: a bad repository id or revision,
+    huggingface_hub missing, or a cache entry that is not what huggingface_hub writes (a symlink out of
+    the cache's ``blobs/``). ``repo_id`` and ``revision`` name it; both are data, escaped when printed."""
+
+    def __init__(self, message: str, *, repo_id: str = "", revision: str | None = None) -> None:
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.revision = revision
+
+
+class HFRevisionNotFoundError(HFSourceError):
+    """The revision is not in the Hugging Face cache and the Hub may not be asked (``HF_HUB_OFFLINE``),
+    or the Hub does not have it."""
+
+
 class UnsafePathError(ModelpackError, ValueError):
     """A path from an untrusted manifest or checkpoint would escape its directory."""
 

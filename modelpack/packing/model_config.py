@@ -209,10 +209,12 @@ def infer_config(
         description=opts.description,
         licenses=list(opts.licenses) or None,
         createdAt=opts.created,
+        revision=opts.revision,
+        sourceURL=opts.source_url,
     )
     config = ModelConfig(
         architecture=opts.architecture or architecture_kind(hf_config),
-        format=fmt,
+        format=opts.model_format or fmt,
         paramSize=opts.param_size or (format_param_size(params) if params else None),
         precision=opts.precision or precision,
         quantization=opts.quantization or quant,

@@ -41,6 +41,11 @@ class PackOptions:
     description: str | None = None
     licenses: Sequence[str] = ()
     created: str | None = None  # RFC 3339; None keeps the artifact reproducible
+    #: ``descriptor.revision`` / ``descriptor.sourceURL`` (an ``hf://`` source records its commit and URL)
+    revision: str | None = None
+    source_url: str | None = None
+    #: ``config.format`` (a Modelfile's FORMAT); None: ``safetensors`` when every weight file is one
+    model_format: str | None = None
     max_file_size: int | None = None
     #: the mtime recorded for every file (seconds); None: ``SOURCE_DATE_EPOCH``, else the epoch
     mtime: int | None = None

@@ -1,0 +1,89 @@
+"""Pack an explicit list of files, each with the layer kind already chosen.
+
+``build_artifact`` discovers a directory's files and classifies them by name; a Modelfile names
+each file's kind itself (``MODEL``, ``CONFIG``, ``DOC``…) and a Hugging Face snapshot lists files
+whose bytes live elsewhere (the cache's ``blobs/``). Both come here with ``SelectedFile`` rows, and
+the result is the same ``PackedArtifact`` a directory pack gives: every safetensors header checked
+strictly, every file hashed (what is packed is always what was hashed), the config and manifest
+described by ``model_config.describe_model``.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from modelpack.errors import PackError
+from modelpack.packing.file_metadata import file_identity, file_mode
+from modelpack.packing.model_config import describe_model, read_json
+from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
+from modelpack.packing.packer import hash_file
+from modelpack.packing.safetensors_format import SafetensorsHeader, read_header
+from modelpack.progress import Progress
+
+
+@dataclass(frozen=True)
+class SelectedFile:
+    """One file to pack: its path in the artifact, where its bytes are, and its layer kind."""
+
+    relpath: str
+    path: str  # absolute path of the bytes (already checked by the caller to be where it may read)
+    kind: str  # weight, weight.config, doc, code, dataset
+    untested: bool = False
+    #: permission bits to record; None: the file's own (a Hugging Face blob's depend on the umask
+    #: of whoever downloaded it, so that source records 0644 to pack the same digest everywhere)
+    mode: int | None = None
+
+
+def build_selected_artifact(
+    selected: list[SelectedFile], opts: PackOptions, *, default_name: str, name: str
+) -> PackedArtifact:
+    """Validate, hash and describe ``selected`` (sorted here by path parts, as a directory pack)."""
+    if not selected:
+        raise PackError(f"{name}: no files to pack")
+    files = sorted(selected, key=lambda f: f.relpath.split("/"))
+    seen: set[str] = set()
+    for f in files:
+        if f.relpath in seen:
+            raise PackError(f"{name}: {f.relpath} is selected twice")
+        seen.add(f.relpath)
+    headers: dict[str, SafetensorsHeader] = {}
+    checked: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        if f.kind == "weight" and f.relpath.endswith(".safetensors"):
+            checked[f.relpath] = file_identity(os.stat(f.path))
+            headers[f.relpath] = read_header(f.path)
+    total = sum(os.path.getsize(f.path) for f in files)
+    jobs = opts.jobs or (os.cpu_count() or 2)
+    with Progress(total, "hash", opts.progress) as prog:
+
+        def hash_one(f: SelectedFile) -> PackedFile:
+            digest, size, st = hash_file(f.path)
+            prog.update(size)
+            identity = file_identity(st)
+            if f.relpath in checked and checked[f.relpath] != identity:
+                raise PackError(f"{f.path}: changed after its safetensors header was checked; pack again")
+            return PackedFile(
+                f.relpath,
+                f.path,
+                f.kind,
+                f.untested,
+                size,
+                digest,
+                file_mode(st.st_mode) if f.mode is None else f.mode,
+                identity=identity,
+            )
+
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(files)))) as pool:
+            packed = list(pool.map(hash_one, files))
+    hf_config = None
+    for p in packed:
+        if p.relpath == "config.json":
+            doc = read_json(p.path)
+            hf_config = doc if isinstance(doc, dict) else None
+    spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
+    return PackedArtifact(manifest, spec, config_bytes, packed, name=name)
+
+
+__all__ = ["SelectedFile", "build_selected_artifact"]

@@ -1,0 +1,347 @@
+"""``hf://ORG/NAME[@REVISION]`` sources, offline against a cache laid out as huggingface_hub lays it out.
+
+The cache is built here exactly as huggingface_hub writes it (``models--ORG--NAME/`` with
+``blobs/`` named by sha256 for LFS files and by git blob sha1 for the others, ``refs/main`` holding
+the commit, ``snapshots/<commit>/…`` relative symlinks into ``blobs/``), and
+``huggingface_hub.scan_cache_dir`` must read it without a warning before anything is packed.
+Every pack runs with ``HF_HUB_OFFLINE=1`` (CLI) or ``local_files_only=True`` (library).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from modelpack import api
+from modelpack.errors import HFRevisionNotFoundError, HFSourceError
+from modelpack.packing.hf_source import build_hf_artifact, parse_hf_url
+from tests.fixtures.registry import RegistryServer
+
+REPO = "acme-ai/tiny-llama"
+TOKEN = "hf_" + "TestTokenDoNotPrint" + "7Qx2"  # distinctive, so output can be grepped for it
+ENDPOINT = "https://hub.example.internal"
+
+
+@dataclass
+class HubCache:
+    root: Path  # HF_HUB_CACHE
+    repo: Path  # models--ORG--NAME
+    commit: str
+    files: dict[str, bytes]  # snapshot relpath → bytes
+
+    @property
+    def snapshot(self) -> Path:
+        return self.repo / "snapshots" / self.commit
+
+    def blob(self, rel: str) -> Path:
+        return (self.snapshot / rel).resolve()
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
+
+
+def _model_files(tmp: Path) -> dict[str, bytes]:
+    torch.manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(64, 16, dtype=torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(64, 16, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(tmp / "w.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "hidden_size": 16,
+    }
+    return {
+        ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        "README.md": b"# tiny llama\n",
+        "config.json": json.dumps(config, indent=2).encode(),
+        "generation_config.json": b'{"bos_token_id": 1}\n',
+        "model.safetensors": (tmp / "w.safetensors").read_bytes(),
+        "tokenizer.json": json.dumps(
+            {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0}}}
+        ).encode(),
+        "tokenizer_config.json": b'{"model_max_length": 128}\n',
+        "original/params.json": b'{"dim": 16}\n',
+    }
+
+
+def make_hub_cache(root: Path, repo_id: str = REPO, commit: str = "a" * 8 + "1" * 32) -> HubCache:
+    """A cache as ``hf_hub_download`` leaves it: blobs, refs/main, relative snapshot symlinks."""
+    org, name = repo_id.split("/")
+    repo = root / f"models--{org}--{name}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)  # huggingface_hub writes the sha, no newline
+    gen = root.parent / f"gen-{name}"
+    gen.mkdir(exist_ok=True)
+    files = _model_files(gen)
+    for rel, data in files.items():
+        blob = hashlib.sha256(data).hexdigest() if rel.endswith(".safetensors") else _git_blob_sha1(data)
+        (repo / "blobs" / blob).write_bytes(data)
+        link = repo / "snapshots" / commit / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+    return HubCache(root, repo, commit, files)
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> HubCache:
+    return make_hub_cache(tmp_path / "hf" / "hub")
+
+
+def run_cli(
+    *argv: str, hub: HubCache, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_CACHE": str(hub.root),
+            "HF_HOME": str(hub.root.parent),
+            "HF_TOKEN": TOKEN,
+            "HF_ENDPOINT": ENDPOINT,
+        }
+    )
+    env.update(extra_env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "modelpack.cli", *argv], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def _json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    return doc
+
+
+def _no_token_anywhere(*roots: Path, texts: tuple[str, ...] = ()) -> None:
+    for text in texts:
+        assert TOKEN not in text
+    for root in roots:
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                p = Path(dirpath) / n
+                if p.is_file() and not p.is_symlink():
+                    assert TOKEN.encode() not in p.read_bytes(), p
+
+
+def test_the_cache_is_laid_out_as_huggingface_hub_lays_it_out(hub: HubCache) -> None:
+    info = huggingface_hub.scan_cache_dir(hub.root)
+    assert info.warnings == []
+    (repo,) = info.repos
+    assert (repo.repo_id, repo.repo_type) == (REPO, "model")
+    (rev,) = repo.revisions
+    assert rev.commit_hash == hub.commit
+    assert rev.refs == frozenset({"main"})
+    assert {str(f.file_path.relative_to(rev.snapshot_path)) for f in rev.files} == set(hub.files)
+    # huggingface_hub itself finds the revision offline, by branch and by commit
+    for revision in ("main", hub.commit):
+        got = huggingface_hub.snapshot_download(
+            REPO, revision=revision, cache_dir=str(hub.root), local_files_only=True
+        )
+        assert Path(got) == hub.snapshot
+
+
+def test_pack_from_hf_by_default_branch_commit_and_ref_is_one_reproducible_artifact(
+    hub: HubCache, tmp_path: Path
+) -> None:
+    layout = tmp_path / "layout"
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    digests = []
+    procs = []
+    for tag, source in (
+        ("a", f"hf://{REPO}"),
+        ("b", f"hf://{REPO}@{hub.commit}"),
+        ("c", f"hf://{REPO}@main"),
+    ):
+        proc = run_cli(
+            "pack",
+            source,
+            f"oci:{layout}:{tag}",
+            "--json",
+            hub=hub,
+            extra_env={"MODELPACK_STAGING_DIR": str(staging)},
+        )
+        procs.append(proc)
+        doc = _json(proc)
+        digests.append(doc["digest"])
+        assert doc["config"]["descriptor"]["revision"] == hub.commit
+        assert doc["config"]["descriptor"]["sourceURL"] == f"{ENDPOINT}/{REPO}"
+        assert doc["config"]["descriptor"]["name"] == "tiny-llama"
+        assert doc["config"]["config"]["precision"] == "bfloat16"
+    assert len(set(digests)) == 1  # the same revision packs to the same manifest digest
+    # no second copy: nothing was staged, and each layout blob is the cache blob itself (linked)
+    assert list(staging.iterdir()) == []
+    summary = api.inspect(f"oci:{layout}:a")
+    assert {layer.path for layer in summary.layers} == set(hub.files) - {".gitattributes"}
+    for layer in summary.layers:
+        assert layer.path is not None
+        stored = layout / "blobs" / "sha256" / layer.digest[7:]
+        assert stored.read_bytes() == hub.files[layer.path]
+    # pulled back, byte for byte
+    out = tmp_path / "pulled"
+    api.pull(f"oci:{layout}:c", str(out))
+    for rel, data in hub.files.items():
+        if rel != ".gitattributes":
+            assert (out / rel).read_bytes() == data
+    _no_token_anywhere(layout, out, texts=tuple(p.stdout + p.stderr for p in procs))
+
+
+def test_pack_into_a_layout_on_the_same_filesystem_links_the_blobs_not_copies(
+    hub: HubCache, tmp_path: Path
+) -> None:
+    layout = tmp_path / "layout"
+    before = {rel: hub.blob(rel).stat().st_nlink for rel in hub.files}
+    _json(run_cli("pack", f"hf://{REPO}", f"oci:{layout}:v1", "--json", "--link", "auto", hub=hub))
+    weights = hub.blob("model.safetensors")
+    stored = layout / "blobs" / "sha256" / hashlib.sha256(hub.files["model.safetensors"]).hexdigest()
+    st_cache, st_layout = weights.stat(), stored.stat()
+    # auto: a reflink (same bytes, shared extents, a new inode) where the filesystem can, else a hard link
+    if st_cache.st_ino == st_layout.st_ino:
+        assert st_cache.st_nlink == before["model.safetensors"] + 1
+    else:
+        pytest.fail("the layout blob is not the cache blob (ext4 here: a hard link is expected)")
+
+
+def test_push_from_hf_to_a_registry_and_pull_back(
+    hub: HubCache, registry: RegistryServer, tmp_path: Path
+) -> None:
+    ref = registry.ref("hf/tiny-llama", "main")
+    proc = run_cli("push", f"hf://{REPO}@main", ref, "--json", hub=hub)
+    doc = _json(proc)
+    again = _json(run_cli("pack", f"hf://{REPO}@{hub.commit}", f"oci:{tmp_path / 'l'}:x", "--json", hub=hub))
+    assert again["digest"] == doc["digest"]
+    summary = api.inspect(ref)
+    assert summary.digest == doc["digest"]
+    assert summary.config is not None
+    assert summary.config["descriptor"]["revision"] == hub.commit
+    out = tmp_path / "pulled"
+    api.pull(ref, str(out))
+    for rel, data in hub.files.items():
+        if rel != ".gitattributes":
+            assert (out / rel).read_bytes() == data
+    _no_token_anywhere(out, texts=(proc.stdout, proc.stderr))
+
+
+def test_a_revision_missing_offline_is_a_typed_error_naming_repo_and_revision(hub: HubCache) -> None:
+    with pytest.raises(HFRevisionNotFoundError) as err:
+        build_hf_artifact(f"hf://{REPO}@v9.9", cache_dir=str(hub.root), local_files_only=True)
+    assert err.value.repo_id == REPO and err.value.revision == "v9.9"
+    assert REPO in str(err.value) and "v9.9" in str(err.value)
+    missing = "b" * 40
+    with pytest.raises(HFRevisionNotFoundError, match=missing):
+        build_hf_artifact(f"hf://{REPO}@{missing}", cache_dir=str(hub.root), local_files_only=True)
+    proc = run_cli("pack", f"hf://{REPO}@release/2026", "oci:/nonexistent-x:v1", hub=hub)
+    assert proc.returncode == 1
+    assert "acme-ai/tiny-llama" in proc.stderr and "release/2026" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    _no_token_anywhere(texts=(proc.stdout, proc.stderr))
+
+
+def test_a_revision_is_data_escaped_when_printed_and_never_a_path(hub: HubCache) -> None:
+    proc = run_cli("pack", f"hf://{REPO}@v1\x1b[2J", "oci:/nonexistent-x:v1", hub=hub)
+    assert proc.returncode != 0
+    assert "\x1b" not in proc.stderr and "\\x1b" in proc.stderr
+    for bad in ("../../../../etc", "/etc/passwd", "a/../b", ""):
+        with pytest.raises(HFSourceError, match="revision"):
+            parse_hf_url(f"hf://{REPO}@{bad}")
+    for bad_repo in ("hf://tiny", "hf://a/b/c", "hf://a--b/c", "hf://a/..b", "hf://../x"):
+        with pytest.raises(HFSourceError, match="repository id"):
+            parse_hf_url(bad_repo)
+
+
+def test_a_snapshot_symlink_leaving_the_blobs_is_refused_naming_it(hub: HubCache, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a model file")
+    link = hub.snapshot / "README.md"
+    link.unlink()
+    link.symlink_to(os.path.relpath(secret, link.parent))
+    with pytest.raises(HFSourceError, match=r"README\.md.*outside the repository's blobs"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    # a link into another repository's blobs is outside this one's, too
+    other = make_hub_cache(hub.root, "acme-ai/other")
+    link.unlink()
+    link.symlink_to(other.blob("README.md"))
+    with pytest.raises(HFSourceError, match=r"README\.md"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+
+
+def test_a_ref_file_pointing_out_of_the_snapshots_is_refused(hub: HubCache, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    (hub.repo / "refs" / "main").write_text(os.path.relpath(elsewhere, hub.repo / "snapshots"))
+    with pytest.raises(HFSourceError, match="not a snapshot directory"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+
+
+def test_hostile_names_and_links_in_the_snapshot_are_refused(hub: HubCache, tmp_path: Path) -> None:
+    blob = os.path.relpath(hub.blob("README.md"), hub.snapshot)
+    # a name with a control character (a terminal escape)
+    evil = hub.snapshot / "read\x1bme.md"
+    evil.symlink_to(blob)
+    with pytest.raises(HFSourceError, match="control character"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    evil.unlink()
+    # a backslash name that another system would read as ..\..\x
+    evil = hub.snapshot / "a\\..\\..\\x.md"
+    evil.symlink_to(blob)
+    with pytest.raises(HFSourceError, match="backslash"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    evil.unlink()
+    # a symlinked directory (a traversal out of the snapshot)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.md").write_text("x")
+    (hub.snapshot / "sub").symlink_to(outside)
+    with pytest.raises(HFSourceError, match="symlinked directory"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    (hub.snapshot / "sub").unlink()
+    # a link that walks through blobs/ and out again
+    link = hub.snapshot / "config.json"
+    link.unlink()
+    link.symlink_to("../../blobs/../../../outside/x.md")
+    with pytest.raises(HFSourceError, match=r"config\.json.*outside"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+
+
+def test_an_lfs_blob_whose_bytes_do_not_hash_to_its_name_is_refused(hub: HubCache) -> None:
+    blob = hub.blob("model.safetensors")
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF  # still a valid safetensors file, other bytes
+    blob.write_bytes(bytes(data))
+    with pytest.raises(HFSourceError, match="corrupted or forged"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+
+
+def test_without_huggingface_hub_the_error_names_the_extra(hub: HubCache) -> None:
+    code = (
+        "import sys; sys.modules['huggingface_hub'] = None\n"
+        "from modelpack.errors import HFSourceError\n"
+        "from modelpack.packing.hf_source import build_hf_artifact\n"
+        "try:\n"
+        f"    build_hf_artifact('hf://{REPO}', cache_dir={str(hub.root)!r}, local_files_only=True)\n"
+        "except HFSourceError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "modelpack-oci[hf]" in proc.stdout
