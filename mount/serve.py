@@ -26,6 +26,10 @@ headers), paths of more than 2 KiB refused, every socket read and write times ou
 ``io_timeout`` seconds (a peer that stops reading frees its slot). Optional TLS (certificate and
 key; the handshake runs on the connection's thread, bounded by the same timeout) and bearer token
 (compared in constant time; ``401`` with a ``WWW-Authenticate`` challenge otherwise).
+
+With ``fill`` (``cache serve --fill REF@DIGEST``, ``mount/serve_fill.py``) a miss for a blob of a
+pinned manifest is fetched once from that manifest's registry, verified and committed, then
+served: the one write, bounded by what the operator pinned, never by the request.
 """
 
 from __future__ import annotations
