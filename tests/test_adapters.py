@@ -303,6 +303,15 @@ def test_cli_push_base_pull_with_adapters_inspect(tmp_path: Path, repo: str) -> 
     assert [a["name"] for a in json.loads(out.stdout)["adapters"]] == ["cli-lora"]
     out = runner.invoke(main, ["inspect", f"{repo}:cli"])
     assert out.exit_code == 0 and f"of base {base_digest}" in out.stdout, out.output
+    out = runner.invoke(main, ["audit", repo, "--json"])
+    assert out.exit_code == 0, out.output
+    versions = {v["tags"][0]: v for v in json.loads(out.stdout)["repositories"][0]["versions"]}
+    assert [a["name"] for a in versions["base"]["adapters"]] == ["cli-lora"] and versions["base"][
+        "adapter"
+    ] is None
+    assert versions["cli"]["adapter"] == {"name": "cli-lora", "base": base_digest}
+    table = runner.invoke(main, ["audit", repo]).output
+    assert "+adapters:cli-lora" in table and f"(adapter of {base_digest[:19]})" in table, table
     dest = tmp_path / "dest"
     out = runner.invoke(main, ["pull", base_ref, str(dest), "--with-adapters", "--json"])
     assert out.exit_code == 0, out.output

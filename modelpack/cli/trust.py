@@ -246,6 +246,14 @@ def verify_cmd(
         click.echo(f"  {directory}: {doc['directory']['files']} files match the signed list")
 
 
+def _adapter_cell(v: dict[str, Any]) -> str:
+    """The MODEL column's adapter part: an adapter's base, or a base's adapter names (adapter
+    names are checked safe: letters, digits, ``._-``)."""
+    if v.get("adapter"):
+        return f"(adapter of {str(v['adapter']['base'])[:19]})"
+    return ("+adapters:" + ",".join(a["name"] for a in v["adapters"])) if v.get("adapters") else ""
+
+
 def _audit_rows(repo_doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for v in repo_doc["versions"]:
@@ -263,7 +271,14 @@ def _audit_rows(repo_doc: dict[str, Any]) -> list[list[str]]:
                 str(v["layerCount"]),
                 v["created"] or "-",
                 " ".join(
-                    str(x) for x in (model.get("name"), model.get("version"), model.get("precision")) if x
+                    str(x)
+                    for x in (
+                        model.get("name"),
+                        model.get("version"),
+                        model.get("precision"),
+                        _adapter_cell(v),
+                    )
+                    if x
                 )
                 or "-",
                 sig["status"] + (f"({keys})" if keys else ""),

@@ -64,6 +64,9 @@ class VersionAudit:
     signed_at: float | None = None  # newest signing time of a verified signature (0: untimed)
     referrers: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    #: an adapter's name and base (``dev.modelpack.adapter``), or a base's verified adapters
+    adapter: dict[str, str | None] | None = None
+    adapters: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,6 +86,8 @@ class VersionAudit:
             },
             "referrers": dict(sorted(self.referrers.items())),
             "error": self.error,
+            "adapter": self.adapter,
+            "adapters": list(self.adapters),
         }
 
 
@@ -171,6 +176,8 @@ def audit_version(
         else:
             v.total_size = sum(m.size for m in parsed.manifests)
             v.layer_count = len(parsed.manifests)
+        if isinstance(parsed, Manifest):
+            _adapters(target, desc, parsed, v)
         v.signature, v.key_ids, v.signature_reasons = _signature_status(target, desc, keys, v)
         for r in target.referrers(Descriptor(desc.media_type, desc.digest, desc.size)):
             at = r.artifact_type or "unknown"
@@ -178,6 +185,18 @@ def audit_version(
     except (ModelpackError, ValueError, OSError) as exc:
         v.error = str(exc)
     return v
+
+
+def _adapters(target: ReadableTarget, desc: Descriptor, manifest: Manifest, v: VersionAudit) -> None:
+    """What an adapter is for, or which verified adapters a model has (``packing.adapter_referrers``)."""
+    from modelpack.packing.adapter import adapter_name_of
+    from modelpack.packing.adapter_referrers import find_adapters, is_model_manifest
+
+    name = adapter_name_of(manifest)
+    if name is not None:
+        v.adapter = {"name": name, "base": str(manifest.subject.digest) if manifest.subject else None}
+    elif is_model_manifest(manifest):
+        v.adapters = [a.to_json() for a in find_adapters(target, desc).adapters]
 
 
 def load_since(path: str) -> dict[str, str]:
