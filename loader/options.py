@@ -37,6 +37,9 @@ class LoaderOptions:
     # a torch.distributed process group of exactly the TP ranks (group rank = TP rank): the ranks
     # share chunk-verified reads, each chunk read by one rank and broadcast (shared_read.py)
     group: Any = None
+    # an index of variants: which entry to load (a modelpack.oci.variant_selection.VariantSelector
+    # built from the node's device arch, TP size, engine and --variant; loader/variant_source.py)
+    variant: Any = None
 
     @property
     def local_workers(self) -> int:

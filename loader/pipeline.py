@@ -113,6 +113,7 @@ def prepare(
             check_sources(opts.group, src, tp_size, tp_rank)
         # plan order (the plan sorts files by path): the chunk budget goes to the files read first
         for i, f in enumerate(sorted(src.files, key=lambda f: f.relpath)):
+        variant=opts.variant,
             reader = f.open()
             readers[f.relpath] = reader
             if f.size >= 0 and reader.size != f.size:

@@ -33,8 +33,10 @@ def resolve_source(
     allow_unverified: bool = False,
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
+    variant: Any = None,
 ) -> ResolvedSource:
-    """Turn any accepted ``source`` into files with a verification mode (see the module doc)."""
+    """Turn any accepted ``source`` into files with a verification mode (see the module doc).
+    ``variant`` selects the entry when a reference pins an index of variants."""
     if isinstance(source, tuple) and len(source) == 2:
         first, ref = source
         if hasattr(first, "open_snapshot"):
@@ -50,6 +52,7 @@ def resolve_source(
                 trusted_keys=trusted_keys,
                 allow_missing_chunk_table=allow_missing_chunk_table,
                 direct=direct,
+                variant=variant,
             )
         raise SourceError(f"unsupported source pair ({type(first).__name__}, …)")
     if isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.isdir(source)):
@@ -79,6 +82,7 @@ def resolve_source(
             trusted_keys=trusted_keys,
             allow_missing_chunk_table=allow_missing_chunk_table,
             direct=direct,
+            variant=variant,
         )
     raise SourceError(f"unsupported load source {type(source).__name__}")
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from modelpack.loader.readers import RangeReader, TargetReader
+from modelpack.loader.variant_source import is_index_document, select_entry
 from modelpack.loader.weight_files import (
     ResolvedSource,
     WeightFile,
@@ -49,6 +50,7 @@ def open_target_source(
     trusted_keys: Sequence[Any] | None = None,
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
+    variant: Any = None,
 ) -> ResolvedSource:
     """A manifest pinned by digest in any Target; blobs read by ranges and verified.
 
@@ -82,6 +84,12 @@ def open_target_source(
     desc = target.resolve(pinned)
     raw, media_type = target.fetch_manifest(pinned)
     verify_bytes(raw, pinned, None, what="manifest", source=pinned_ref)
+    if is_index_document(raw, media_type):  # an index of variants: the entry that fits
+        pinned, raw, media_type, _ = select_entry(
+            target, pinned, raw, media_type, variant, trusted_keys, pinned_ref
+        )
+        pinned_ref = f"{target.name}@{pinned}"
+        desc = target.resolve(pinned)
     try:
         manifest = Manifest.parse(raw, media_type=media_type)
     except ManifestError as exc:

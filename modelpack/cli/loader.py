@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from modelpack.cli.index import selector_from, variant_options
 from modelpack.cli.options import (
     build_target_options,
     emit_json,
@@ -115,6 +116,7 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
     help="A dimension --tp-size does not divide: refuse, or split it like torch.chunk.",
 )
 @click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
+@variant_options(with_tp_size=False)
 @target_options
 @progress_option
 @json_option
@@ -163,6 +165,8 @@ def load_cmd(
 
         keys = [load_public_key(k) for k in trusted_keys]
     stats = LoadStats()
+    # SOURCE pinning an index of variants: the entry for this device, TP size and --variant
+    selector = selector_from(kwargs, tp_size=tp_size, device=device)
     opts = build_target_options(kwargs)
     src, streamed = _streamed_source(source, opts, events)
     sd = load_state_dict(
@@ -178,7 +182,10 @@ def load_cmd(
         allow_unverified=allow_unverified,
         target_options=opts,
         options=LoaderOptions(
-            direct_io=direct_io, uneven=uneven, allow_missing_chunk_table=allow_missing_chunk_table
+            direct_io=direct_io,
+            uneven=uneven,
+            allow_missing_chunk_table=allow_missing_chunk_table,
+            variant=selector,
         ),
         progress=progress,
         stats=stats,
