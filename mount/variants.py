@@ -13,6 +13,9 @@ the index from here, selects again (the same node facts give the same entry) and
 snapshot hit — no network. GC does not sweep these records (a few KiB each); an entry evicted
 since is simply a miss again.
 
+``resolve_variant`` is the same selection for callers that do not use the cache (``pull`` into a
+directory, the KServe initializer without a node cache): the chosen entry, pinned by digest.
+
 Trust: under a policy the INDEX signature is verified (or found in the trust record of an
 earlier verification, as for manifests), and then the chosen ENTRY is pulled under the same
 policy, so its own signature is verified too: an entry that only the index signature covers is
@@ -25,6 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
@@ -35,14 +39,15 @@ from modelpack.boundedjson import loads_object
 from modelpack.errors import DocumentError, SignatureRefused
 from modelpack.events import EventLog
 from modelpack.files import atomic_write_bytes
-from modelpack.oci.descriptor import MAX_MANIFEST_BYTES, Descriptor
+from modelpack.oci.descriptor import MAX_MANIFEST_BYTES, Descriptor, Index, parse_manifest_or_index
 from modelpack.oci.digest import Digest, verify_bytes
-from modelpack.oci.reference import Reference
+from modelpack.oci.reference import Reference, parse_reference
 from modelpack.oci.variant_index import (
     VariantIndex,
     check_entry_manifest,
     is_index_media_type,
     parse_variant_index,
+    variant_index,
 )
 from modelpack.oci.variant_selection import Selection, VariantSelector
 from modelpack.targets.base import ReadableTarget
@@ -167,8 +172,6 @@ class VariantResolver:
         verify_bytes(raw, digest, None, what="manifest", source=target.name)
         if not (is_index_media_type(media_type) or (_is_valid_utf8(raw) and b'"manifests"' in raw)):
             return None
-        from modelpack.oci.descriptor import Index, parse_manifest_or_index
-
         if not isinstance(parse_manifest_or_index(raw, media_type), Index):
             return None
         vi = parse_variant_index(raw, media_type)
@@ -235,3 +238,62 @@ class VariantResolver:
             "at": time.time(),
         }
         self.records.save(vi, media_type, chosen)
+
+
+@dataclass
+class ResolvedVariant:
+    """An index reference resolved: the entry to use, pinned, and why (``selection``)."""
+
+    reference: str  # the entry, digest-pinned in the index's repository
+    selection: Selection
+    index_signature: str = "not-checked"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.selection.to_json(),
+            "reference": self.reference,
+            "index_signature": self.index_signature,
+        }
+
+
+def resolve_variant(
+    reference: str | Reference,
+    selector: VariantSelector | None = None,
+    *,
+    target_options: TargetOptions | None = None,
+    policy: Any = None,
+    events: Any = None,
+    target: ReadableTarget | None = None,
+) -> ResolvedVariant | None:
+    """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by
+    digest (None: a plain manifest, use ``reference`` as it is). Under ``policy`` the index
+    signature is verified here; the caller verifies the entry's own signature as for any model
+    (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
+    digest and must be a ModelPack manifest whose bytes hash to the entry digest."""
+    import dataclasses
+
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    target = target if target is not None else open_readable(ref, target_options)
+    desc = target.resolve(ref.identifier)
+    if not is_index_media_type(desc.media_type) and not ref.digest:
+        return None
+    raw, media_type = target.fetch_manifest(str(desc.digest))
+    verify_bytes(raw, desc.digest, None, what="manifest", source=target.name)
+    parsed = parse_manifest_or_index(raw, media_type)
+    if not isinstance(parsed, Index):
+        return None
+    vi = variant_index(parsed)
+    signature = "not-checked"
+    if policy is not None:
+        from modelpack.signing import verify_artifact
+
+        result = verify_artifact(
+            target, ref, Descriptor(parsed.media_type, parsed.digest, len(raw)), policy, events=events
+        )
+        signature = str(result.status)
+    selection = (selector or VariantSelector()).select(vi)
+    entry = selection.chosen
+    entry_raw, entry_type = target.fetch_manifest(str(entry.descriptor.digest))
+    check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
+    pinned = dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest)
+    return ResolvedVariant(str(pinned), selection, signature)

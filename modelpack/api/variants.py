@@ -30,6 +30,7 @@ from modelpack.mediatypes.variants import (
     normalize_precision,
     variant_fields,
 )
+from modelpack.mount.variants import ResolvedVariant, resolve_variant
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
@@ -42,7 +43,7 @@ from modelpack.oci.variant_index import (
     is_index_media_type,
     variant_index,
 )
-from modelpack.oci.variant_selection import Selection, VariantSelector, parse_variant_options
+from modelpack.oci.variant_selection import parse_variant_options
 from modelpack.targets.base import ReadableTarget, Target
 from modelpack.targets.fetch import fetch_config
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
@@ -191,64 +192,6 @@ def inspect_index(
     """The variants at ``reference`` (None: a plain manifest), for ``inspect``."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     return read_index(open_readable(ref, target_options), ref.identifier)
-
-
-@dataclass
-class ResolvedVariant:
-    """An index reference resolved: the entry to use, pinned, and why (``selection``)."""
-
-    reference: str  # the entry, digest-pinned in the index's repository
-    selection: Selection
-    index_signature: str = "not-checked"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.selection.to_json(),
-            "reference": self.reference,
-            "index_signature": self.index_signature,
-        }
-
-
-def resolve_variant(
-    reference: str | Reference,
-    selector: VariantSelector | None = None,
-    *,
-    target_options: TargetOptions | None = None,
-    policy: Any = None,
-    events: Any = None,
-) -> ResolvedVariant | None:
-    """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by
-    digest (None: a plain manifest, use ``reference`` as it is). Under ``policy`` the index
-    signature is verified here; the caller verifies the entry's own signature as for any model
-    (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
-    digest and must be a ModelPack manifest whose bytes hash to the entry digest."""
-    import dataclasses
-
-    ref = parse_reference(reference) if isinstance(reference, str) else reference
-    target = open_readable(ref, target_options)
-    desc = target.resolve(ref.identifier)
-    if not is_index_media_type(desc.media_type) and not ref.digest:
-        return None
-    raw, media_type = target.fetch_manifest(str(desc.digest))
-    verify_bytes(raw, desc.digest, None, what="manifest", source=target.name)
-    parsed = parse_manifest_or_index(raw, media_type)
-    if not isinstance(parsed, Index):
-        return None
-    vi = variant_index(parsed)
-    signature = "not-checked"
-    if policy is not None:
-        from modelpack.signing import verify_artifact
-
-        result = verify_artifact(
-            target, ref, Descriptor(parsed.media_type, parsed.digest, len(raw)), policy, events=events
-        )
-        signature = str(result.status)
-    selection = (selector or VariantSelector()).select(vi)
-    entry = selection.chosen
-    entry_raw, entry_type = target.fetch_manifest(str(entry.descriptor.digest))
-    check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
-    pinned = dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest)
-    return ResolvedVariant(str(pinned), selection, signature)
 
 
 def _current_index(dst: Target, ref: Reference) -> VariantIndex | None:

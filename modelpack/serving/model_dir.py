@@ -207,12 +207,26 @@ def _source_files(settings: ServingSettings) -> tuple[str, list[ListedFile]]:
     pinned = settings.pinned_digest
     assert pinned is not None
     target = open_readable(ref, TargetOptions(plain_http=settings.plain_http, ca_file=settings.ca_file))
-    manifest, _ = fetch_manifest(target, pinned)
+    policy = None
     if settings.policy:
         from modelpack.signing.policy import TrustPolicy
+
+        policy = TrustPolicy.load(settings.policy)
+    # a pin naming an index of variants: the entry for this node (vLLM's TP size is not known
+    # yet here: $MODELPACK_TP_SIZE, else 1; the loader checks again with vLLM's own)
+    from modelpack.mount.variants import resolve_variant
+    from modelpack.serving.variant_settings import selector_from_environ
+
+    chosen = resolve_variant(
+        ref.with_digest(pinned), selector_from_environ(engine="vllm"), policy=policy, target=target
+    )
+    if chosen is not None:
+        pinned = chosen.reference.rsplit("@", 1)[1]
+    manifest, _ = fetch_manifest(target, pinned)
+    if policy is not None:
         from modelpack.signing.verify import verify_artifact
 
-        verify_artifact(target, ref, target.resolve(pinned), TrustPolicy.load(settings.policy))
+        verify_artifact(target, ref, target.resolve(pinned), policy)
     return str(ref.with_digest(pinned)), manifest_files(manifest)
 
 

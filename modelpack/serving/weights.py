@@ -23,11 +23,13 @@ import torch
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan
+from modelpack.mount.variants import resolve_variant
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
 from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
 from modelpack.serving.settings import ServingSettings
 from modelpack.serving.shard_rules import vllm_shard_rules
+from modelpack.serving.variant_settings import selector_from_environ
 
 
 @dataclass
@@ -49,6 +51,8 @@ class RankLoad:
     # the engine's TP process group (vLLM's gloo cpu_group): ranks share chunk-verified reads
     group: Any = None
     _keys: list[Any] = field(default_factory=list)
+    # a source pinning an index of variants: the selector the loader picks the entry with
+    variant: Any = None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint-named, checkpoint-shaped CPU tensors; only this rank's slices hold data."""
@@ -73,7 +77,7 @@ class RankLoad:
             on_plan=on_plan,
             # store blobs trusted by inode go to vLLM as views of the mapped file (one copy: vLLM's);
             # the TP ranks share chunk-verified reads over the engine's group
-            options=LoaderOptions(views="full", group=self.group),
+            options=LoaderOptions(views="full", group=self.group, variant=self.variant),
         )
         yield from iter_full_shape(self.source, request)
 
@@ -200,7 +204,9 @@ def _resolve(
         if settings.trust == "snapshot":
             check_snapshot_dir(model_dir, settings)  # again here: vllm_plugin checked it first
     else:
-        source, state = _remote_source(settings, model_dir, keys, events, target_factory)
+        # vLLM's own TP size and name select among variants ($MODELPACK_VARIANT, _ACCELERATOR)
+        selector = selector_from_environ(tp_size=tp_size, engine="vllm")
+        source, state = _remote_source(settings, model_dir, keys, events, target_factory, selector)
     return RankLoad(
         settings,
         model_dir,
@@ -213,6 +219,7 @@ def _resolve(
         rules,
         reason,
         _keys=keys,
+        variant=selector if settings.source is not None else None,
     )
 
 
@@ -222,8 +229,12 @@ def _remote_source(
     keys: list[Any],
     events: EventLog,
     target_factory: Callable[[Any, Any], Any] | None,
+    selector: Any = None,
 ) -> tuple[Any, str]:
-    """(``(target, digest)`` for the loader, state): policy checked, model directory matched."""
+    """(``(target, digest)`` for the loader, state): policy checked, model directory matched.
+    A pin naming an index of variants: the index (policy: its signature) and the entry
+    ``selector`` picks, whose manifest the model directory must match; the loader selects the
+    same entry from the same pin (``LoaderOptions.variant``)."""
     from modelpack.errors import ExpectedDigestError
     from modelpack.targets.fetch import fetch_manifest
     from modelpack.targets.opener import TargetOptions, open_readable
@@ -236,16 +247,25 @@ def _remote_source(
         raise ExpectedDigestError(pinned, str(ref.digest), source=settings.source)
     options = TargetOptions(plain_http=settings.plain_http, ca_file=settings.ca_file)
     target = (target_factory or open_readable)(ref, options)
-    manifest, digest = fetch_manifest(target, pinned)
-    if digest != pinned:  # pragma: no cover - fetch_manifest resolves by the pin itself
-        raise ExpectedDigestError(pinned, digest, source=settings.source)
+    policy = None
     if settings.policy:
         from modelpack.signing.policy import TrustPolicy
+
+        policy = TrustPolicy.load(settings.policy)
+    chosen = resolve_variant(ref.with_digest(pinned), selector, policy=policy, events=events, target=target)
+    entry = chosen.reference.rsplit("@", 1)[1] if chosen is not None else pinned
+    if chosen is not None:
+        events.emit("serving.variant_selected", **chosen.to_json())
+    manifest, digest = fetch_manifest(target, entry)
+    pinned_entry = entry
+    if digest != pinned_entry:  # pragma: no cover - fetch_manifest resolves by the pin itself
+        raise ExpectedDigestError(pinned_entry, digest, source=settings.source)
+    if policy is not None:
         from modelpack.signing.verify import verify_artifact
 
-        verify_artifact(target, ref, target.resolve(pinned), TrustPolicy.load(settings.policy), events=events)
+        verify_artifact(target, ref, target.resolve(pinned_entry), policy, events=events)
     check_model_dir(
-        model_dir, manifest, where=str(ref.with_digest(pinned)), allow_extra=settings.allow_extra_files
+        model_dir, manifest, where=str(ref.with_digest(pinned_entry)), allow_extra=settings.allow_extra_files
     )
     # a tag named beside the pin is handed on: the loader refuses it if it moved off the pin
     return (target, ref.tag if ref.tag and not ref.digest else pinned), "streamed"

@@ -29,10 +29,12 @@ from typing import Any
 from modelpack.errors import ModelpackError, StorageInitializerError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.mount.cache import NodeCache
+from modelpack.mount.variants import resolve_variant
 from modelpack.serving.kserve.placement import DIR_MODE, place_snapshot
 from modelpack.serving.kserve.progress_lines import CountingTarget, ProgressLines, human_size
 from modelpack.serving.kserve.settings import InitializerSettings
 from modelpack.serving.kserve.uri import StorageUri, parse_storage_uri
+from modelpack.serving.variant_settings import selector_from_environ
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.materialize import pull_to_directory
 
@@ -95,6 +97,8 @@ class StorageInitializer:
             plain_http=settings.plain_http, ca_file=settings.ca_file, timeout=timeout, retry_for=retry_for
         )
         self.policy: Any = _load_policy(settings)
+        # an index of variants: the entry for this node ($MODELPACK_VARIANT, _TP_SIZE, _ENGINE, _ACCELERATOR)
+        self.variant = selector_from_environ()
         self.cache = (
             NodeCache(settings.cache_dir, events=settings.events_path) if settings.cache_dir else None
         )
@@ -149,6 +153,7 @@ class StorageInitializer:
             policy=self.policy,
             jobs=self.settings.jobs,
             source=target,
+            variant=self.variant,
         )
         with self.cache.open_snapshot(str(pulled.digest)) as snapshot:
             placement = place_snapshot(snapshot, dest, link=self.settings.link)
@@ -165,6 +170,12 @@ class StorageInitializer:
 
     def _direct(self, uri: StorageUri, dest: str, target: CountingTarget, t0: float) -> PairResult:
         identifier = uri.reference.identifier
+        chosen = resolve_variant(
+            uri.reference, self.variant, policy=self.policy, events=self.events, target=target
+        )
+        if chosen is not None:  # an index: its signature checked (policy), now the entry's
+            identifier = chosen.reference.rsplit("@", 1)[1]
+            self.say(f"{uri.text}: variant {_fields(chosen.selection.chosen.fields)} ({identifier})")
         if self.policy is not None:
             from modelpack.signing.verify import verify_artifact
 
@@ -191,6 +202,10 @@ class StorageInitializer:
             {"files": len(pulled.files), "present": pulled.present},
             time.monotonic() - t0,
         )
+
+
+def _fields(fields: Any) -> str:
+    return " ".join(f"{k}={v}" for k, v in fields.items()) or "(no variant fields)"
 
 
 def _load_policy(settings: InitializerSettings) -> Any:
