@@ -16,6 +16,7 @@ index at REF (creating the index), replacing the entry with the same variant fie
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -163,7 +164,8 @@ def push_variant(
         packed = pack(
             source, dst_ref, pack_options or PackOptions(progress=progress), topts, jobs=jobs, tag=False
         )
-        source = str(dst_ref.with_digest(str(packed.artifact.digest)))
+        # digest only: "oci:DIR:tag@sha256:…" would not parse back to the same layout directory
+        source = str(dataclasses.replace(dst_ref, tag=None, digest=packed.artifact.digest))
     manifest = _bring_variant(source, dst, topts, jobs, progress)
     new = entry_descriptor(manifest, _entry_fields(dst, manifest, overrides))
     new_fields = variant_fields(new.annotations)
@@ -237,7 +239,10 @@ def _store_index(dst: Target, ref: Reference, built: VariantIndex, key: PrivateK
                 result.signed[str(e.descriptor.digest)] = "already signed"
                 continue
             sign_artifact(
-                dst, e.descriptor.reference_only(), key, reference=ref.with_digest(str(e.descriptor.digest))
+                dst,
+                e.descriptor.reference_only(),
+                key,
+                reference=dataclasses.replace(ref, tag=None, digest=e.descriptor.digest),
             )
             result.signed[str(e.descriptor.digest)] = "signed"
         index_desc = Descriptor(MEDIA_TYPE_OCI_INDEX, desc.digest, len(raw))

@@ -23,6 +23,7 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
+from modelpack.errors import ManifestError
 from modelpack.terminal import for_terminal
 
 
@@ -178,7 +179,12 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
     """
     check_reference(reference, "REFERENCE")
     topts = build_target_options(kwargs)
-    summary = api.inspect(reference, topts)
+    try:
+        summary = api.inspect(reference, topts)
+    except ManifestError:
+        if not _inspect_variants(reference, topts, as_json):  # an index of variants: listed
+            raise
+        return
     from modelpack.cli.adapters import adapters_section, print_adapters
 
     adapters = adapters_section(summary.manifest, reference, topts)
@@ -208,6 +214,25 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
             f"{human_size(layer.size):>10}  {layer.digest[:19]}…"
         )
     print_adapters(adapters)
+
+
+def _inspect_variants(reference: str, topts: Any, as_json: bool) -> bool:
+    """An index of variants: its entries and what selects each (False: not an index)."""
+    from modelpack.api.variants import inspect_index
+    from modelpack.cli.index import print_variants
+
+    vi = inspect_index(reference, topts)
+    if vi is None:
+        return False
+    doc = {"reference": reference, "mediaType": vi.index.media_type, **vi.to_json()}
+    if as_json:
+        emit_json(doc)
+        return True
+    click.echo(f"Reference:     {for_terminal(reference)}")
+    click.echo(f"Digest:        {vi.digest} (index of variants)")
+    click.echo(f"Variants:      {len(vi.entries)}")
+    print_variants(doc)
+    return True
 
 
 @click.command("ls")

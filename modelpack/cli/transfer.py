@@ -101,6 +101,15 @@ def push_signing_key(kwargs: dict[str, Any]) -> Any:
     help="SOURCE is a PEFT LoRA adapter directory: push it as an adapter of the base model REF "
     "(same repository: @sha256:…, or a tag, resolved once and pinned); its manifest's subject is the base.",
 )
+@click.option(
+    "--variant",
+    "variant",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Push SOURCE by digest as a variant and add it to the index of variants at DESTINATION "
+    "(created if absent), replacing the entry with the same fields; KEY is precision, quantization, "
+    "tp-size, accelerator, engine or layout (over what SOURCE's config says). Repeatable.",
+)
 @jobs_option
 @progress_option
 @json_option
@@ -134,7 +143,12 @@ def push_cmd(
       modelpack push ./llama-8b registry.example.com/models/llama:v1 --sign-key env:MODELPACK_SIGNING_KEY
       echo "$TOKEN" | modelpack push ./ckpt reg.example/m:v1 -u ci --password-stdin
       modelpack push ./my-lora reg.example/models/llama:my-lora --base @sha256:… --name my-lora
+      modelpack push ./llama-8b-tp2 reg.example/models/llama:v1 --variant tp-size=2 --variant layout=sharded_state
     """
+    if kwargs.get("variant"):
+        _push_variant(source, destination, jobs, progress, as_json, kwargs)
+        return
+    kwargs.pop("variant", None)
     if kwargs.get("base") is not None:
         from modelpack.cli.adapters import push_adapter_cmd
 
@@ -173,6 +187,37 @@ def push_cmd(
         f"{c.blobs_skipped} already there, {c.blobs_mounted} mounted",
         err=True,
     )
+    click.echo(result.digest)
+
+
+def _push_variant(
+    source: str, destination: str, jobs: int, progress: str, as_json: bool, kwargs: dict[str, Any]
+) -> None:
+    """``push SRC REF --variant K=V…``: SRC by digest, then the index at REF with it (api.variants)."""
+    from modelpack.api.variants import push_variant
+    from modelpack.cli.index import print_variants
+
+    if kwargs.get("base") is not None or kwargs.get("modelfile") or kwargs.get("artifact_format") == "image":
+        raise click.UsageError("--variant pushes a model artifact: drop --base/--modelfile/--format image")
+    variant = kwargs.pop("variant")
+    popts = pack_options_from(kwargs, progress)
+    topts = build_target_options(kwargs, registry=destination)
+    key = push_signing_key(kwargs)
+    result = push_variant(
+        source,
+        destination,
+        variant,
+        target_options=topts,
+        sign_key=key,
+        jobs=jobs,
+        progress=progress,
+        pack_options=popts,
+    )
+    if as_json:
+        emit_json(result.to_json())
+        return
+    click.echo(f"index {result.reference}: {len(result.index.entries)} variants", err=True)
+    print_variants(result.index.to_json())
     click.echo(result.digest)
 
 

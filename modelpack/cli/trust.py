@@ -251,6 +251,10 @@ def _adapter_cell(v: dict[str, Any]) -> str:
     names are checked safe: letters, digits, ``._-``)."""
     if v.get("adapter"):
         return f"(adapter of {str(v['adapter']['base'])[:19]})"
+    if v.get("variants"):  # values checked by the variant rules: letters, digits, ._+- and spaces
+        return "variants: " + "; ".join(
+            ",".join(f"{k}={x}" for k, x in e["variant"].items()) or "-" for e in v["variants"]
+        )
     return ("+adapters:" + ",".join(a["name"] for a in v["adapters"])) if v.get("adapters") else ""
 
 

@@ -67,6 +67,8 @@ class VersionAudit:
     #: an adapter's name and base (``dev.modelpack.adapter``), or a base's verified adapters
     adapter: dict[str, str | None] | None = None
     adapters: list[dict[str, Any]] = field(default_factory=list)
+    #: an index of variants: each entry's digest and the fields that select it
+    variants: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -88,6 +90,7 @@ class VersionAudit:
             "error": self.error,
             "adapter": self.adapter,
             "adapters": list(self.adapters),
+            "variants": list(self.variants),
         }
 
 
@@ -176,6 +179,9 @@ def audit_version(
         else:
             v.total_size = sum(m.size for m in parsed.manifests)
             v.layer_count = len(parsed.manifests)
+            from modelpack.oci.variant_index import variant_index
+
+            v.variants = [e.to_json() for e in variant_index(parsed).entries]  # bounded, values checked
         if isinstance(parsed, Manifest):
             _adapters(target, desc, parsed, v)
         v.signature, v.key_ids, v.signature_reasons = _signature_status(target, desc, keys, v)
