@@ -21,6 +21,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from modelpack.errors import ModelfileError, UnsafePathError
 from modelpack.mediatypes.annotations import safe_relative_path
@@ -78,7 +79,7 @@ class Modelfile:
 
     def pack_options(self, opts: PackOptions) -> PackOptions:
         """``opts`` with the Modelfile's fields filled in; a flag given on the command line wins."""
-        changes = {
+        changes: dict[str, Any] = {
             option: self.fields[cmd]
             for cmd, option in FIELD_OPTIONS.items()
             if cmd in self.fields and getattr(opts, option) is None
