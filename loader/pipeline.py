@@ -11,6 +11,7 @@ untouched (it loads into fresh tensors and swaps them in at the end).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Generator, Mapping, Sequence
@@ -32,9 +33,11 @@ from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.request import EventsLike, LoadFields, LoadRequest
+from modelpack.loader.sharded_state import REPLICATE_ALL, check_layout_name, select_rank_files
 from modelpack.loader.shared_read import check_group, check_sources, peer_plans, read_header_shared
 from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
+from modelpack.mediatypes.variants import LAYOUT_CANONICAL, LAYOUT_SHARDED_STATE
 
 from modelpack.errors import LoaderError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
@@ -87,9 +90,18 @@ def prepare(
     target_options: Any = None,
     allow_unverified: bool = False,
     options: LoaderOptions | None = None,
+    layout: str = LAYOUT_CANONICAL,
 ) -> PreparedLoad:
-    """Resolve the source, read (and verify, where a table exists) the headers, plan this rank."""
+    """Resolve the source, read (and verify, where a table exists) the headers, plan this rank.
+
+    ``layout="sharded_state"``: only this rank's rank files are kept (``sharded_state.py``), before
+    any header is read, and each is planned whole; the ranks read disjoint files, so there are no
+    shared reads (``options.group`` is not used)."""
     opts = options or LoaderOptions()
+    check_layout_name(layout)
+    if layout == LAYOUT_SHARDED_STATE:
+        rules, presets = REPLICATE_ALL, False
+        opts = dataclasses.replace(opts, group=None)
     if opts.views not in ("off", "shard", "full"):
         raise LoaderError(f"LoaderOptions.views must be 'off', 'shard' or 'full', got {opts.views!r}")
     src = resolve_source(
@@ -101,10 +113,12 @@ def prepare(
         allow_unverified=allow_unverified,
         allow_missing_chunk_table=opts.allow_missing_chunk_table,
         direct=opts.direct_io,
+        variant=opts.variant,
     )
     readers: dict[str, RangeReader] = {}
     verified = VerifiedChunks(opts.verified_chunk_cache_bytes)
     try:
+        select_rank_files(src, layout, tp_size, tp_rank)
         if not src.files:
             raise LoaderError(f"{src.name}: the model has no safetensors weight files")
         headers: dict[str, SafetensorsHeader] = {}
@@ -113,7 +127,6 @@ def prepare(
             check_sources(opts.group, src, tp_size, tp_rank)
         # plan order (the plan sorts files by path): the chunk budget goes to the files read first
         for i, f in enumerate(sorted(src.files, key=lambda f: f.relpath)):
-        variant=opts.variant,
             reader = f.open()
             readers[f.relpath] = reader
             if f.size >= 0 and reader.size != f.size:
@@ -181,6 +194,8 @@ def iter_tensors(
     tp_size, tp_rank, expected_digest, state = req.tp_size, req.tp_rank, req.expected_digest, req.state
     options, stats, out, on_plan, fingerprint = req.options, req.stats, req.out, req.on_plan, req.fingerprint
     opts = options or LoaderOptions()
+    if req.layout == LAYOUT_SHARDED_STATE and opts.group is not None:
+        opts = dataclasses.replace(opts, group=None)  # each rank reads its own files: nothing to share
     st = stats if stats is not None else LoadStats()
     # one start = one id across the node cache's and the loader's events (the k8s recipes set
     # MODELPACK_START_ID to the pod UID in both containers)
@@ -200,6 +215,7 @@ def iter_tensors(
             target_options=req.target_options,
             allow_unverified=req.allow_unverified,
             options=opts,
+            layout=req.layout,
         )
     except BaseException as exc:
         log.emit(

@@ -41,6 +41,9 @@ class LoadRequest:
     rules: RulesLike = None  # shard rules searched in tensor names, before the presets
     presets: bool = True
     expected_digest: str | None = None  # the pinned manifest digest
+    # the artifact's weight layout: "canonical" (whole tensors, sliced per rank) or "sharded_state"
+    # (vLLM's per-rank files: each rank reads its own files whole); any other artifact is refused
+    layout: str = "canonical"
     fingerprint: FingerprintLike | None = None  # compatibility fingerprint that must match
     trusted_keys: Sequence[Any] | None = None  # keys whose signed chunk table verifies chunks
     chunk_table: Any = None  # a ChunkTable to verify against (instead of finding a signed one)
@@ -82,6 +85,7 @@ class LoadFields(TypedDict, total=False):
     rules: RulesLike
     presets: bool
     expected_digest: str | None
+    layout: str
     fingerprint: FingerprintLike | None
     trusted_keys: Sequence[Any] | None
     chunk_table: Any

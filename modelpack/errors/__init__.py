@@ -47,6 +47,12 @@ from modelpack.errors.base import (
     SafetensorsError as SafetensorsError,
 )
 from modelpack.errors.base import (
+    MissingRankError as MissingRankError,
+)
+from modelpack.errors.base import (
+    ShardedStateError as ShardedStateError,
+)
+from modelpack.errors.base import (
     SizeMismatchError as SizeMismatchError,
 )
 from modelpack.errors.base import (
@@ -74,6 +80,9 @@ from modelpack.errors.loading import (
     LoaderError as LoaderError,
 )
 from modelpack.errors.loading import (
+    LayoutMismatchError as LayoutMismatchError,
+)
+from modelpack.errors.loading import (
     PlanError as PlanError,
 )
 from modelpack.errors.loading import (
@@ -81,6 +90,9 @@ from modelpack.errors.loading import (
 )
 from modelpack.errors.loading import (
     TimelineError as TimelineError,
+)
+from modelpack.errors.loading import (
+    TpSizeMismatchError as TpSizeMismatchError,
 )
 from modelpack.errors.loading import (
     TruncatedSourceError as TruncatedSourceError,
@@ -270,3 +282,4 @@ from modelpack.errors.adapters import (
 )
 from modelpack.errors.adapters import (
     AdapterSubjectError as AdapterSubjectError,
+)

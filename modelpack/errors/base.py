@@ -73,6 +73,30 @@ class SafetensorsError(PackError):
         self.tensor = tensor
 
 
+class ShardedStateError(ModelpackError, ValueError):
+    """A vLLM ``sharded_state`` checkpoint (per-rank ``model-rank-R-part-P.safetensors`` files) whose
+    ranks cannot be told exactly: a name that looks like a rank file but is not one, rank files
+    mixed with other weight files, a missing rank, or annotations that disagree with the file names.
+    ``file`` names the file at fault when there is one."""
+
+    def __init__(self, message: str, *, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+
+
+class MissingRankError(ShardedStateError):
+    """Rank files for ranks above ``rank`` exist but ``rank`` has none: the checkpoint is incomplete."""
+
+    def __init__(self, where: str, rank: int, tp_size: int) -> None:
+        super().__init__(
+            f"{where}: sharded_state rank {rank} has no model-rank-{rank}-part-*.safetensors file, but "
+            f"files up to rank {tp_size - 1} exist (a tensor-parallel size of {tp_size} needs ranks "
+            f"0..{tp_size - 1}); refusing an incomplete checkpoint"
+        )
+        self.rank = rank
+        self.tp_size = tp_size
+
+
 class ModelfileError(PackError):
     """A Modelfile (modctl's format) that cannot be used: too large, an unknown command, bad
     quoting, a glob leaving the context directory. Names the file and, when known, the line (1-based)."""

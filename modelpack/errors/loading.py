@@ -94,3 +94,32 @@ class UnsignedSourceError(LoaderError):
     def __init__(self, message: str, files: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.files = list(files)
+
+
+class LayoutMismatchError(LoaderError):
+    """The artifact's weight layout (``dev.modelpack.variant.layout``: ``canonical`` or
+    ``sharded_state``) is not the one the load asked for; names both and the source."""
+
+    def __init__(self, requested: str, found: str, *, source: str = "") -> None:
+        at = f"{source}: " if source else ""
+        super().__init__(
+            f"{at}the artifact's layout is {found!r}, the load asked for {requested!r}; refusing the load "
+            f"(ask for layout {found!r} to load it, or pick the {requested!r} variant)"
+        )
+        self.requested = requested
+        self.found = found
+
+
+class TpSizeMismatchError(LoaderError):
+    """A ``sharded_state`` artifact pre-split for one tensor-parallel size, loaded by an engine
+    running another: each rank's files hold exactly that rank's part, so no other size can use them."""
+
+    def __init__(self, artifact_tp_size: int, engine_tp_size: int, *, source: str = "") -> None:
+        at = f"{source}: " if source else ""
+        super().__init__(
+            f"{at}sharded_state artifact is split for tensor-parallel size {artifact_tp_size}, the engine "
+            f"runs tensor-parallel size {engine_tp_size}; refusing the load (start the engine with "
+            f"--tensor-parallel-size {artifact_tp_size}, or load the canonical variant)"
+        )
+        self.artifact_tp_size = artifact_tp_size
+        self.engine_tp_size = engine_tp_size

@@ -34,6 +34,7 @@ from modelpack.oci.digest import Digest
 from modelpack.packing.file_metadata import rfc3339, source_date_epoch
 from modelpack.packing.packed_artifact import PackedFile, PackOptions
 from modelpack.packing.safetensors_format import SafetensorsHeader
+from modelpack.packing.sharded_state import describe_sharded_state
 
 #: A Hugging Face config.json: a few KiB in practice, nested a few levels (quantization_config,
 #: rope_scaling, text_config of multimodal models).
@@ -253,11 +254,23 @@ def describe_model(
         raise PackError(f"{flag}: {exc}" if flag else str(exc)) from None
     config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
     mtime = rfc3339(opts.mtime if opts.mtime is not None else source_date_epoch())
+    # vLLM's per-rank files: the manifest names the layout, each rank file's layer its rank
+    sharded = describe_sharded_state([f.relpath for f in packed], headers, where=default_name)
     layers = [
-        Descriptor(layer_media_type(f.kind, "raw"), f.digest, f.size, annotations=layer_annotations(f, mtime))
+        Descriptor(
+            layer_media_type(f.kind, "raw"),
+            f.digest,
+            f.size,
+            annotations={
+                **layer_annotations(f, mtime),
+                **(sharded.layer_annotations(f.relpath) if sharded else {}),
+            },
+        )
         for f in packed
     ]
     manifest_annotations = model_annotations(hf_config)
+    if sharded is not None:
+        manifest_annotations.update(sharded.manifest_annotations())
     if opts.created:
         manifest_annotations[ANNOTATION_CREATED] = opts.created
     manifest = Manifest.build(

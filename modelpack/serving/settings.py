@@ -20,6 +20,10 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``trust``             ``snapshot`` (default) or ``runtime``: ``--model`` is an image volume whose
                       digest the container runtime verified (pinned in the pod spec); the loader
                       then reads it as a plain directory and records the pin only in its events
+``layout``            ``canonical`` (default: whole checkpoint tensors, each rank reads its slice) or
+                      ``sharded_state`` (vLLM's per-rank files: each rank reads only its own files,
+                      whole, into vLLM's parameters); an artifact of the other layout, or a
+                      sharded_state artifact split for another TP size, is refused before reading
 ``assets``            opt in to runtime assets (docs/assets.md): ``{}`` or an object with
                       ``kind`` (``vllm``, the only one vLLM reads), ``ref`` (where the model's
                       asset referrers live; default ``source``, required when the weights come
@@ -40,10 +44,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.errors import ServingConfigError
+from modelpack.mediatypes.variants import LAYOUTS
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 
-_STR_KEYS = ("source", "expected_digest", "policy", "fingerprint", "events", "start_id", "ca_file", "trust")
+_STR_KEYS = (
+    "source",
+    "expected_digest",
+    "policy",
+    "fingerprint",
+    "events",
+    "start_id",
+    "ca_file",
+    "trust",
+    "layout",
+)
 KNOWN_KEYS = frozenset(
     {*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http", "assets", "allow_extra_files"}
 )
@@ -128,6 +143,7 @@ class ServingSettings:
     trust: str = "snapshot"
     assets: AssetSettings | None = None
     allow_extra_files: bool = False
+    layout: str = "canonical"
 
     @property
     def pinned_digest(self) -> str | None:
@@ -168,6 +184,9 @@ class ServingSettings:
         trust = doc.get("trust", "snapshot")
         if trust not in TRUST_MODES:
             raise ServingConfigError(f"--model-loader-extra-config: trust must be one of {TRUST_MODES}")
+        layout = doc.get("layout", "canonical")
+        if layout not in LAYOUTS:
+            raise ServingConfigError(f"--model-loader-extra-config: layout must be one of {LAYOUTS}")
         expected = doc.get("expected_digest")
         if expected:
             try:
@@ -209,6 +228,7 @@ class ServingSettings:
             trust=trust,
             assets=assets,
             allow_extra_files=bool(doc.get("allow_extra_files", False)),
+            layout=layout,
         )
 
     @property

@@ -60,6 +60,10 @@ class ModelpackModelLoader(BaseModelLoader):
         rank.group = get_tp_group().cpu_group if tp_size > 1 else None
         self.rank = rank
         try:
+            if rank.settings.layout == "sharded_state":
+                _load_sharded_state(model, rank, model_config.model)
+                rank.events.emit("serving.weights_loaded", **rank.summary())
+                return
             # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names
             loaded = cast(Any, model).load_weights(rank.tensors())
         except BaseException as exc:
@@ -77,6 +81,17 @@ class ModelpackModelLoader(BaseModelLoader):
                 rank.events.emit("serving.failed", start_id=rank.start_id, tp_rank=tp_rank, reason=reason)
                 raise ServingError(f"{model_config.model}: {reason}")
         rank.events.emit("serving.weights_loaded", **rank.summary())
+
+
+def _load_sharded_state(model: nn.Module, rank: RankLoad, where: str) -> None:
+    """This rank's sharded_state tensors into the model's parameters, as vLLM's ShardedStateLoader
+    does (same alias filtering), each verified by modelpack's loader before it is copied."""
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    from modelpack.serving.sharded_state import copy_into_state
+
+    state = ShardedStateLoader._filter_subtensors(model.state_dict())
+    copy_into_state(state, rank.tensors(), where=where)
 
 
 def _compile_assets(

@@ -22,7 +22,7 @@ import torch
 
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan
+from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
 from modelpack.mount.variants import resolve_variant
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
@@ -61,11 +61,13 @@ class RankLoad:
             self.plan = plan
 
         s = self.settings
+        sharded = s.layout == "sharded_state"
         request = LoadRequest(
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             rules=self.rules,
             presets=False,
+            layout=s.layout,
             expected_digest=None if s.trust == "runtime" else s.pinned_digest,
             fingerprint=s.fingerprint,
             trusted_keys=self._keys or None,
@@ -77,8 +79,11 @@ class RankLoad:
             on_plan=on_plan,
             # store blobs trusted by inode go to vLLM as views of the mapped file (one copy: vLLM's);
             # the TP ranks share chunk-verified reads over the engine's group
-            options=LoaderOptions(views="full", group=self.group, variant=self.variant),
+            options=LoaderOptions(views="full", group=None if sharded else self.group, variant=self.variant),
         )
+        if sharded:  # this rank's own files, whole: vLLM's parameter names and per-rank shapes
+            yield from iter_tensors(self.source, request)
+            return
         yield from iter_full_shape(self.source, request)
 
     def summary(self) -> dict[str, Any]:
@@ -90,6 +95,8 @@ class RankLoad:
             "digest": self.stats.digest,
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
+            "layout": self.settings.layout,
+            "files": sorted(self.plan.files) if plan else None,
             "bytes_read": self.stats.bytes_read,
             "bytes_to_read": self.stats.bytes_to_read,
             "bytes_received": self.stats.bytes_received,
@@ -198,6 +205,8 @@ def _resolve(
     rules += [(pattern, rule.value) for pattern, rule in vllm_rules]
     if settings.shard_rules:
         reason = f"caller rules {sorted(settings.shard_rules)} first; " + reason
+    if settings.layout == "sharded_state":
+        reason = "sharded_state: each rank reads its own rank files whole"
     if settings.source is None:
         source: Any = model_dir
         state = "image-volume" if settings.trust == "runtime" else "hit"
