@@ -332,7 +332,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(400, "DIGEST_INVALID", "referrers are listed by sha256 digest only")
             return
         query = parse_qs(self.path.partition("?")[2], max_num_fields=4)
-        wanted = (query.get("artifactType") or [None])[0]
+        values = query.get("artifactType")
+        wanted = values[0] if values else None
         body = referrers_index(self.server.store, digest, wanted)
         headers = {"Content-Type": "application/vnd.oci.image.index.v1+json"}
         if wanted:
