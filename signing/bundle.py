@@ -47,6 +47,8 @@ class Bundle:
     envelope: Envelope
     key_hint: str = ""
     raw: bytes = b""
+    # a certificate in the verification material: keyless (Sigstore), checked by identity, not key
+    keyless: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         vm: dict[str, Any] = {"tlogEntries": []}
@@ -96,7 +98,8 @@ class Bundle:
         if isinstance(vm, dict) and isinstance(vm.get("publicKey"), dict):
             h = vm["publicKey"].get("hint", "")
             hint = h if isinstance(h, str) else ""
-        return cls(envelope, hint, raw)
+        keyless = isinstance(vm, dict) and ("certificate" in vm or "x509CertificateChain" in vm)
+        return cls(envelope, hint, raw, keyless)
 
 
 def sign_statement(statement: Statement, private_key: PrivateKey) -> Bundle:

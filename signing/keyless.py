@@ -7,9 +7,9 @@ in-toto statement as the key-based path (subject = manifest digest, predicateTyp
 bundle, which is stored exactly like a key-based one (same referrer layout, cosign-readable).
 
 This needs network access to Sigstore's public good instance and an ambient OIDC credential, so
-it cannot run in the offline test suite; it is deliberately small and imported lazily. Verifying
-keyless bundles (identity + issuer policy) is left to ``cosign verify --certificate-identity``;
-modelpack's offline verifier checks key-based bundles only.
+it cannot run in the offline test suite; it is deliberately small and imported lazily. Nodes verify
+keyless bundles offline against the identities their trust policy names
+(``modelpack.signing.keyless_trust``), as ``cosign verify --certificate-identity`` does.
 """
 
 from __future__ import annotations
@@ -48,7 +48,17 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
     ctx = SigningContext.from_trust_config(trust)
     with ctx.signer(token) as signer:
         bundle_json = signer.sign_dsse(statement).to_json().encode()
+    desc = store_keyless_bundle(target, manifest_desc, bundle_json)
+    return {"digest": str(manifest_desc.digest), "signature": str(desc.digest), "identity": token.identity}
+
+
+def store_keyless_bundle(target: Target, manifest_desc: Descriptor, bundle_json: bytes) -> Descriptor:
+    """Store a keyless bundle as the manifest's signature referrer, exactly like a key-based one,
+    and return once it is listed. Separate from the Sigstore round trip so that what is stored
+    is the same whoever produced the bundle (tests make theirs with a local Sigstore)."""
     bundle = Bundle.from_bytes(bundle_json, source="sigstore bundle")
+    if not bundle.keyless:
+        raise SigningError("a keyless bundle carries its signing certificate; this one has none")
     started = time.monotonic()
     desc = push_bundle_referrer(
         target,
@@ -58,4 +68,4 @@ def sign_keyless(target: Target, manifest_desc: Descriptor, *, staging: bool = F
         predicate_type=PREDICATE_COSIGN_SIGN,
     )
     confirm_referrers(target, manifest_desc, [desc], write_seconds=time.monotonic() - started)
-    return {"digest": str(manifest_desc.digest), "signature": str(desc.digest), "identity": token.identity}
+    return desc

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.signing.bundle import sign_statement
+from modelpack.signing.keyless_trust import KeylessTrust
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_SIGNATURE,
@@ -23,7 +24,7 @@ from modelpack.signing.referrers import (
     skipped,
 )
 from modelpack.signing.signing_time import format_signing_time, signing_time_now
-from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, manifest_statement
+from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, Statement, manifest_statement
 
 from modelpack.errors import BundleError
 from modelpack.events import EventLog, NullEventLog
@@ -88,28 +89,54 @@ def format_signed_at(seconds: float | None) -> str | None:
 
 
 def check_stored_signature(
-    item: StoredBundle, manifest_desc: Descriptor, keys: list[PublicKey], *, kind: str = "manifest"
+    item: StoredBundle,
+    manifest_desc: Descriptor,
+    keys: list[PublicKey],
+    *,
+    kind: str = "manifest",
+    keyless: KeylessTrust | None = None,
 ) -> SignatureCheck:
+    """A key-signed bundle is checked against ``keys``; a keyless one (a Sigstore certificate)
+    against ``keyless``, the identities the policy trusts. Either way the statement must then be
+    cosign's signature predicate over exactly this manifest digest."""
     ref = str(item.descriptor.digest)
     if item.bundle is None:
         return SignatureCheck(ref, kind, "invalid", reason=item.error)
-    signer = item.bundle.verify(keys)
-    if signer is None:
-        hint = item.bundle.key_hint
-        return SignatureCheck(
-            ref,
-            kind,
-            "untrusted",
-            key_id=hint,
-            reason=f"signature {ref[:19]} is not by a trusted key (key hint {hint[:16] or 'none'})",
-        )
-    try:
-        st = item.bundle.statement
-    except BundleError as exc:
-        return SignatureCheck(ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: {exc}")
+    if item.bundle.keyless:
+        if keyless is None:
+            return SignatureCheck(
+                ref,
+                kind,
+                "untrusted",
+                reason=f"signature {ref[:19]} is keyless and the policy trusts no identity",
+            )
+        outcome = keyless.check(item.bundle.raw, source=f"signature {ref[:19]}")
+        if outcome.identity is None:
+            return SignatureCheck(ref, kind, "untrusted", reason=outcome.reason)
+        signer_id = outcome.identity.id
+        try:
+            st = Statement.from_bytes(outcome.payload)  # the payload sigstore verified
+        except BundleError as exc:
+            return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
+    else:
+        signer = item.bundle.verify(keys)
+        if signer is None:
+            hint = item.bundle.key_hint
+            return SignatureCheck(
+                ref,
+                kind,
+                "untrusted",
+                key_id=hint,
+                reason=f"signature {ref[:19]} is not by a trusted key (key hint {hint[:16] or 'none'})",
+            )
+        signer_id = signer.key_id
+        try:
+            st = item.bundle.statement
+        except BundleError as exc:
+            return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
     if st.predicate_type != PREDICATE_COSIGN_SIGN:
         return SignatureCheck(
-            ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: predicateType {st.predicate_type!r}"
+            ref, kind, "invalid", signer_id, f"signature {ref[:19]}: predicateType {st.predicate_type!r}"
         )
     subjects = st.subject_sha256
     if subjects != [manifest_desc.digest.hex]:
@@ -118,14 +145,14 @@ def check_stored_signature(
             ref,
             kind,
             "invalid",
-            signer.key_id,
+            signer_id,
             f"signature {ref[:19]} is for {shown}, not for {manifest_desc.digest} (replayed signature)",
         )
     try:
         signed_at = st.signed_at
     except BundleError as exc:
-        return SignatureCheck(ref, kind, "invalid", signer.key_id, f"signature {ref[:19]}: {exc}")
-    return SignatureCheck(ref, kind, "verified", signer.key_id, signed_at=signed_at)
+        return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
+    return SignatureCheck(ref, kind, "verified", signer_id, signed_at=signed_at)
 
 
 def check_manifest_signatures(
@@ -134,13 +161,14 @@ def check_manifest_signatures(
     keys: list[PublicKey],
     *,
     events: EventLog | None = None,
+    keyless: KeylessTrust | None = None,
 ) -> list[SignatureCheck]:
     """One check per signature referrer; each invalid one is also a ``signing.referrer_skipped``
     event (the unreadable ones are reported while they are read)."""
     events = events or NullEventLog()
     checks = []
     for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_SIGNATURE, events=events):
-        check = check_stored_signature(item, manifest_desc, keys)
+        check = check_stored_signature(item, manifest_desc, keys, keyless=keyless)
         if check.status == "invalid" and item.bundle is not None:
             skipped(events, manifest_desc, item, check.reason)
         checks.append(check)

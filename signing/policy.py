@@ -16,6 +16,11 @@ YAML::
               …
         require_directory_signature: false
         require_chunk_table: false
+      - match: ["registry.example.com/ci/*"]
+        identities:               # keyless (Sigstore) signers, as cosign's --certificate-identity
+          - issuer: https://token.actions.githubusercontent.com
+            subject: https://github.com/acme/models/.github/workflows/release.yml@refs/heads/main
+        trusted_root: sigstore/trusted_root.json   # optional: default Sigstore's public-good root
 
 Like sigstore-python's policies, a ``RepositoryPolicy`` is a small object that answers with a
 decision and a reason a person can act on; it never raises for a policy "no".
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from modelpack.signing.keyless_trust import KeylessTrust, keyless_from_policy
 from modelpack.signing.keys import PublicKey, load_public_key
 
 from modelpack.errors import ModelpackError, PolicyError
@@ -60,21 +66,25 @@ class RepositoryPolicy:
     require_directory_signature: bool = False
     require_chunk_table: bool = False
     rule: str = "default"
+    keyless: KeylessTrust | None = None
 
     @property
     def key_ids(self) -> list[str]:
-        return [k.key_id for k in self.keys]
+        """What a verified signature is recorded by: key ids, and ``keyless:ISSUER SUBJECT`` ids."""
+        return [k.key_id for k in self.keys] + (self.keyless.ids if self.keyless else [])
 
     def decide(self, verified_key_ids: Sequence[str], problems: Sequence[str]) -> PolicyDecision:
         if verified_key_ids:
-            return PolicyDecision(
-                True, f"signed by trusted key {verified_key_ids[0][:16]} (rule {self.rule})"
-            )
+            signer = verified_key_ids[0]
+            who = signer if signer.startswith("keyless:") else f"trusted key {signer[:16]}"
+            return PolicyDecision(True, f"signed by {who} (rule {self.rule})")
         if not self.require_signature:
             why = "; ".join(problems) if problems else "no signature"
             return PolicyDecision(True, f"signature not required by rule {self.rule} ({why})")
-        if not self.keys:
-            return PolicyDecision(False, f"rule {self.rule} requires a signature but trusts no key")
+        if not self.keys and not self.keyless:
+            return PolicyDecision(
+                False, f"rule {self.rule} requires a signature but trusts no key or identity"
+            )
         if not problems:
             return PolicyDecision(
                 False, f"unsigned: no signature referrer, and rule {self.rule} requires one"
@@ -194,7 +204,15 @@ def canonical_glob(glob: str, where: str) -> str:
     return f"{host}/{rest}"
 
 
-_RULE_KEYS = {"match", "keys", "require_signature", "require_directory_signature", "require_chunk_table"}
+_RULE_KEYS = {
+    "match",
+    "keys",
+    "identities",
+    "trusted_root",
+    "require_signature",
+    "require_directory_signature",
+    "require_chunk_table",
+}
 
 
 def _repo_policy(doc: Any, where: str, base_dir: str, *, name: str) -> RepositoryPolicy:
@@ -232,4 +250,6 @@ def _repo_policy(doc: Any, where: str, base_dir: str, *, name: str) -> Repositor
         if not isinstance(v, bool):
             raise PolicyError(f"{where}: {flag} must be true or false")
         flags[flag] = v
-    return RepositoryPolicy(tuple(keys), rule=name, **flags)
+    return RepositoryPolicy(
+        tuple(keys), rule=name, keyless=keyless_from_policy(doc, where, base_dir), **flags
+    )

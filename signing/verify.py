@@ -146,7 +146,7 @@ def verify_artifact(
         ) from exc
     keys = list(policy.keys)
     try:
-        checks = check_manifest_signatures(target, manifest_desc, keys, events=events)
+        checks = check_manifest_signatures(target, manifest_desc, keys, events=events, keyless=policy.keyless)
     except ModelpackError as exc:
         raise _refuse(
             events, ref_text, digest, f"signatures cannot be read: {exc}", rule=policy.rule
