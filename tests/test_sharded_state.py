@@ -368,3 +368,44 @@ def test_copy_into_state_refuses_what_vllms_parameters_cannot_take() -> None:
     a, b = torch.zeros(4, 2), torch.zeros(3)  # a parameter vLLM padded by a row: its leading part is filled
     copy_into_state({"a": a, "b": b}, [("a", torch.ones(3, 2)), ("b", torch.ones(3))], where="m")
     assert bool(a[:3].eq(1).all()) and bool(a[3].eq(0).all()) and bool(b.eq(1).all())
+
+
+# --- as a variant of an index -----------------------------------------------------------------------
+
+
+def test_an_index_of_canonical_and_sharded_state_selects_by_tp_size(
+    sharded: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``modelpack index create`` over the canonical build and this sharded_state build: a TP=2
+    node gets the sharded_state entry (and loads its own rank's files through the index), any other
+    TP size the canonical one."""
+    from modelpack.loader import LoaderOptions
+
+    from modelpack.api.variants import create_index
+    from modelpack.oci.variant_index import parse_variant_index
+    from modelpack.oci.variant_selection import VariantSelector
+    from modelpack.targets.layout import OCILayoutTarget
+
+    store = tmp_path / "store"
+    canonical = pack_layout(checkpoint, store, tag="canonical")
+    shard = pack_layout(sharded, store, tag="tp2")
+    created = create_index(f"oci:{store}:model", [canonical.ref, shard.ref], progress="off")
+    raw, media_type = OCILayoutTarget(str(store)).fetch_manifest("model")
+    index = parse_variant_index(raw, media_type)
+    assert str(index.index.digest) == created.digest
+    by_digest = {str(e.descriptor.digest): dict(e.fields) for e in index.entries}
+    assert by_digest[shard.digest]["layout"] == "sharded_state" and by_digest[shard.digest]["tp-size"] == "2"
+    assert VariantSelector(tp_size=2).select(index).digest == shard.digest
+    for tp in (1, 4):
+        assert VariantSelector(tp_size=tp).select(index).digest == canonical.digest
+    stats = LoadStats()
+    sd = load_state_dict(
+        f"oci:{store}@{created.digest}",
+        tp_size=TP,
+        tp_rank=1,
+        layout="sharded_state",
+        options=LoaderOptions(variant=VariantSelector(tp_size=TP)),
+        stats=stats,
+    )
+    _assert_same(sd, _expected(sharded, 1))
+    assert stats.digest == shard.digest
