@@ -12,7 +12,10 @@ registry. Each contender runs in its own process into a fresh DEST, ``--runs`` t
 - ``modelpack-raw`` (reference, not side by side): the same files as a raw ModelPack artifact
   (one layer per file, no tar), which kserve-storage cannot read.
 
-Reported: wall time (median), peak RSS of the process (GNU ``time``), blob bytes the registry sent
+Runs are interleaved (each run: every contender once, the order rotated), so a ratio compares
+processes that saw the same load; the load average is printed. Reported: wall time (median), the
+median per-run ratio to kserve-storage, peak RSS of the process (``wait4`` in a small launcher:
+its own high-water mark, not this benchmark's), blob bytes the registry sent
 (its access log), and the corruption outcome: one byte flipped in a weight layer's blob in the
 registry's storage, then each contender's exit code and whether DEST holds a wrong file.
 
@@ -38,32 +41,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from modelcar_peer import PEER_CAVEAT, kserve_storage, make_model, modelpack_initializer  # noqa: E402
 
 from modelpack.api import transfer  # noqa: E402
 from modelpack.cli import parse_size  # noqa: E402
 from tests.fixtures.registry import RegistryServer, start_registry  # noqa: E402
 
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
-MODELPACK = ROOT / ".venv" / "bin" / "modelpack"
 _BLOB_LINE = re.compile(r'"GET /v2/[^ ]*/blobs/sha256:[0-9a-f]{64} HTTP/[0-9.]+" (\d{3}) (\d+)')
-KSERVE_SCRIPT = (
-    "import sys; from kserve_storage import Storage; Storage.download_files([sys.argv[1]], [sys.argv[2]])"
+# runs argv[1:] and writes its exit code and its own peak RSS (wait4's ru_maxrss, KiB) to stderr's
+# last line: started from this small process, the contender's high-water mark is its own
+_LAUNCH = (
+    "import os, subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[1:])\n"
+    "_, status, usage = os.wait4(p.pid, 0)\n"
+    "sys.stderr.write('\\nmaxrss-kib: ' + str(usage.ru_maxrss))\n"
+    "sys.exit(os.waitstatus_to_exitcode(status))\n"
 )
-
-
-def make_model(directory: Path, size: int, files: int = 4) -> dict[str, str]:
-    """Random (incompressible) weight files plus a config; returns name → sha256."""
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps({"model_type": "benchmark", "files": files}))
-    per = size // files
-    for i in range(files):
-        with open(directory / f"model-{i:05d}.bin", "wb") as f:
-            left = per
-            while left:
-                n = min(left, 16 << 20)
-                f.write(os.urandom(n))
-                left -= n
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
 
 
 def blob_bytes(server: RegistryServer, mark: int) -> int:
@@ -72,37 +67,29 @@ def blob_bytes(server: RegistryServer, mark: int) -> int:
 
 def run_contender(name: str, uri_host: str, repo: str, dest: Path, work: Path, jobs: int) -> dict[str, Any]:
     """One process; its wall time, peak RSS (KiB → MiB), exit code and stderr tail."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work / "home")}
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work / "home")}
     if name == "kserve-storage":
-        argv = [str(PEERS_PYTHON), "-c", KSERVE_SCRIPT, f"oci://{uri_host}/{repo}", str(dest)]
-        env["KSERVE_OCI_INSECURE_REGISTRY"] = "true"
+        argv, env = kserve_storage(uri_host, repo, dest, base)
     else:
-        argv = [str(MODELPACK), "storage-initializer", f"modelpack://{uri_host}/{repo}", str(dest)]
-        env["MODELPACK_PLAIN_HTTP"] = "true"
-        env["MODELPACK_PROGRESS_INTERVAL"] = "0"
-        env["MODELPACK_JOBS"] = str(jobs)
-        if name == "modelpack+cache":
-            cache = work / "cache"
+        cache = work / "cache" if name == "modelpack+cache" else None
+        if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)
-            env["MODELPACK_CACHE"] = str(cache)
-    # GNU time reports the contender's own peak RSS: a child forked from this process would
-    # start with this process's high-water mark (Linux keeps maxrss across fork and exec)
-    rss_file = work / "maxrss"
+        argv, env = modelpack_initializer(uri_host, repo, dest, base, jobs=jobs, cache=cache)
     t0 = time.perf_counter()
     proc = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *argv],
+        [sys.executable, "-c", _LAUNCH, *argv],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         check=False,
     )
     wall = time.perf_counter() - t0
-    err = proc.stderr
+    err, _, rss = proc.stderr.decode(errors="replace").rpartition("\nmaxrss-kib: ")
     return {
         "wall_s": wall,
-        "rss_mib": int(rss_file.read_text().split()[-1]) / 1024,
+        "rss_mib": int(rss) / 1024 if rss.strip().isdigit() else 0.0,
         "rc": proc.returncode,
-        "stderr": err.decode(errors="replace").strip().splitlines()[-1:] if err else [],
+        "stderr": err.strip().splitlines()[-1:] if err.strip() else [],
     }
 
 
@@ -132,9 +119,9 @@ def main() -> None:
         raw_repo = "bench/raw:v1"
         transfer.push(str(work / "model"), f"{server.host}/{raw_repo}", progress="off")
         results: dict[str, Any] = {"size": args.size, "runs": args.runs, "contenders": {}}
-        for name in contenders:
-            runs = []
-            for i in range(args.runs):
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+        for i in range(args.runs):  # interleaved: every contender once per run, the order rotated
+            for name in contenders[i % len(contenders) :] + contenders[: i % len(contenders)]:
                 dest = work / f"dest-{name}-{i}"
                 mark = server.log_mark()
                 r = run_contender(
@@ -142,15 +129,25 @@ def main() -> None:
                 )
                 r["blob_bytes"] = blob_bytes(server, mark)
                 r["dest"] = dest_state(dest, expected)
-                runs.append(r)
+                r["load1"] = os.getloadavg()[0]
+                runs[name].append(r)
                 shutil.rmtree(dest, ignore_errors=True)
+        for name in contenders:
+            rs = runs[name]
             results["contenders"][name] = {
-                "wall_s_median": statistics.median(r["wall_s"] for r in runs),
-                "rss_mib_max": max(r["rss_mib"] for r in runs),
-                "blob_bytes": runs[-1]["blob_bytes"],
-                "rc": [r["rc"] for r in runs],
-                "dest": runs[-1]["dest"],
+                "wall_s_median": statistics.median(r["wall_s"] for r in rs),
+                "wall_s": [round(r["wall_s"], 3) for r in rs],
+                "rss_mib_max": max(r["rss_mib"] for r in rs),
+                "blob_bytes": rs[-1]["blob_bytes"],
+                "rc": [r["rc"] for r in rs],
+                "dest": rs[-1]["dest"],
             }
+        if "kserve-storage" in runs:  # per-run ratios: each run's pair saw the same load
+            for name in contenders:
+                results["contenders"][name]["vs_kserve_median"] = statistics.median(
+                    k["wall_s"] / r["wall_s"] for k, r in zip(runs["kserve-storage"], runs[name], strict=True)
+                )
+        results["load_average"] = [round(x, 2) for x in os.getloadavg()]
         # corruption: flip one byte in the middle of the largest layer blob in the registry's storage
         manifest = json.loads(
             subprocess.run(
@@ -192,16 +189,26 @@ def main() -> None:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"model {args.size} (modelcar, {len(expected)} files), {args.runs} runs, loopback registry")
+    load = results["load_average"]
     print(
-        f"{'contender':<18}{'wall (median)':>14}{'peak RSS':>11}{'blob bytes':>14}   corrupted blob in the registry"
+        f"model {args.size} (modelcar, {len(expected)} files), {args.runs} runs interleaved, loopback registry, "
+        f"load average {load[0]} {load[1]} {load[2]}"
+    )
+    print(
+        f"{'contender':<18}{'wall (median)':>14}{'vs kserve':>10}{'peak RSS':>11}{'blob bytes':>14}"
+        "   corrupted blob in the registry"
     )
     for name, r in results["contenders"].items():
         c = r["corruption"]
+        ratio = r.get("vs_kserve_median")
+        shown = f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"
         print(
-            f"{name:<18}{r['wall_s_median']:>12.2f} s{r['rss_mib_max']:>7.0f} MiB{r['blob_bytes'] / 2**20:>10.1f} MiB"
-            f"   exit {c['rc']}, DEST: {c['dest']}"
+            f"{name:<18}{r['wall_s_median']:>12.2f} s{shown}{r['rss_mib_max']:>7.0f} MiB"
+            f"{r['blob_bytes'] / 2**20:>10.1f} MiB   exit {c['rc']}, DEST: {c['dest']}"
         )
+    print(
+        f"vs kserve = median over runs of kserve-storage's seconds / the row's (> 1: faster). {PEER_CAVEAT}."
+    )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
 
