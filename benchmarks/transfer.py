@@ -12,6 +12,10 @@ process whose peak RSS (VmHWM) is read from /proc:
          modelpack cp registry → oci:LAYOUT   (like for like with skopeo)
          skopeo copy registry → oci:LAYOUT
          modelpack-client pull registry → DIR (PyPI, from .venv-peers: sequential, no fsync)
+         modelpack pull modelcar → DIR        (the same checkpoint pushed --format image: tar layers
+                                               under models/, verified and fsynced; peer: kserve-storage)
+         kserve-storage modelcar → DIR        (KServe's own OCI fetch, from .venv-peers: verifies
+                                               nothing, fsyncs nothing; benchmarks/modelcar_peer.py)
          curl ceiling: the layer blobs fetched to files by ``curl -s -o FILE URL``, 4 at a time
          (``xargs -P 4``), and nothing else: no manifest, no hashing, no fsync. This is what the
          registry can serve on this machine; pull rows print their ratio to it.
@@ -42,6 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from modelcar_peer import PEER_CAVEAT, kserve_storage, peer_available  # noqa: E402
 
 from modelpack import api  # noqa: E402
 from modelpack.cli import parse_size  # noqa: E402
@@ -278,6 +285,23 @@ def main() -> None:
             )
         else:
             print("modelpack-client row left out: .venv-peers is missing (make deps installs it)")
+        # the image-shaped variant (a KServe modelcar) of the same checkpoint, side by side with
+        # KServe's own fetch (issue 25 item 4)
+        pulls.append(
+            (
+                "pull modelpack modelcar",
+                lambda s, dest: [*MODELPACK, "pull", s.ref("bench/modelcar", "v1"), str(dest), *jobs],
+            )
+        )
+        if peer_available():
+            pulls.append(
+                (
+                    "pull kserve-storage modelcar",
+                    lambda s, dest: kserve_storage(s.host, "bench/modelcar:v1", dest, client_env)[0],
+                )
+            )
+        else:
+            print("kserve-storage row left out: .venv-peers is missing (make deps installs it)")
         for r in range(args.rounds):
             # the order rotates each round so no tool always runs first
             if not args.pull_only:
@@ -288,6 +312,8 @@ def main() -> None:
                     retire(s)
             s = fresh_registry()
             run_child([*MODELPACK, "push", str(ckpt), s.ref("bench/model", "v1"), *jobs], env)
+            image = [*MODELPACK, "push", str(ckpt), s.ref("bench/modelcar", "v1"), "--format", "image", *jobs]
+            run_child(image, env)
             layers = manifest_layers(s.host, "bench/model", "v1")
             n = len(pulls)
             for name, make_pull in pulls[r % n :] + pulls[: r % n]:
@@ -296,6 +322,8 @@ def main() -> None:
                 cmd = make_pull(s, dest)
                 if name.startswith("pull modelpack @"):  # `python -c` puts its cwd first on sys.path
                     t, rss = run_child(cmd, base_env, cwd=base_env["PYTHONPATH"])
+                elif name.startswith("pull kserve-storage"):
+                    t, rss = run_child(cmd, {**client_env, "KSERVE_OCI_INSECURE_REGISTRY": "true"})
                 else:
                     t, rss = run_child(cmd, client_env, tree=name.startswith("pull curl"))
                 record(name, t, rss)
@@ -305,20 +333,36 @@ def main() -> None:
         load = os.getloadavg()
         print()
         print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.rounds} rounds")
-        print(f"{'transfer':<26}{'best s':>8}{'median':>8}{'GB/s':>7}{'vs peer':>9}{'peak RSS':>11}")
+        print(f"{'transfer':<30}{'best s':>8}{'median':>8}{'GB/s':>7}{'vs peer':>9}{'peak RSS':>11}")
         for name, ts in times.items():
             best = min(ts)
             peer = "push skopeo (layout)" if name.startswith("push") else "pull curl ceiling (4 ∥)"
+            if name == "pull modelpack modelcar" and "pull kserve-storage modelcar" in times:
+                peer = "pull kserve-storage modelcar"
             ratio = min(times[peer]) / best
             print(
-                f"{name:<26}{best:>8.2f}{statistics.median(ts):>8.2f}{total / best / 1e9:>7.2f}"
+                f"{name:<30}{best:>8.2f}{statistics.median(ts):>8.2f}{total / best / 1e9:>7.2f}"
                 f"{ratio:>8.2f}x{peaks[name] / 2**20:>8.0f} MiB"
             )
-        print("\nvs peer = the peer's best seconds / this row's best (push: skopeo; pull: the curl ceiling)")
+        print(
+            "\nvs peer = the peer's best seconds / this row's best (push: skopeo; pull: the curl ceiling;"
+            " pull modelpack modelcar: kserve-storage on the same modelcar)"
+        )
         verified = min(times["pull curl|tee|sha256 (4 ∥)"])
         print(
             f"pull modelpack (files) vs the verifying ceiling: {verified / min(times['pull modelpack (files)']):.2f}x"
         )
+        if "pull kserve-storage modelcar" in times:
+            ratios = [
+                k / m
+                for k, m in zip(
+                    times["pull kserve-storage modelcar"], times["pull modelpack modelcar"], strict=True
+                )
+            ]
+            print(
+                f"pull modelpack modelcar vs kserve-storage, same modelcar, same registry, per round: "
+                f"median {statistics.median(ratios):.2f}x ({PEER_CAVEAT})"
+            )
         print("pull modelpack (files) vs pull modelpack-client: ", end="")
         if "pull modelpack-client" in times:
             print(f"{min(times['pull modelpack-client']) / min(times['pull modelpack (files)']):.2f}x")
