@@ -250,3 +250,25 @@ def test_example_policy_trusts_the_example_ci_identities(
     _sign(sigstore, ref, desc, identity, issuer=issuer)
     code, out = _verify(ref, tmp_path / "policy.yaml")
     assert (code == 0) is trusted, out
+
+
+def test_verify_with_cosign_style_identity_flags(
+    registry: RegistryServer, checkpoint: Path, sigstore: LocalSigstore, tmp_path: Path
+) -> None:
+    ref, desc = _push(registry, checkpoint, "keyless/flags")
+    _sign(sigstore, ref, desc)
+    root = sigstore.write_trusted_root(str(tmp_path / "trusted_root.json"))
+    base = ["verify", ref, "--trusted-root", root, "--certificate-oidc-issuer", ISSUER, "--json"]
+    ok = CliRunner().invoke(main, [*base, "--certificate-identity", WORKFLOW])
+    assert ok.exit_code == 0 and json.loads(ok.output)["status"] == "verified", ok.output
+    ok_re = CliRunner().invoke(main, [*base, "--certificate-identity-regexp", r"https://github\.com/acme/.*"])
+    assert ok_re.exit_code == 0, ok_re.output
+    wrong = CliRunner().invoke(main, [*base, "--certificate-identity", WORKFLOW + "x"])
+    assert wrong.exit_code == 1 and "not by an identity the policy trusts" in wrong.output, wrong.output
+    # the issuer is required, and one of the two subject forms
+    no_issuer = CliRunner().invoke(main, ["verify", ref, "--certificate-identity", WORKFLOW])
+    assert no_issuer.exit_code == 2 and "--certificate-oidc-issuer" in no_issuer.output
+    both = CliRunner().invoke(
+        main, [*base, "--certificate-identity", WORKFLOW, "--certificate-identity-regexp", "x"]
+    )
+    assert both.exit_code == 2

@@ -445,6 +445,34 @@ def trust_policy_from(keys: Sequence[str], policy: str | None) -> TrustPolicy | 
     return TrustPolicy.from_keys([load_public_key(k) for k in keys])
 
 
+def keyless_policy_from(
+    keys: Sequence[str],
+    identity: str | None,
+    identity_regexp: str | None,
+    issuer: str | None,
+    trusted_root: str | None,
+) -> TrustPolicy:
+    """cosign's ``--certificate-identity[-regexp]`` / ``--certificate-oidc-issuer`` as a policy of
+    one rule: that identity (and any ``--key``) trusted for the reference given."""
+    from modelpack.signing.keyless_trust import KeylessTrust, TrustedIdentity
+    from modelpack.signing.keys import load_public_key
+    from modelpack.signing.policy import RepositoryPolicy, TrustPolicy
+
+    if not issuer or bool(identity) == bool(identity_regexp):
+        raise click.UsageError(
+            "keyless trust needs --certificate-oidc-issuer and one of --certificate-identity / "
+            "--certificate-identity-regexp"
+        )
+    trust = KeylessTrust(
+        (TrustedIdentity(issuer, identity or "", identity_regexp or ""),),
+        os.path.abspath(trusted_root or "") if trusted_root else "",
+    )
+    rp = RepositoryPolicy(
+        tuple(load_public_key(k) for k in keys), True, rule="--certificate-identity", keyless=trust
+    )
+    return TrustPolicy(default=rp)
+
+
 def read_passphrase(from_stdin: bool) -> str | None:
     """A signing key's passphrase: a line of stdin when asked, else MODELPACK_SIGNING_PASSPHRASE.
 

@@ -18,6 +18,7 @@ from modelpack.cli.options import (
     handle_errors,
     human_size,
     json_option,
+    keyless_policy_from,
     read_passphrase,
     target_options,
     trust_policy_from,
@@ -167,6 +168,26 @@ def sign_cmd(
 @click.option(
     "--signature", "signature_path", help="model_signing file for --directory (default: the stored one)."
 )
+@click.option(
+    "--certificate-identity",
+    "cert_identity",
+    help="Trust a keyless (Sigstore) signature whose certificate names exactly this subject.",
+)
+@click.option(
+    "--certificate-identity-regexp",
+    "cert_identity_regexp",
+    help="… or whose subject matches this pattern whole.",
+)
+@click.option(
+    "--certificate-oidc-issuer",
+    "cert_issuer",
+    help="The OIDC issuer that certificate must name (with --certificate-identity[-regexp]).",
+)
+@click.option(
+    "--trusted-root",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Sigstore trusted_root.json for keyless signatures (default: Sigstore's public-good root, cached).",
+)
 @click.option("--events", "events_path", help="Append JSON events here ('-' for stderr).")
 @target_options
 @json_option
@@ -177,6 +198,10 @@ def verify_cmd(
     policy: str | None,
     directory: str | None,
     signature_path: str | None,
+    cert_identity: str | None,
+    cert_identity_regexp: str | None,
+    cert_issuer: str | None,
+    trusted_root: str | None,
     events_path: str | None,
     as_json: bool,
     **kwargs: Any,
@@ -191,15 +216,23 @@ def verify_cmd(
       modelpack verify registry.example.com/models/llama:v1 --key ./keys/modelpack-ci.pub
       modelpack verify registry.example.com/models/llama:v1 --policy /etc/modelpack/policy.yaml --json
       modelpack verify REF --key ./keys/modelpack-ci.pub --directory /models/llama
+      modelpack verify REF --certificate-oidc-issuer https://token.actions.githubusercontent.com \\
+          --certificate-identity https://github.com/ORG/REPO/.github/workflows/publish-model.yml@refs/tags/v1
     """
     from modelpack.signing import verify_directory
     from modelpack.signing.bundle import Bundle
     from modelpack.signing.referrers import ARTIFACT_TYPE_MODEL_SIGNATURE, find_bundle_referrers
     from modelpack.signing.verify import resolve_policy, select_directory_bundle, verify_reference
 
-    pol = trust_policy_from(keys, policy)
+    identity_flags = (cert_identity, cert_identity_regexp, cert_issuer, trusted_root)
+    if any(identity_flags):
+        if policy:
+            raise click.UsageError("give --policy or --certificate-* options, not both")
+        pol = keyless_policy_from(keys, cert_identity, cert_identity_regexp, cert_issuer, trusted_root)
+    else:
+        pol = trust_policy_from(keys, policy)
     if pol is None:
-        raise click.UsageError("--key or --policy is required")
+        raise click.UsageError("--key, --policy or --certificate-identity[-regexp] is required")
     topts = build_target_options(kwargs)
     ref = parse_reference(reference)
     events = EventLog.from_spec(None, events_path) if events_path else None
