@@ -409,3 +409,42 @@ def test_an_index_of_canonical_and_sharded_state_selects_by_tp_size(
     )
     _assert_same(sd, _expected(sharded, 1))
     assert stats.digest == shard.digest
+
+
+# --- the CLI -----------------------------------------------------------------------------------------
+
+
+def test_load_cli_reports_each_ranks_own_files_and_refuses_another_tp_size(
+    sharded: Path, layout: Layout
+) -> None:
+    from click.testing import CliRunner
+
+    from modelpack.cli import main
+
+    runner = CliRunner()
+    for rank in range(TP):
+        out = runner.invoke(
+            main,
+            [
+                "load",
+                layout.ref,
+                "--layout",
+                "sharded_state",
+                "--tp-size",
+                "2",
+                "--tp-rank",
+                str(rank),
+                "--json",
+            ],
+        )
+        assert out.exit_code == 0, out.output
+        doc = json.loads(out.stdout)
+        assert doc["layout"] == "sharded_state" and doc["digest"] == layout.digest
+        assert sorted(doc["bytesByFile"]) == [f.name for f in rank_files(sharded, rank)]
+        assert doc["bytesRead"] == sum(doc["bytesByFile"].values())
+    out = runner.invoke(main, ["load", layout.ref, "--layout", "sharded_state", "--tp-size", "4"])
+    assert out.exit_code == 1
+    assert "split for tensor-parallel size 2, the engine runs tensor-parallel size 4" in out.stderr
+    assert "Traceback" not in out.output
+    out = runner.invoke(main, ["load", layout.ref, "--tp-size", "2"])
+    assert out.exit_code == 1 and "the artifact's layout is 'sharded_state'" in out.stderr

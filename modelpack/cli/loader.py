@@ -116,6 +116,15 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
     help="A dimension --tp-size does not divide: refuse, or split it like torch.chunk.",
 )
 @click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
+@click.option(
+    "--layout",
+    type=click.Choice(["canonical", "sharded_state"]),
+    default="canonical",
+    show_default=True,
+    help="The artifact's weight layout: canonical (each rank reads its slice of whole tensors) or "
+    "sharded_state (vLLM's per-rank files: the rank reads only its own files; --tp-size must be "
+    "the artifact's). An artifact of the other layout is refused.",
+)
 @variant_options(with_tp_size=False)
 @target_options
 @progress_option
@@ -136,6 +145,7 @@ def load_cmd(
     allow_missing_chunk_table: bool,
     uneven: str,
     direct_io: bool,
+    layout: str,
     progress: str,
     as_json: bool,
     **kwargs: Any,
@@ -153,6 +163,7 @@ def load_cmd(
       modelpack load ~/.cache/modelpack/snapshots/<hex> --expected-digest sha256:<hex>
       modelpack load registry.example/llama@sha256:<hex> --trusted-key ci.pub --tp-size 8 --tp-rank 3 --json
       modelpack load oci:./layout@sha256:<hex> --allow-missing-chunk-table --trusted-key ci.pub
+      modelpack load oci:./layout@sha256:<hex> --layout sharded_state --tp-size 2 --tp-rank 1 --json
     """
     from modelpack.errors import PlanError
     from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
@@ -181,6 +192,7 @@ def load_cmd(
         start_id=start_id,
         allow_unverified=allow_unverified,
         target_options=opts,
+        layout=layout,
         options=LoaderOptions(
             direct_io=direct_io,
             uneven=uneven,
@@ -204,6 +216,8 @@ def load_cmd(
         "gbps": round(stats.gbps, 3),
         "tpSize": tp_size,
         "tpRank": tp_rank,
+        "layout": layout,
+        "bytesByFile": dict(sorted(stats.per_file_bytes.items())),
         "device": device,
         "state": stats.state,
         "startId": stats.start_id,

@@ -112,6 +112,9 @@ def pack_cmd(
     cache (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME as usual) and the files are packed from
     the cache's blobs without a second copy; the commit goes into descriptor.revision.
     --modelfile FILE (modctl's Modelfile) chooses the files of CHECKPOINT_DIR and their kinds.
+    A directory vLLM's save_sharded_state wrote (model-rank-R-part-P.safetensors) is recognised by
+    its file names and packed as the sharded_state variant: the manifest says layout=sharded_state
+    and tp-size=N, each rank file's layer its rank; a missing rank or an ambiguous name is refused.
 
     The same directory always packs to the same manifest digest (fixed file metadata, sorted
     files, no timestamp unless --created).
@@ -123,6 +126,7 @@ def pack_cmd(
       modelpack pack s3://bucket/checkpoints/llama-8b/ registry.example/models/llama:v1
       modelpack pack hf://Qwen/Qwen3-0.6B@main oci:./layout:qwen3
       modelpack pack ./gemma-2b oci:./layout:gemma --modelfile ./gemma-2b/Modelfile
+      modelpack pack ./llama-8b-sharded-tp2 oci:./layout:tp2   # vLLM sharded_state files
     """
     if not checkpoint_dir.startswith(("s3://", "hf://")):
         check_checkpoint_dir(checkpoint_dir)
