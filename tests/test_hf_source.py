@@ -27,11 +27,15 @@ from modelpack import api
 from modelpack.errors import HFRevisionNotFoundError, HFSourceError
 from modelpack.files import try_reflink
 from modelpack.packing.hf_source import build_hf_artifact, parse_hf_url
+from modelpack.packing.packed_artifact import PackOptions
 from tests.fixtures.registry import RegistryServer
 
 REPO = "acme-ai/tiny-llama"
 TOKEN = "hf_" + "TestTokenDoNotPrint" + "7Qx2"  # distinctive, so output can be grepped for it
 ENDPOINT = "https://hub.example.internal"
+# in-process packs read huggingface_hub's endpoint as imported; the CLI runs name ENDPOINT, which is
+# part of what is recorded (sourceURL), so the in-process ones record the same URL
+SAME_ENDPOINT = PackOptions(source_url=f"{ENDPOINT}/{REPO}")
 
 
 @dataclass
@@ -171,7 +175,6 @@ def test_pack_from_hf_by_default_branch_commit_and_ref_is_one_reproducible_artif
     for tag, source in (
         ("a", f"hf://{REPO}"),
         ("b", f"hf://{REPO}@{hub.commit}"),
-        ("c", f"hf://{REPO}@main"),
     ):
         proc = run_cli(
             "pack",
@@ -188,6 +191,10 @@ def test_pack_from_hf_by_default_branch_commit_and_ref_is_one_reproducible_artif
         assert doc["config"]["descriptor"]["sourceURL"] == f"{ENDPOINT}/{REPO}"
         assert doc["config"]["descriptor"]["name"] == "tiny-llama"
         assert doc["config"]["config"]["precision"] == "bfloat16"
+    by_ref = build_hf_artifact(
+        f"hf://{REPO}@main", SAME_ENDPOINT, cache_dir=str(hub.root), local_files_only=True
+    )
+    digests.append(str(by_ref.digest))
     assert len(set(digests)) == 1  # the same revision packs to the same manifest digest
     # no second copy: nothing was staged, and each layout blob is the cache blob itself (linked)
     assert list(staging.iterdir()) == []
@@ -199,7 +206,7 @@ def test_pack_from_hf_by_default_branch_commit_and_ref_is_one_reproducible_artif
         assert stored.read_bytes() == hub.files[layer.path]
     # pulled back, byte for byte
     out = tmp_path / "pulled"
-    api.pull(f"oci:{layout}:c", str(out))
+    api.pull(f"oci:{layout}:b", str(out))
     for rel, data in hub.files.items():
         if rel != ".gitattributes":
             assert (out / rel).read_bytes() == data
@@ -227,10 +234,16 @@ def test_push_from_hf_to_a_registry_and_pull_back(
     hub: HubCache, registry: RegistryServer, tmp_path: Path
 ) -> None:
     ref = registry.ref("hf/tiny-llama", "main")
-    proc = run_cli("push", f"hf://{REPO}@main", ref, "--json", hub=hub)
+    key = tmp_path / "ci"
+    assert run_cli("keygen", "--out", str(key), hub=hub).returncode == 0
+    proc = run_cli("push", f"hf://{REPO}@main", ref, "--json", "--sign-key", f"{key}.key", hub=hub)
     doc = _json(proc)
-    again = _json(run_cli("pack", f"hf://{REPO}@{hub.commit}", f"oci:{tmp_path / 'l'}:x", "--json", hub=hub))
-    assert again["digest"] == doc["digest"]
+    verified = run_cli("verify", ref, "--key", f"{key}.pub", hub=hub)
+    assert verified.returncode == 0, verified.stderr
+    again = build_hf_artifact(
+        f"hf://{REPO}@{hub.commit}", SAME_ENDPOINT, cache_dir=str(hub.root), local_files_only=True
+    )
+    assert again.digest == doc["digest"]
     summary = api.inspect(ref)
     assert summary.digest == doc["digest"]
     assert summary.config is not None
@@ -255,7 +268,41 @@ def test_a_revision_missing_offline_is_a_typed_error_naming_repo_and_revision(hu
     assert proc.returncode == 1
     assert "acme-ai/tiny-llama" in proc.stderr and "release/2026" in proc.stderr
     assert "Traceback" not in proc.stderr
-    _no_token_anywhere(texts=(proc.stdout, proc.stderr))
+    debug = run_cli("--debug", "pack", f"hf://{REPO}@release/2026", "oci:/nonexistent-x:v1", hub=hub)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    _no_token_anywhere(texts=(proc.stdout, proc.stderr, debug.stdout, debug.stderr))
+
+
+def test_hf_home_locates_the_cache_and_a_tag_ref_resolves(hub: HubCache, tmp_path: Path) -> None:
+    # HF_HOME alone (no HF_HUB_CACHE): huggingface_hub's cache is $HF_HOME/hub, as users expect
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_ENDPOINT", "HF_TOKEN")}
+    (hub.repo / "refs" / "v1.0").write_text(hub.commit)  # a tag, as huggingface_hub records it
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "modelpack.cli",
+            "pack",
+            f"hf://{REPO}@v1.0",
+            f"oci:{tmp_path / 'l'}:v1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "HF_HOME": str(hub.root.parent), "HF_HUB_OFFLINE": "1"},
+    )
+    doc = _json(proc)
+    assert doc["config"]["descriptor"]["revision"] == hub.commit
+    assert doc["config"]["descriptor"]["sourceURL"] == f"https://huggingface.co/{REPO}"
+    moved = subprocess.run(
+        [sys.executable, "-m", "modelpack.cli", "pack", f"hf://{REPO}@v1.0", f"oci:{tmp_path / 'l'}:v2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "HF_HOME": str(tmp_path / "elsewhere"), "HF_HUB_OFFLINE": "1"},
+    )
+    assert moved.returncode == 1 and "not in the Hugging Face cache" in moved.stderr
 
 
 def test_a_revision_is_data_escaped_when_printed_and_never_a_path(hub: HubCache) -> None:
