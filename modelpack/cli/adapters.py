@@ -14,7 +14,10 @@ import click
 from modelpack.cli.options import (
     build_target_options,
     emit_json,
+    handle_errors,
     human_size,
+    json_option,
+    read_passphrase,
     signals_interrupt,
     trust_policy_from,
 )
@@ -33,7 +36,6 @@ def push_adapter_cmd(
     """``push ADAPTER_DIR REF --base BASE``."""
     from modelpack.api.adapters import push_adapter
     from modelpack.cli.pack_options import pack_options_from
-    from modelpack.cli.transfer import push_signing_key
 
     base = kwargs.pop("base")
     if kwargs.pop("artifact_format", "artifact") != "artifact" or kwargs.pop("compression", None):
@@ -46,7 +48,7 @@ def push_adapter_cmd(
     topts = build_target_options(kwargs, registry=destination)
     if chunk_size:
         topts.extra["chunk_size"] = chunk_size
-    key = push_signing_key(kwargs)
+    key = _signing_key(kwargs)  # after --password-stdin's line, before any upload
     result = push_adapter(
         source, destination, base, pack_options=popts, target_options=topts, jobs=jobs, sign_key=key
     )
@@ -66,6 +68,17 @@ def push_adapter_cmd(
         err=True,
     )
     click.echo(result.digest)
+
+
+def _signing_key(kwargs: dict[str, Any]) -> Any:
+    """``--sign-key`` loaded now, before any upload (as ``push`` does)."""
+    key_spec = kwargs.pop("sign_key", None)
+    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
+    if not key_spec:
+        return None
+    from modelpack.signing import load_private_key
+
+    return load_private_key(key_spec, read_passphrase(from_stdin))
 
 
 def pull_with_adapters_cmd(
@@ -155,3 +168,51 @@ def print_adapters(doc: dict[str, Any]) -> None:
         click.echo(f"  {for_terminal(a['name'])}  {a['digest']}  {human_size(a['totalSize'])}")
     for note in doc.get("skippedAdapters", []):
         click.echo(f"  skipped referrer: {for_terminal(note)}")
+
+
+@click.command("lora-args")
+@click.argument("base")
+@click.option(
+    "--cache",
+    "cache_dir",
+    envvar="MODELPACK_CACHE",
+    default=None,
+    metavar="DIR",
+    help="Node cache directory (default: $MODELPACK_CACHE, else $XDG_CACHE_HOME/modelpack, else ~/.cache/modelpack).",
+)
+@click.option(
+    "--adapter",
+    "adapter_refs",
+    multiple=True,
+    metavar="REF",
+    help="Serve only this cached adapter (reference or digest; repeatable); refused unless its subject is BASE.",
+)
+@json_option
+@handle_errors
+def cache_lora_args(base: str, cache_dir: str | None, adapter_refs: tuple[str, ...], as_json: bool) -> None:
+    """Print vLLM's LoRA flags for BASE and its cached adapters (no network).
+
+    Every cached adapter whose subject is BASE (pulled with 'pull --cache --with-adapters'), each
+    checked again from the cache (manifest digest, subject, name, rank): '--enable-lora
+    --max-lora-rank R --max-loras N --lora-modules NAME=SNAPSHOT …', shell-quoted on one line.
+    Requests then name an adapter as the model.
+
+    \b
+    Examples:
+      modelpack pull reg.example/llama@sha256:… --cache /var/cache/modelpack --with-adapters
+      python -m vllm.entrypoints.openai.api_server --model "$(modelpack cache path reg.example/llama@sha256:…)" \\
+          $(modelpack cache lora-args reg.example/llama@sha256:…)
+    """
+    import shlex
+
+    from modelpack.mount.cache import NodeCache, default_cache_dir
+    from modelpack.serving.lora_adapters import cached_adapters, vllm_lora_args
+
+    adapters = cached_adapters(NodeCache(cache_dir or default_cache_dir()), base, adapter_refs)
+    args = vllm_lora_args(adapters)
+    if as_json:
+        emit_json({"base": base, "adapters": [a.to_json() for a in adapters], "args": args})
+        return
+    if not adapters:
+        click.echo(f"no cached adapters of {for_terminal(base)}", err=True)
+    click.echo(shlex.join(args))

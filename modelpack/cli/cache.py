@@ -455,4 +455,8 @@ def cache_serve(
     server.serve_forever()
 
 
+from modelpack.cli.adapters import cache_lora_args  # noqa: E402  (the adapters' vLLM flags)
+
+cache_group.add_command(cache_lora_args)
+
 __all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]
