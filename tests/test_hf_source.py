@@ -356,6 +356,12 @@ def test_hostile_names_and_links_in_the_snapshot_are_refused(hub: HubCache, tmp_
     with pytest.raises(HFSourceError, match="backslash"):
         build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
     evil.unlink()
+    # a name that is not UTF-8 (it could not be written into an annotation as the same name)
+    evil_bytes = os.path.join(os.fsencode(hub.snapshot), b"\xffx.md")
+    os.symlink(os.fsencode(blob), evil_bytes)
+    with pytest.raises(HFSourceError, match="not UTF-8"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    os.unlink(evil_bytes)
     # a symlinked directory (a traversal out of the snapshot)
     outside = tmp_path / "outside"
     outside.mkdir()

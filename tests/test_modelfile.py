@@ -255,6 +255,7 @@ def test_quoted_paths_dataset_and_flags_over_modelfile(tmp_path: Path) -> None:
         ("DOC */secret.md", "symlink leaving the context directory"),
         ("DOC sub", "is a directory"),
         ("MODEL missing.safetensors", "no such file"),
+        ("DOC *.txt", "not UTF-8"),
     ],
 )
 def test_globs_never_leave_the_context_directory(tmp_path: Path, line: str, message: str) -> None:
@@ -266,6 +267,8 @@ def test_globs_never_leave_the_context_directory(tmp_path: Path, line: str, mess
     (ctx / "sub" / "ok.md").write_text("ok")
     (ctx / "link-out.md").symlink_to(outside / "secret.md")
     (ctx / "linked-dir").symlink_to(outside)
+    with open(os.path.join(os.fsencode(ctx), b"\xff.txt"), "wb") as f:
+        f.write(b"a name that is not UTF-8")
     mf = tmp_path / "Modelfile"
     mf.write_text(f"NAME x\n{line}\n")
     with pytest.raises(ModelfileError, match=message) as err:

@@ -208,7 +208,12 @@ def list_snapshot(
             full = os.path.join(dirpath, fname)
             rel = _rel(full, snapshot)
             try:
+                rel.encode("utf-8")
                 safe_relative_path(rel, what="file path")
+            except UnicodeEncodeError:
+                raise HFSourceError(
+                    f"{source.shown}: file name {rel!r} is not UTF-8; refusing it", repo_id=source.repo_id
+                ) from None
             except UnsafePathError as exc:
                 raise HFSourceError(f"{source.shown}: {exc}", repo_id=source.repo_id) from None
             real = _blob_of(source, full, rel, blobs, snapshot)

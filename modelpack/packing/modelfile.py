@@ -292,7 +292,14 @@ class _Walk:
                     line=glob.line,
                 )
             try:
+                rel.encode("utf-8")
                 safe_relative_path(rel, what="file path")
+            except UnicodeEncodeError:
+                raise ModelfileError(
+                    self.path,
+                    f"{glob.command} {glob.pattern!r}: file name {rel!r} is not UTF-8",
+                    line=glob.line,
+                ) from None
             except UnsafePathError as exc:
                 raise ModelfileError(self.path, str(exc), line=glob.line) from None
             out.append((rel, real))
