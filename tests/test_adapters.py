@@ -283,8 +283,13 @@ def test_pull_into_the_node_cache_checks_every_adapter_against_the_policy(tmp_pa
     )
     # an unsigned adapter next to it: the whole pull is refused under the key
     push_adapter(str(_adapter(tmp_path, "unsigned", seed=4)), f"{repo}:unsigned", f"@{base.digest}")
+    cache2 = NodeCache(str(tmp_path / "cache2"))
     with pytest.raises(SignatureRefused):
-        pull_with_adapters(f"{repo}:base", cache=cache, policy=policy)
+        pull_with_adapters(f"{repo}:base", cache=cache2, policy=policy)
+    assert cache2.ls() == []  # refused before anything was published, the base included
+    with pytest.raises(SignatureRefused):
+        pull_with_adapters(f"{repo}:base", str(tmp_path / "dest"), policy=policy)
+    assert not (tmp_path / "dest").exists()
     # without a policy both come
     result = pull_with_adapters(f"{repo}:base", cache=cache)
     assert sorted(a.name for a in result.adapters) == ["signed", "unsigned"]

@@ -298,26 +298,27 @@ def pull_with_adapters(
     chosen, skipped = select_adapters(
         target, pinned, base_desc, with_adapters=with_adapters, adapters=adapters, target_options=topts
     )
-    if cache is not None:
-        base_result = cache.pull(pinned, topts, policy=policy, jobs=jobs, progress=progress)
-        for a in chosen:
-            a.path = cache.pull(a.reference, topts, policy=policy, jobs=jobs, progress=progress).path
-        return BasePullResult(str(ref), str(desc.digest), base_result.path, chosen, skipped, base_result)
-    assert dest_dir is not None
-    _refuse_adapters_dir_in_base(base_manifest, ref)
-    if policy is not None:
+    if dest_dir is not None:
+        _refuse_adapters_dir_in_base(base_manifest, ref)
+    if policy is not None:  # every signature before the first byte of any of them is written
         from modelpack.signing.verify import verify_reference
 
         verify_reference(pinned, policy, topts)
         for a in chosen:
             a.verification = verify_reference(a.reference, policy, topts)[2].to_json()
+    if cache is not None:  # the cache checks the policy again, as for any pull, before publishing
+        base_result = cache.pull(pinned, topts, policy=policy, jobs=jobs, progress=progress)
+        for a in chosen:
+            a.path = cache.pull(a.reference, topts, policy=policy, jobs=jobs, progress=progress).path
+        return BasePullResult(str(ref), str(desc.digest), base_result.path, chosen, skipped, base_result)
+    assert dest_dir is not None
     from modelpack.api.transfer import pull
 
-    base_result = pull(pinned, dest_dir, target_options=topts, jobs=jobs, progress=progress, force=force)
+    dir_result = pull(pinned, dest_dir, target_options=topts, jobs=jobs, progress=progress, force=force)
     for a in chosen:
         a.path = os.path.join(dest_dir, ADAPTERS_SUBDIR, a.name)
         pull(a.reference, a.path, target_options=topts, jobs=jobs, progress=progress, force=force)
-    return BasePullResult(str(ref), str(desc.digest), dest_dir, chosen, skipped, base_result)
+    return BasePullResult(str(ref), str(desc.digest), dest_dir, chosen, skipped, dir_result)
 
 
 def _refuse_adapters_dir_in_base(manifest: Manifest, ref: Reference) -> None:
