@@ -14,7 +14,7 @@ registry. Each contender runs in its own process into a fresh DEST, ``--runs`` t
 
 Runs are interleaved (each run: every contender once, the order rotated), so a ratio compares
 processes that saw the same load; the load average is printed. Reported: wall time (median), the
-median per-run ratio to kserve-storage, peak RSS of the process (``wait4`` in a small launcher:
+median per-run ratio to kserve-storage, CPU seconds (user + system), peak RSS of the process (``wait4`` in a small launcher:
 its own high-water mark, not this benchmark's), blob bytes the registry sent
 (its access log), and the corruption outcome: one byte flipped in a weight layer's blob in the
 registry's storage, then each contender's exit code and whether DEST holds a wrong file.
@@ -56,7 +56,7 @@ _LAUNCH = (
     "import os, subprocess, sys\n"
     "p = subprocess.Popen(sys.argv[1:])\n"
     "_, status, usage = os.wait4(p.pid, 0)\n"
-    "sys.stderr.write('\\nmaxrss-kib: ' + str(usage.ru_maxrss))\n"
+    "sys.stderr.write(f'\\nmaxrss-kib: {usage.ru_maxrss} cpu-s: {usage.ru_utime + usage.ru_stime:.3f}')\n"
     "sys.exit(os.waitstatus_to_exitcode(status))\n"
 )
 
@@ -84,9 +84,11 @@ def run_contender(name: str, uri_host: str, repo: str, dest: Path, work: Path, j
         check=False,
     )
     wall = time.perf_counter() - t0
-    err, _, rss = proc.stderr.decode(errors="replace").rpartition("\nmaxrss-kib: ")
+    err, _, tail = proc.stderr.decode(errors="replace").rpartition("\nmaxrss-kib: ")
+    rss, _, cpu = tail.partition(" cpu-s: ")
     return {
         "wall_s": wall,
+        "cpu_s": float(cpu) if cpu else 0.0,
         "rss_mib": int(rss) / 1024 if rss.strip().isdigit() else 0.0,
         "rc": proc.returncode,
         "stderr": err.strip().splitlines()[-1:] if err.strip() else [],
@@ -137,6 +139,7 @@ def main() -> None:
             results["contenders"][name] = {
                 "wall_s_median": statistics.median(r["wall_s"] for r in rs),
                 "wall_s": [round(r["wall_s"], 3) for r in rs],
+                "cpu_s_median": statistics.median(r["cpu_s"] for r in rs),
                 "rss_mib_max": max(r["rss_mib"] for r in rs),
                 "blob_bytes": rs[-1]["blob_bytes"],
                 "rc": [r["rc"] for r in rs],
@@ -195,7 +198,7 @@ def main() -> None:
         f"load average {load[0]} {load[1]} {load[2]}"
     )
     print(
-        f"{'contender':<18}{'wall (median)':>14}{'vs kserve':>10}{'peak RSS':>11}{'blob bytes':>14}"
+        f"{'contender':<18}{'wall (median)':>14}{'vs kserve':>10}{'CPU s':>7}{'peak RSS':>11}{'blob bytes':>14}"
         "   corrupted blob in the registry"
     )
     for name, r in results["contenders"].items():
@@ -203,7 +206,7 @@ def main() -> None:
         ratio = r.get("vs_kserve_median")
         shown = f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"
         print(
-            f"{name:<18}{r['wall_s_median']:>12.2f} s{shown}{r['rss_mib_max']:>7.0f} MiB"
+            f"{name:<18}{r['wall_s_median']:>12.2f} s{shown}{r['cpu_s_median']:>7.2f}{r['rss_mib_max']:>7.0f} MiB"
             f"{r['blob_bytes'] / 2**20:>10.1f} MiB   exit {c['rc']}, DEST: {c['dest']}"
         )
     print(
