@@ -54,9 +54,10 @@ class RankFile:
 
 
 def looks_like_rank_file(relpath: str) -> bool:
-    """Whether a reader could take ``relpath`` for a rank file (its base name, case-folded)."""
+    """Whether a reader could take ``relpath`` for a rank file: its base name, case-folded, starts
+    like one and names safetensors (``model-rank-0-part-0.safetensors.bak`` too)."""
     name = posixpath.basename(relpath).lower()
-    return name.startswith(_LOOKS_LIKE)
+    return name.startswith(_LOOKS_LIKE) and ".safetensors" in name
 
 
 def parse_rank_file(relpath: str, *, where: str = "checkpoint") -> RankFile | None:

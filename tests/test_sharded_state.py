@@ -134,6 +134,7 @@ def test_pack_refuses_a_missing_rank_naming_it(tmp_path: Path) -> None:
         api.pack(str(src), f"oci:{tmp_path / 'out'}:v1")
     assert info.value.rank == 1 and info.value.tp_size == 3
     assert "rank 1" in str(info.value)
+    assert str(src) in str(info.value)  # refused by the directory's check, before any file was hashed
     index = tmp_path / "out" / "index.json"
     assert not index.exists() or not json.loads(index.read_text()).get("manifests")  # nothing published
 

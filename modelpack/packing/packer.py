@@ -21,6 +21,7 @@ from modelpack.packing.model_config import describe_model, format_param_size, re
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.reshard import reshard
 from modelpack.packing.safetensors_format import SafetensorsHeader, read_header
+from modelpack.packing.sharded_state import describe_sharded_state
 from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 from modelpack.progress import Progress
 
@@ -46,6 +47,8 @@ def build_artifact(
         if staging is not None:
             files = reshard(files, headers, opts.max_file_size or 0, staging)
             headers, checked = _read_headers(files)
+        # a broken sharded_state checkpoint is refused before hours of hashing, not after
+        describe_sharded_state([rel for rel, _ in files], headers, where=root)
         kinds: list[tuple[str, str, str, bool]] = []
         for rel, full in files:
             kind, untested = classify(rel, opts.other_files)
