@@ -108,3 +108,21 @@ def test_each_abandonment_names_the_source_and_why_and_each_blob_its_sources(
     # the run's totals per source: what a crawler delivered before it was left counts as its own
     assert sum(res.bytes_by_source.values()) >= sum(layer.size for layer in manifest.layers)
     assert res.bytes_by_source[origin.host] > 0
+
+
+def test_a_manifest_resolved_then_read_through_one_mirror_is_one_fetch_event(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path
+) -> None:
+    origin, mirror = registry_factory.start(), registry_factory.start()
+    digest, _, _ = _push(origin, checkpoint, "events/once")
+    transfer.cp(origin.ref("events/once", "v1"), mirror.ref("events/once", "v1"), progress="off")
+    log = tmp_path / "events.jsonl"
+    opts = TargetOptions(mirrors=[f"http://{mirror.host}"], extra={"events": EventLog(str(log))})
+    target = open_readable(f"{origin.host}/events/once@{digest}", opts)
+    desc = target.resolve(digest)
+    raw, _ = target.fetch_manifest(digest)
+    assert desc.size == len(raw)
+    fetched = [e for e in read_events(str(log)) if e["event"] == "registry.manifest_fetched"]
+    assert [(e["source"], e["source_kind"], e["bytes"]) for e in fetched] == [
+        (f"http://{mirror.host}", "mirror", len(raw))
+    ]

@@ -152,6 +152,7 @@ class RegistryTarget:
             for name, store in self._mirror_manifests:
                 if not self.mirrors.usable(name):
                     continue
+                again = store.cached(reference) is not None  # a resolve then a fetch: one event
                 try:
                     got = op(store)
                 except TransferInterrupted:
@@ -159,7 +160,8 @@ class RegistryTarget:
                 except ModelpackError as exc:
                     self.mirrors.manifest_abandoned(name, reference, exc)
                     continue
-                self._manifest_event(reference, got, self.mirrors.url_of(name), "mirror")
+                if not again:
+                    self._manifest_event(reference, got, self.mirrors.url_of(name), "mirror")
                 return got
         fresh = self._manifests.cached(reference) is None if reference.startswith("sha256:") else True
         got = op(self._manifests)
