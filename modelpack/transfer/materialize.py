@@ -4,8 +4,10 @@ Nothing unverified is ever at a final path, and nothing a person had there is lo
 is downloaded to a resumable ``.partial`` next to its path and renamed once its digest matched
 (``download``); a tar layer (the image-shaped variant's, under ``models/``, and ModelPack ``tar`` /
 ``tar+gzip`` / ``tar+zstd``) is extracted into a locked staging directory with every member
-checked, counted and claimed (``untar``), and its files are renamed into place only after the
-whole blob matched. Files that differ from what is at the destination are refused unless
+checked, counted and claimed (``untar``) while its blob digest is computed over the same stream,
+and its files are renamed into place only after the whole blob matched (files are not hashed one
+by one: their bytes are part of the verified blob; a staged file is hashed only to compare it
+with a same-sized file already at the destination). Files that differ from what is at the destination are refused unless
 ``force``; files the artifact does not contain are reported, removed only with ``delete``
 (``destination``). What is written is capped by the free space (or ``max_bytes``) and counted
 as tar layers expand. Layers go in two phases, tar layers first, so that a conflict found inside

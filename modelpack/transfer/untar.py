@@ -10,6 +10,14 @@ is written is counted against a budget the caller sets (``max_bytes``: the free 
 quota, ``--max-bytes``), header and trailer sizes are bounded, and sparse members are refused in
 every encoding. A corrupt stream is a ``LayerFormatError``, a write the OS refuses a
 ``FileWriteError`` naming the path; nothing is ever left half-checked at a final path.
+
+Speed and memory: tarfile parses the headers (its bounded subclass below) straight from a
+forward-only reader, and member data is copied from that reader to the file in 1 MiB reads
+(``COPY_CHUNK``) with the disk's write-back started as it goes: no tarfile stream buffer joining
+and slicing every read, no ``ExFileObject`` in between, a few MiB per layer extracted at once.
+Each file's sha256 is computed on the way only for callers that record it (``extract_tar_layer``:
+the node cache's snapshot metadata, assets); pull into a directory, which proves the files by
+the blob digest over the same stream before any is visible, uses ``extract_tar_files``.
 """
 
 from __future__ import annotations
