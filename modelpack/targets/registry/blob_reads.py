@@ -34,6 +34,7 @@ import logging
 import re
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -362,6 +363,94 @@ def read_range(
     if have != length:
         raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_range_into(
+    repo: RepositoryAPI, descriptor: Descriptor, offset: int, views: Sequence[memoryview]
+) -> None:
+    """``read_range`` into caller memory: the range at ``offset`` fills ``views`` one after the
+    other (their lengths add up to the range), received straight into them, no intermediate
+    ``bytes``. A cut range is continued from the byte it reached, as ``read_range`` does."""
+    length = sum(len(v) for v in views)
+    if length <= 0:
+        return
+    if offset < 0 or offset + length > descriptor.size:
+        raise SizeMismatchError(descriptor.digest, descriptor.size, offset + length, source=repo.name)
+    budget = repo.client.budget()
+    have = 0
+    what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
+    while have < length:
+        stopping.check()
+        start = offset + have
+        resp = repo.client.request(
+            "GET",
+            repo.path("blobs", descriptor.digest),
+            scopes=repo.scopes(),
+            headers={"Range": f"bytes={start}-{offset + length - 1}"},
+            stream=True,
+            ok=(206,),
+            allow=(200, 416),
+            what=what,
+            budget=budget,
+        )
+        _bound_silence(repo, resp)
+        sock = _socket_of(resp)
+        try:
+            with resp, stopping.abort_on_stop(functools.partial(_shutdown, sock)):
+                if resp.status_code == 416:
+                    raise RegistryError(f"{what} not satisfiable", status=416, target=repo.name)
+                if resp.status_code == 206:
+                    _check_content_range(repo, resp, descriptor, start)
+                else:
+                    _skip(resp, start)
+                before = have
+                for view in _remaining(views, have):
+                    got = 0
+                    while got < len(view):
+                        n = _readinto(resp, view[got:])
+                        if not n:
+                            break
+                        got += n
+                        have += n
+                    if got < len(view):
+                        break
+                if have == before:
+                    break  # the registry has no more bytes: the size check below says so
+                budget.progressed()
+        except TRANSPORT_ERRORS as exc:
+            if not is_transport_error(exc):
+                raise
+            log.debug("%s: cut at byte %d (%s); resuming", what, offset + have, type(exc).__name__)
+            stopping.check()
+            if not budget.wait():
+                raise repo.client.connection_error(what, exc, budget) from None
+            repo.client.count_retry()
+            repo.count("read_resumes")
+    if have != length:
+        raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
+
+
+def _remaining(views: Sequence[memoryview], skip: int) -> Iterator[memoryview]:
+    """``views`` past their first ``skip`` bytes (where a resumed range continues)."""
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        yield view[skip:] if skip else view
+        skip = 0
+
+
+def _readinto(resp: requests.Response, view: memoryview) -> int:
+    """Receive body bytes straight into ``view`` (http.client's ``readinto`` under urllib3: the
+    socket's ``recv_into``); a response without that reader is read and copied."""
+    fp = getattr(resp.raw, "_fp", None)
+    readinto = getattr(fp, "readinto", None)
+    if readinto is not None and not getattr(resp.raw, "_has_decoded_content", False):
+        n = readinto(view)
+        return int(n or 0)
+    data = _read(resp, len(view), False)
+    view[: len(data)] = data
+    return len(data)
 
 
 def _skip(resp: requests.Response, n: int) -> None:
