@@ -1,9 +1,11 @@
 """Read path for a file covered by a signed chunk table: verify each chunk before using any byte.
 
 Reads are widened to chunk boundaries; consecutive needed chunks share one range read (up to a
-staging slot), and every chunk of a read is hashed against the table in the worker before the
-block is copied out (CPU memcpy, or H2D into a device scratch buffer and a device-side gather
-into the destination). A rank therefore reads and verifies only the chunks its shard touches,
+staging slot), and every chunk of a read is hashed against the table in the worker before any
+tensor counts its bytes. On the CPU a block whose tensors take contiguous runs of it is read
+straight into them (``scatter``: gaps into the slot, each chunk hashed where its bytes landed,
+no copy); otherwise it is staged and copied out after the check (CPU memcpy, or H2D into a
+device scratch buffer and a device-side gather into the destination). A rank therefore reads and verifies only the chunks its shard touches,
 each once: chunks already verified while the header was read (``headers.VerifiedChunks``) are
 copied from memory instead of fetched again.
 """
@@ -16,7 +18,8 @@ from typing import Any
 from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.plan import FilePlan
-from modelpack.loader.readers import RangeReader
+from modelpack.loader.readers import RangeReader, read_scatter
+from modelpack.loader.scatter import Segment, land, parts, scatter_plan, verify_chunk_parts
 from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import WeightFile
 
@@ -66,23 +69,45 @@ def read_chunked(
         slot = yield from load.next_slot()
         held = load.verified.take(f.relpath, group[0]) if group[0] in kept and load.verified else None
 
+        segments = scatter_plan(load, index, g0, g0 + glen, slot.view)
+
         def task(
             slot: Slot = slot,
             group: list[int] = group,
             g0: int = g0,
             glen: int = glen,
             held: bytearray | None = held,
+            segments: list[Segment] | None = segments,
         ) -> None:
             if held is not None:  # verified when the header was read, in memory only this load sees
-                slot.view[:glen] = held
+                if segments is None:
+                    slot.view[:glen] = held
+                    return
+                for seg in segments:
+                    seg.view[:] = held[seg.start - g0 : seg.end - g0]
+                return
+            if segments is not None:  # straight into the destinations, hashed where it landed
+                read_scatter(reader, g0, [seg.view for seg in segments])
+                for c in group:  # every chunk checked before any tensor counts its bytes
+                    c0, clen = table.chunk_range(layer, c)
+                    verify_chunk_parts(table, layer, c, parts(segments, c0, c0 + clen))
                 return
             reader.read_into(g0, slot.view[:glen])
             for c in group:  # every chunk checked before ANY byte is copied towards a tensor
                 c0, clen = table.chunk_range(layer, c)
                 table.verify_chunk(layer, c, slot.view[c0 - g0 : c0 - g0 + clen])
 
-        def done(_: Any, slot: Slot = slot, g0: int = g0, glen: int = glen) -> None:
-            load.copy_out(slot, g0, g0 + glen, index.candidates(g0, g0 + glen))
+        def done(
+            _: Any,
+            slot: Slot = slot,
+            g0: int = g0,
+            glen: int = glen,
+            segments: list[Segment] | None = segments,
+        ) -> None:
+            if segments is not None:
+                land(load, segments)
+            else:
+                load.copy_out(slot, g0, g0 + glen, index.candidates(g0, g0 + glen))
             load.release(slot)
 
         yield from load.submit(task, done)

@@ -247,6 +247,7 @@ class LoadEngine:
                     dst.copy_(view)
                 landed += rows * length
             if landed:
+                self.stats.staged_bytes += landed
                 self.landed(idx, landed)
 
     def _read_started(self) -> None:

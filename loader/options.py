@@ -60,6 +60,9 @@ class LoadStats:
     bytes_read: int = 0
     bytes_received: int = 0  # chunk bytes other ranks read and broadcast to this one (options.group)
     mapped_bytes: int = 0  # bytes handed out as views of mapped store blobs (LoaderOptions.views)
+    # verified bytes copied out of a staging slot into their tensors (a block read straight into
+    # its destinations, scatter.py, is not staged: 0 for a CPU stream whose spans are contiguous)
+    staged_bytes: int = 0
     tensors: int = 0
     read_start: float = 0.0
     read_done: float = 0.0

@@ -2,8 +2,9 @@
 
 Every reader fills caller-owned buffers (``read_into``) so the pipeline can reuse its staging
 ring or read straight into destination tensors; none allocates per read except the Target
-reader, whose protocol returns ``bytes``. Readers count the bytes they deliver (``bytes_read``)
-and log where they came from (``reads``): the load attributes them to split kinds
+reader over a target whose protocol returns ``bytes`` (S3; a registry receives in place).
+Readers count the bytes they deliver (``bytes_read``) and log where they came from
+(``reads``): the load attributes them to split kinds
 (``accounting``), and the tests use both to check that a rank reads ≈ 1/TP of the model.
 
 - ``FileReader``: positional ``os.preadv`` (thread-safe: no shared file offset, so a few worker
@@ -13,14 +14,18 @@ and log where they came from (``reads``): the load attributes them to split kind
   copied, by the kernel out of a short-lived mapping (``gather``), so a file that shrinks under
   the load is a ``TruncatedSourceError``, never a SIGBUS.
 - ``TargetReader``: ``target.fetch_range`` (HTTP Range for a registry, ranged GET for S3, pread
-  for an OCI layout); the pipeline keeps many 8–16 MiB ranges in flight.
+  for an OCI layout); the pipeline keeps many 8–16 MiB ranges in flight. A registry receives
+  each range straight into the caller's buffers (``fetch_range_into``), no ``bytes`` between.
+
+Both readers also fill a list of buffers from one range (``read_scatter``): the verified paths
+read a block straight into the destination tensors it feeds, gaps into a staging slot.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -49,6 +54,27 @@ class RangeReader(Protocol):
     def reads(self) -> list[tuple[int, int, int]]: ...
 
     def close(self) -> None: ...
+
+
+def read_scatter(reader: RangeReader, offset: int, views: Sequence[memoryview]) -> None:
+    """``reader.read_scatter`` where the reader has it, else one ``read_into`` per view."""
+    scatter = getattr(reader, "read_scatter", None)
+    if scatter is not None:
+        scatter(offset, views)
+        return
+    for v in views:
+        reader.read_into(offset, v)
+        offset += len(v)
+
+
+def _advance(views: Sequence[memoryview], n: int) -> Iterator[memoryview]:
+    """``views`` past their first ``n`` bytes (after a short ``preadv``)."""
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        yield v[n:] if n else v
+        n = 0
 
 
 class _Counter:
@@ -136,6 +162,20 @@ class FileReader:
             got += n
         self._count.add(want, offset)
 
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order with the bytes at ``offset`` (one ``preadv`` per pass: the
+        kernel copies straight into each buffer), or raise ``TruncatedSourceError``."""
+        want = sum(len(v) for v in views)
+        got = 0
+        left = [v for v in views if len(v)]
+        while left:
+            n = os.preadv(self._fd, left, offset + got)
+            if n <= 0:
+                raise TruncatedSourceError(self.path, offset, want, got)
+            got += n
+            left = list(_advance(left, n))
+        self._count.add(want, offset)
+
     def read_direct(self, offset: int, buf: memoryview, *, need: int | None = None) -> None:
         """O_DIRECT read of page-aligned ``offset`` into the page-aligned ``buf`` (aligned length).
 
@@ -200,6 +240,8 @@ class TargetReader:
         # the signed chunk table's check: a mirror's wrong chunks are refetched beneath this reader
         self._checked = getattr(target, "fetch_range_checked", None) if check is not None else None
         self._check = check
+        # a target that receives a range straight into caller memory (RegistryTarget)
+        self._into = getattr(target, "fetch_range_into", None)
 
     @property
     def bytes_read(self) -> int:
@@ -210,16 +252,28 @@ class TargetReader:
         return self._count.reads
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        want = len(buf)
+        self.read_scatter(offset, [buf])
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order with the range at ``offset``: received straight into them where
+        the target can (``fetch_range_into``: a registry), else fetched and copied."""
+        want = sum(len(v) for v in views)
         if offset + want > self.size:
             raise TruncatedSourceError(self.name, offset, want, max(0, self.size - offset))
-        if self._checked is not None:
-            data = self._checked(self.descriptor, offset, want, self._check)
+        if self._into is not None:
+            self._into(self.descriptor, offset, views, self._check)
         else:
-            data = self.target.fetch_range(self.descriptor, offset, want)
-        if len(data) != want:
-            raise TruncatedSourceError(self.name, offset, want, len(data))
-        buf[:want] = data
+            if self._checked is not None:
+                data = self._checked(self.descriptor, offset, want, self._check)
+            else:
+                data = self.target.fetch_range(self.descriptor, offset, want)
+            if len(data) != want:
+                raise TruncatedSourceError(self.name, offset, want, len(data))
+            src = memoryview(data)
+            pos = 0
+            for v in views:
+                v[:] = src[pos : pos + len(v)]
+                pos += len(v)
         self._count.add(want, offset)
 
     def close(self) -> None:
