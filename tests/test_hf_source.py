@@ -10,10 +10,13 @@ Every pack runs with ``HF_HUB_OFFLINE=1`` (CLI) or ``local_files_only=True`` (li
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -400,3 +403,142 @@ def test_without_huggingface_hub_the_error_names_the_extra(hub: HubCache) -> Non
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "modelpack-oci[hf]" in proc.stdout
+
+
+class FakeHub:
+    """A loopback stand-in for the Hub's HTTP API, as much of it as ``snapshot_download`` asks for
+    (revision info, the tree listing, HEAD/GET of ``resolve/``), recording each request's
+    ``Authorization``. It serves whatever file names it is given: a hostile ``HF_ENDPOINT``."""
+
+    def __init__(self, repo_id: str, commit: str, files: dict[str, bytes]) -> None:
+        self.repo_id, self.commit, self.files = repo_id, commit, files
+        self.auth: list[tuple[str, str, str | None]] = []  # (method, path, Authorization)
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.do_GET(head=True)
+
+            def do_GET(self, head: bool = False) -> None:
+                path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+                hub.auth.append((self.command, path, self.headers.get("Authorization")))
+                api = f"/api/models/{hub.repo_id}/"
+                resolve = f"/{hub.repo_id}/resolve/{hub.commit}/"
+                headers = {"Content-Type": "application/json"}
+                if path.startswith(api + "revision/"):
+                    siblings = [{"rfilename": f} for f in hub.files]
+                    body = json.dumps({"id": hub.repo_id, "sha": hub.commit, "siblings": siblings}).encode()
+                elif path.startswith(api + "tree/"):
+                    body = json.dumps([hub.entry(f) for f in hub.files]).encode()
+                elif path.startswith(resolve) and path[len(resolve) :] in hub.files:
+                    name = path[len(resolve) :]
+                    body, etag = hub.files[name], hub.entry(name)["etag"]
+                    headers = {"X-Repo-Commit": hub.commit, "ETag": f'"{etag}"'}
+                    if name.endswith(".safetensors"):
+                        headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(body))})
+                else:
+                    body, headers = b"{}", {"X-Error-Code": "EntryNotFound"}
+                self.send_response(200 if "X-Error-Code" not in headers else 404)
+                for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def entry(self, name: str) -> dict[str, Any]:
+        data = self.files[name]
+        lfs = name.endswith(".safetensors")
+        etag = hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data)
+        e: dict[str, Any] = {
+            "type": "file",
+            "path": name,
+            "size": len(data),
+            "oid": _git_blob_sha1(data),
+            "etag": etag,
+        }
+        if lfs:
+            e["lfs"] = {"oid": etag, "size": len(data), "pointerSize": 130}
+        return e
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_online_through_hf_endpoint_with_hf_token_then_offline_to_the_same_digest(tmp_path: Path) -> None:
+    files = {k: v for k, v in _model_files(tmp_path).items() if k != ".gitattributes"}
+    fake = FakeHub(REPO, "c" * 40, files)
+    cache = HubCache(
+        tmp_path / "hf" / "hub", tmp_path / "hf" / "hub" / "models--acme-ai--tiny-llama", "c" * 40, files
+    )
+    try:
+        online = run_cli(
+            "pack",
+            f"hf://{REPO}@main",
+            f"oci:{tmp_path / 'l'}:on",
+            "--json",
+            hub=cache,
+            extra_env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+        )
+        doc = _json(online)
+    finally:
+        fake.close()
+    # HF_TOKEN went to HF_ENDPOINT with every request for the repository (huggingface_hub decides that)
+    repo_requests = [a for _, path, a in fake.auth if REPO in path]
+    assert len(repo_requests) >= 2 * len(files) and set(repo_requests) == {f"Bearer {TOKEN}"}
+    assert doc["config"]["descriptor"]["revision"] == "c" * 40
+    assert doc["config"]["descriptor"]["sourceURL"] == f"{fake.url}/{REPO}"
+    assert huggingface_hub.scan_cache_dir(cache.root).warnings == []
+    # the endpoint is gone: offline, from the cache it filled, the same digest
+    offline = run_cli(
+        "pack",
+        f"hf://{REPO}@main",
+        f"oci:{tmp_path / 'l'}:off",
+        "--json",
+        hub=cache,
+        extra_env={"HF_ENDPOINT": fake.url},
+    )
+    assert _json(offline)["digest"] == doc["digest"]
+    out = tmp_path / "pulled"
+    api.pull(f"oci:{tmp_path / 'l'}:off", str(out))
+    for rel, data in files.items():
+        assert (out / rel).read_bytes() == data
+    _no_token_anywhere(
+        tmp_path / "l", cache.root, out, texts=(online.stdout, online.stderr, offline.stdout, offline.stderr)
+    )
+
+
+@pytest.mark.parametrize(
+    "hostile, message",
+    [("../../../../evil.md", "'..' path segment"), ("read\x1b[2Jme.md", "control character")],
+)
+def test_a_hostile_endpoints_file_names_are_refused(tmp_path: Path, hostile: str, message: str) -> None:
+    fake = FakeHub(REPO, "e" * 40, {"config.json": b"{}", hostile: b"planted"})
+    cache = HubCache(tmp_path / "hf" / "hub", tmp_path / "hf" / "hub", "e" * 40, {})
+    try:
+        proc = run_cli(
+            "pack",
+            f"hf://{REPO}",
+            f"oci:{tmp_path / 'l'}:v1",
+            hub=cache,
+            extra_env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"},
+        )
+    finally:
+        fake.close()
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and REPO in proc.stderr and "Traceback" not in proc.stderr
+    assert "\x1b" not in proc.stderr
+    planted = [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == b"planted"]
+    assert all(cache.root in p.parents for p in planted)  # nothing landed outside the cache
+    index = tmp_path / "l" / "index.json"
+    assert not index.exists() or json.loads(index.read_text())["manifests"] == []  # nothing stored

@@ -166,7 +166,8 @@ def download_snapshot(
             repo_id=source.repo_id,
             revision=revision,
         ) from None
-    except (EntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as exc:
+    except (EntryNotFoundError, HfHubHTTPError, HFValidationError, OSError, ValueError) as exc:
+        # ValueError: huggingface_hub refusing what the endpoint sent (a file name with '..', …)
         raise HFSourceError(
             f"{where}: huggingface_hub failed: {type(exc).__name__}: {for_terminal(str(exc)[:300])}",
             repo_id=source.repo_id,
