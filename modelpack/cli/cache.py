@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S
@@ -131,7 +132,17 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-@click.group("cache")
+@click.group(
+    "cache",
+    cls=LazyGroup,
+    # imported only when it runs: a cache hit (pull --cache) does not load the adapters' CLI
+    lazy_commands={
+        "lora-args": LazyCommand(
+            "modelpack.cli.adapters:cache_lora_args",
+            "Print vLLM's LoRA flags for BASE and its cached adapters (no network).",
+        )
+    },
+)
 def cache_group() -> None:
     """Inspect and maintain the node cache (snapshots of pulled models).
 
@@ -454,9 +465,5 @@ def cache_serve(
     click.echo(f"serving {server.store.root} {what} on {server.url}", err=True)
     server.serve_forever()
 
-
-from modelpack.cli.adapters import cache_lora_args  # noqa: E402  (the adapters' vLLM flags)
-
-cache_group.add_command(cache_lora_args)
 
 __all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]
