@@ -96,7 +96,7 @@ class RankLoad:
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
             "layout": self.settings.layout,
-            "files": sorted(self.plan.files) if plan else None,
+            "files": sorted(plan.files) if plan else None,
             "bytes_read": self.stats.bytes_read,
             "bytes_to_read": self.stats.bytes_to_read,
             "bytes_received": self.stats.bytes_received,
