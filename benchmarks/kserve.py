@@ -21,6 +21,7 @@ registry's storage, then each contender's exit code and whether DEST holds a wro
 
     python benchmarks/kserve.py                    # 512 MiB model, 3 runs
     python benchmarks/kserve.py --size 2GiB --runs 5 --json /tmp/kserve.json
+    python benchmarks/kserve.py --baseline 5a68ddb      # before/after rows in the same runs
 """
 
 from __future__ import annotations
@@ -65,9 +66,16 @@ def blob_bytes(server: RegistryServer, mark: int) -> int:
     return sum(int(m.group(2)) for line in server.access_log()[mark:] if (m := _BLOB_LINE.search(line)))
 
 
-def run_contender(name: str, uri_host: str, repo: str, dest: Path, work: Path, jobs: int) -> dict[str, Any]:
-    """One process; its wall time, peak RSS (KiB → MiB), exit code and stderr tail."""
+def run_contender(
+    name: str, uri_host: str, repo: str, dest: Path, work: Path, jobs: int, baseline: str | None = None
+) -> dict[str, Any]:
+    """One process; its wall time, peak RSS (KiB → MiB), exit code and stderr tail. A name
+    ending in ``@before`` runs modelpack from the ``baseline`` tree (PYTHONPATH)."""
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work / "home")}
+    if name.endswith("@before"):
+        assert baseline is not None
+        base["PYTHONPATH"] = baseline
+        name = name.removesuffix("@before")
     if name == "kserve-storage":
         argv, env = kserve_storage(uri_host, repo, dest, base)
     else:
@@ -110,9 +118,20 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=4, help="MODELPACK_JOBS: layers fetched at once (default 4)")
     ap.add_argument("--contenders", default="kserve-storage,modelpack,modelpack+cache,modelpack-raw")
     ap.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run modelpack and modelpack+cache as of git revision REV (rows NAME@before), interleaved",
+    )
     args = ap.parse_args()
     contenders = args.contenders.split(",")
     work = Path(tempfile.mkdtemp(prefix="mp-bench-kserve-"))
+    baseline = None
+    if args.baseline:
+        from transfer import baseline_tree  # the same before-tree layout as transfer.py's --baseline
+
+        baseline = baseline_tree(args.baseline, work / "baseline", dict(os.environ))
+        contenders += [f"{n}@before" for n in contenders if n in ("modelpack", "modelpack+cache")]
     server = start_registry(work / "registry")
     try:
         expected = make_model(work / "model", parse_size(args.size))
@@ -127,7 +146,13 @@ def main() -> None:
                 dest = work / f"dest-{name}-{i}"
                 mark = server.log_mark()
                 r = run_contender(
-                    name, server.host, raw_repo if name == "modelpack-raw" else repo, dest, work, args.jobs
+                    name,
+                    server.host,
+                    raw_repo if name == "modelpack-raw" else repo,
+                    dest,
+                    work,
+                    args.jobs,
+                    baseline,
                 )
                 r["blob_bytes"] = blob_bytes(server, mark)
                 r["dest"] = dest_state(dest, expected)
@@ -182,7 +207,7 @@ def main() -> None:
                 }
                 continue
             dest = work / f"dest-{name}-corrupt"
-            r = run_contender(name, server.host, repo, dest, work, args.jobs)
+            r = run_contender(name, server.host, repo, dest, work, args.jobs, baseline)
             results["contenders"][name]["corruption"] = {
                 "rc": r["rc"],
                 "dest": dest_state(dest, expected),
@@ -198,7 +223,7 @@ def main() -> None:
         f"load average {load[0]} {load[1]} {load[2]}"
     )
     print(
-        f"{'contender':<18}{'wall (median)':>14}{'vs kserve':>10}{'CPU s':>7}{'peak RSS':>11}{'blob bytes':>14}"
+        f"{'contender':<24}{'wall (median)':>14}{'vs kserve':>10}{'CPU s':>7}{'peak RSS':>11}{'blob bytes':>14}"
         "   corrupted blob in the registry"
     )
     for name, r in results["contenders"].items():
@@ -206,7 +231,7 @@ def main() -> None:
         ratio = r.get("vs_kserve_median")
         shown = f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"
         print(
-            f"{name:<18}{r['wall_s_median']:>12.2f} s{shown}{r['cpu_s_median']:>7.2f}{r['rss_mib_max']:>7.0f} MiB"
+            f"{name:<24}{r['wall_s_median']:>12.2f} s{shown}{r['cpu_s_median']:>7.2f}{r['rss_mib_max']:>7.0f} MiB"
             f"{r['blob_bytes'] / 2**20:>10.1f} MiB   exit {c['rc']}, DEST: {c['dest']}"
         )
     print(
