@@ -115,12 +115,18 @@ def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str
 
 
 def _pull_command(
-    references: Sequence[str], cache_path: str, policy_secret: str | None, policy_key: str
+    references: Sequence[str],
+    cache_path: str,
+    policy_secret: str | None,
+    policy_key: str,
+    adapters: Sequence[str] = (),
 ) -> list[str]:
     args = ["modelpack", "pull"]
     cmd: list[str] = []
     for r in references:
         one = [*args, r, "--cache", cache_path, "--json"]
+        for a in adapters:  # LoRA adapters of this base, each checked against it by the pull
+            one += ["--adapter", a]
         if policy_secret:
             one += ["--policy", f"{POLICY_MOUNT}/{policy_key}"]
         cmd.append(shlex.join(one))
@@ -208,18 +214,20 @@ def init_container_pod(
     image: str = "vllm/vllm-openai:latest",
     name: str | None = None,
     namespace: str | None = None,
+    adapters: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A Pod whose init container pulls, verifies and publishes the model in the node cache.
 
     The serving container mounts the cache read-only and finds the model at
     ``<cache>/snapshots/<manifest hex>`` (``$MODELPACK_MODEL_DIR``), known up front because the
-    reference is pinned by digest.
+    reference is pinned by digest. ``adapters`` (pinned references of LoRA adapters of this
+    base) are pulled by the same command (``--adapter``), each into its own snapshot.
     """
     ref, image_ref = _pinned_image_ref(reference, what="init container")
     assert ref.digest is not None
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
     snapshot = snapshot_path(cache_path, ref.digest.hex)
-    pull = _pull_command([image_ref], cache_path, policy_secret, policy_key)
+    pull = _pull_command([image_ref], cache_path, policy_secret, policy_key, adapters)
     meta = _pod_metadata(ref, name, namespace)
     return {
         "apiVersion": "v1",

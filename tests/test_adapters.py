@@ -336,3 +336,47 @@ def test_cli_push_base_pull_with_adapters_inspect(tmp_path: Path, repo: str) -> 
         main, ["pack", str(ad), f"oci:{tmp_path / 'layout'}:a", "--base", "@sha256:" + "3" * 64]
     )
     assert out.exit_code == 1 and "not found" in out.output, out.output
+
+
+def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: str) -> None:
+    runner = CliRunner()
+    _, base_digest = _base(tmp_path, repo)
+    _, other_digest = _base(tmp_path, repo, "other", seed=9)
+    ad = push_adapter(str(_adapter(tmp_path, "sql-lora")), f"{repo}:sql", f"@{base_digest}")
+    foreign = push_adapter(str(_adapter(tmp_path, "foreign")), f"{repo}:foreign", f"@{other_digest}")
+    base = f"{repo}@{base_digest}"
+    out = runner.invoke(
+        main,
+        [
+            "k8s",
+            "init-container",
+            base,
+            "--vllm",
+            "--adapter",
+            f"{repo}:sql",
+            "--cache-path",
+            "/cache",
+            "--json",
+        ],
+    )
+    assert out.exit_code == 0, out.output
+    pod = json.loads(out.stdout)
+    (init,) = pod["spec"]["initContainers"]
+    assert f"--adapter {repo}@{ad.digest}" in init["command"][-1]  # pinned, pulled by the init container
+    server = pod["spec"]["containers"][0]["command"]
+    i = server.index("--lora-modules")
+    assert server[i + 1] == f"sql-lora=/cache/snapshots/{ad.digest.split(':')[1]}"
+    assert server[server.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in server
+    # what the init container runs publishes the adapter at that path (below the cache root)
+    cache = tmp_path / "cache"
+    pulled = runner.invoke(
+        main, ["pull", base, "--cache", str(cache), "--json", "--adapter", f"{repo}@{ad.digest}"]
+    )
+    assert pulled.exit_code == 0, pulled.output
+    assert json.loads(pulled.stdout)["adapters"][0]["path"] == str(
+        cache / "snapshots" / ad.digest.split(":")[1]
+    )
+    # an adapter of the other base: refused, naming both digests, and no YAML
+    out = runner.invoke(main, ["k8s", "init-container", base, "--vllm", "--adapter", f"{repo}:foreign"])
+    assert out.exit_code == 1 and foreign.digest in out.output and base_digest in out.output, out.output
+    assert "apiVersion" not in out.stdout

@@ -47,12 +47,20 @@ def vllm_options(f: Any) -> Any:
 
 
 def _as_vllm(
-    obj: dict[str, Any], notes: list[str], model_dir: str, annotations: dict[str, str], trust: str, tp: int
+    obj: dict[str, Any],
+    notes: list[str],
+    model_dir: str,
+    annotations: dict[str, str],
+    trust: str,
+    tp: int,
+    extra_args: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     from modelpack.serving.k8s_vllm import VLLM_POD_NOTES, vllm_server_pod
 
     digest = annotations["modelpack.dev/model-digest"]
-    pod = vllm_server_pod(obj, model_dir=model_dir, digest=digest, trust=trust, tp_size=tp)
+    pod = vllm_server_pod(
+        obj, model_dir=model_dir, digest=digest, trust=trust, tp_size=tp, extra_args=extra_args or ()
+    )
     return pod, [*notes, *VLLM_POD_NOTES]
 
 
@@ -164,6 +172,14 @@ def k8s_pod(
 @click.option("--name", default=None)
 @click.option("--namespace", default=None)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@click.option(
+    "--adapter",
+    "adapter_refs",
+    multiple=True,
+    metavar="REF",
+    help="With --vllm: also pull the LoRA adapter REF (its subject must be this model; checked now, "
+    "pinned) and serve it (--enable-lora --lora-modules NAME=its snapshot). Needs registry access.",
+)
 @vllm_options
 @replicas_option
 @target_options
@@ -184,7 +200,11 @@ def k8s_init_container(
     Example:
       modelpack k8s init-container localhost:5000/models/llama:v1 --resolve --size-limit 20Gi
       modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --replicas 4
+      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --adapter reg.example/models/llama:sql-lora
     """
+    adapter_refs = kwargs.pop("adapter_refs", ())
+    if adapter_refs and not vllm:
+        raise click.UsageError("--adapter serves LoRA adapters with vLLM: add --vllm")
     opts = {
         k: kwargs.pop(k)
         for k in (
@@ -201,8 +221,18 @@ def k8s_init_container(
             "namespace",
         )
     }
-    ref = _resolve_if_asked(reference, resolve, kwargs)
-    obj = k8s.init_container_pod(ref, **opts)
+    lora_args: list[str] = []
+    if adapter_refs:
+        from modelpack.serving.lora_adapters import adapters_for_pod, vllm_lora_args
+
+        topts = build_target_options(dict(kwargs))
+        ref = _resolve_if_asked(reference, True, kwargs)
+        pinned, served = adapters_for_pod(ref, adapter_refs, opts["cache_path"], topts)
+        lora_args = vllm_lora_args(served)
+        obj = k8s.init_container_pod(ref, adapters=pinned, **opts)
+    else:
+        ref = _resolve_if_asked(reference, resolve, kwargs)
+        obj = k8s.init_container_pod(ref, **opts)
     notes = [
         "Init container: pulls, verifies digests (and signatures with --policy-secret), publishes a snapshot.",
         "The serving container reads $MODELPACK_MODEL_DIR (read-only); hostPath caches are shared per node.",
@@ -210,7 +240,9 @@ def k8s_init_container(
     if vllm:
         digest_hex = obj["metadata"]["annotations"]["modelpack.dev/model-digest"].split(":", 1)[1]
         snapshot = k8s.snapshot_path(opts["cache_path"], digest_hex)  # not the escaped env value
-        obj, notes = _as_vllm(obj, notes, snapshot, obj["metadata"]["annotations"], "snapshot", tp_size)
+        obj, notes = _as_vllm(
+            obj, notes, snapshot, obj["metadata"]["annotations"], "snapshot", tp_size, lora_args
+        )
     _emit(obj, notes, as_json, replicas)
 
 

@@ -96,6 +96,49 @@ def cached_adapters(cache: NodeCache, base: str, adapters: Sequence[str] = ()) -
     return [found[k] for k in sorted(found)]
 
 
+def adapters_for_pod(
+    base: str, adapters: Sequence[str], cache_path: str, target_options: Any = None
+) -> tuple[list[str], list[ServedAdapter]]:
+    """For a pod spec written now and run later: each adapter reference pinned, checked against
+    the pinned ``base`` (subject, marker, name), its LoRA rank read from its verified
+    ``adapter_config.json`` blob, and the snapshot path it will have under ``cache_path``
+    once the init container pulled it. Returns (pinned references, adapters as served)."""
+    import dataclasses
+
+    from modelpack.mediatypes.annotations import layer_filepath
+    from modelpack.mount.k8s import snapshot_path
+    from modelpack.oci.reference import parse_reference
+    from modelpack.packing.adapter import MAX_ADAPTER_CONFIG_BYTES, parse_adapter_config
+    from modelpack.packing.adapter_referrers import fetch_verified_manifest
+    from modelpack.targets.opener import TargetOptions, open_readable
+
+    base_ref = parse_reference(base)
+    if base_ref.digest is None:
+        raise AdapterError(f"{base}: the base must be pinned by digest to name its adapters")
+    pinned: list[str] = []
+    served: list[ServedAdapter] = []
+    for text in adapters:
+        ref = parse_reference(text)
+        target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
+        desc = target.resolve(ref.identifier)
+        manifest = fetch_verified_manifest(target, desc, "adapter manifest")
+        name = check_adapter_for_base(manifest, text, str(desc.digest), str(base_ref.digest))
+        layer = next((x for x in manifest.layers if layer_filepath(x.annotations) == ADAPTER_CONFIG), None)
+        if layer is None or layer.size > MAX_ADAPTER_CONFIG_BYTES:
+            raise AdapterError(
+                f"{text} ({desc.digest}): no {ADAPTER_CONFIG} of at most {MAX_ADAPTER_CONFIG_BYTES} bytes"
+            )
+        with target.fetch_blob(layer) as f:
+            data = f.read(layer.size + 1)
+        verify_bytes(data, layer.digest, layer.size, what=ADAPTER_CONFIG, source=target.name)
+        rank = parse_adapter_config(data, f"{text} {ADAPTER_CONFIG}").rank
+        if any(a.name == name for a in served):
+            raise AdapterError(f"two adapters named {name!r}: pass one of them")
+        pinned.append(str(dataclasses.replace(ref, tag=None, digest=desc.digest)))
+        served.append(ServedAdapter(name, snapshot_path(cache_path, desc.digest.hex), str(desc.digest), rank))
+    return pinned, sorted(served, key=lambda a: a.name)
+
+
 def vllm_lora_args(adapters: Sequence[ServedAdapter], *, max_loras: int | None = None) -> list[str]:
     """``--enable-lora --max-lora-rank R --max-loras N --lora-modules NAME=PATH …`` for vLLM's
     OpenAI server (``R``: the smallest of vLLM's rank choices that fits every adapter)."""
@@ -119,4 +162,4 @@ def vllm_lora_args(adapters: Sequence[ServedAdapter], *, max_loras: int | None =
     return args
 
 
-__all__ = ["VLLM_MAX_LORA_RANKS", "ServedAdapter", "cached_adapters", "vllm_lora_args"]
+__all__ = ["VLLM_MAX_LORA_RANKS", "ServedAdapter", "adapters_for_pod", "cached_adapters", "vllm_lora_args"]
