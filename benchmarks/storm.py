@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -165,9 +166,12 @@ def _shape(ns: str, dev: str, mbit: float) -> None:
     if shutil.which("ethtool"):  # segmentation offload would let tbf see 64 KiB packets
         _run("ip", "netns", "exec", ns, "ethtool", "-K", dev, "tso", "off", "gso", "off", check=False)
     _run(
-        "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
+        "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
         "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms",
     )  # fmt: skip
+    # flows share the shaped link fairly (fq_codel, Linux's default qdisc), as on a real NIC: a
+    # plain tbf FIFO starves some of an owner's many flows below any throughput floor
+    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "fq_codel", check=False)
 
 
 def counters(ns: str) -> tuple[int, int]:
@@ -285,8 +289,8 @@ def make_model(base: Path, size: int, shards: int) -> Path:
     from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
     ckpt = base / "ckpt"
-    hidden, inter = 512, 1376
-    vocab = 4096 if size >= 32 * 1024 * 1024 else 256
+    big = size >= 32 * 1024 * 1024  # else a tiny model for the harness's own test
+    hidden, inter, vocab = (512, 1376, 4096) if big else (128, 344, 256)
     per_layer = (4 * hidden * hidden + 3 * hidden * inter) * 2  # BF16
     layers = max(shards, round((size - 2 * vocab * hidden * 2) / per_layer))
     spec = SyntheticSpec(hidden=hidden, intermediate=inter, layers=layers, vocab=vocab, shards=shards)
@@ -450,12 +454,16 @@ class Storm:
                 self.node_ns[i],
                 [
                     *MODELPACK, "pull", "--cache", str(work / f"node-{i}"), "--plain-http",
-                    "--retry-for", "60s", *mirror_args, self.pinned,
+                    "--retry-for", "60s", "--jobs", str(self.args.jobs), *mirror_args, self.pinned,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=_env(MODELPACK_NODE_NAME=f"node-{i}", **extra_env),
+                env=_env(
+                    MODELPACK_NODE_NAME=f"node-{i}",
+                    MODELPACK_MIRROR_MIN_RATE=str(self.args.mirror_floor),
+                    **extra_env,
+                ),
             )  # fmt: skip
         outputs: dict[int, tuple[str, str]] = {}
         waiters = [
@@ -527,6 +535,9 @@ class Storm:
                 ev = json.loads(line)
                 if ev.get("event") == "registry.mirror_abandoned":
                     run.abandoned += 1
+                    why = re.sub(r"sha256:[0-9a-f]{64}|[0-9.]+:\\d+", "…", str(ev.get("reason", "")))[:90]
+                    reasons = run.extra.setdefault("abandon_reasons", {})
+                    reasons[why] = reasons.get(why, 0) + 1
                     if "digest mismatch" in str(ev.get("reason", "")):
                         run.mismatches += 1
 
@@ -606,6 +617,25 @@ def table(rows: list[dict[str, Any]], model: Model) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table for docs/distribution.md (p95/direct against direct at the same N)."""
+    direct = {r["nodes"]: r for r in rows if r["mode"] == "direct"}
+    out = [
+        "| mode | N | p50 s | p95 s | p95 / direct | origin egress × model | duplicate × model "
+        "| abandoned | refused by digest | failed | verified |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        d = direct.get(r["nodes"])
+        ratio = f"{r['p95_s'] / d['p95_s']:.2f}" if d and d["p95_s"] else "–"
+        out.append(
+            f"| {r['mode']} | {r['nodes']} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {ratio} "
+            f"| {r['origin_egress_x_model']:.2f} | {r['duplicate_x_model']:.2f} | {r['abandoned']} "
+            f"| {r['digest_mismatches']} | {r['failed']} | {r['verified']}/{r['nodes']} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -671,6 +701,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--origin-factor", type=float, default=2.0, help="origin/mirror link × node link (default 2)"
     )
+    p.add_argument(
+        "--jobs", type=int, default=16, help="blobs each pull fetches at once, every mode (default 16: all)"
+    )
+    p.add_argument(
+        "--mirror-floor",
+        type=parse_size,
+        default="32KiB",
+        help="MODELPACK_MIRROR_MIN_RATE (bytes/s) for every pull (default 32KiB: a peer link that the "
+        "whole storm shares gives each of its flows less than the 256 KiB/s default)",
+    )
     p.add_argument("--no-faults", action="store_true", help="skip the peers-kill and peers-corrupt runs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a node's pull may take")
     p.add_argument("--out", default=None, help="directory for storm.json and storm.png")
@@ -723,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps({"model_bytes": storm.model.size, "rows": rows}, indent=1)
             )
             plot(rows, out / "storm.png")
+            (out / "storm.md").write_text(markdown(rows))
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
