@@ -31,6 +31,7 @@ from modelpack.packing.modelfile import (
     build_modelfile_artifact,
     parse_modelfile,
     read_modelfile,
+    select_files,
 )
 from modelpack.packing.packed_artifact import PackOptions
 from tests.fixtures.registry import RegistryServer
@@ -144,6 +145,28 @@ def test_parsing_is_bounded() -> None:
     with pytest.raises(ModelfileError, match="more than") as err:
         parse_modelfile(many)
     assert err.value.line == MAX_GLOBS + 1
+
+
+def test_globs_match_as_gos_filepath_match(tmp_path: Path) -> None:
+    ctx = tmp_path / "ctx"
+    (ctx / "sub").mkdir(parents=True)
+    for name in ("a.md", "b.md", "!.md", ".hidden.md", "c.txt", "sub/d.md"):
+        (ctx / name).write_text(name)
+    mf = tmp_path / "Modelfile"
+
+    def selected(glob: str) -> list[str]:
+        mf.write_text(f"DOC {glob}\n")
+        return sorted(s.relpath for s in select_files(read_modelfile(str(mf)), str(ctx)))
+
+    assert selected("*.md") == ["!.md", ".hidden.md", "a.md", "b.md"]  # '*' matches a leading dot, as in Go
+    assert selected("[^a]*.md") == ["!.md", ".hidden.md", "b.md"]  # Go negates with '^'
+    assert selected("[!a].md") == ["!.md", "a.md"]  # '!' is a plain character in Go's classes
+    assert selected("*/*.md") == ["sub/d.md"]  # '*' never crosses '/'
+    assert selected("?.txt") == ["c.txt"]
+    for bad in ("[].md", "[a.md", "[z-a].md"):
+        with pytest.raises(ModelfileError, match="bad glob") as err:
+            selected(bad)
+        assert err.value.line == 1
 
 
 def _context(root: Path) -> Path:

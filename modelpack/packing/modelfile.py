@@ -206,11 +206,59 @@ def _check_pattern(pattern: str, path: str, number: int) -> None:
     parts = pattern.split("/")
     if any(p in ("", ".") for p in parts):
         raise ModelfileError(path, f"glob {pattern!r} has an empty or '.' path component", line=number)
+    for part in parts:
+        try:
+            glob_component_regex(part)
+        except BadPatternError as exc:
+            raise ModelfileError(path, f"bad glob (Go filepath.Match syntax): {exc}", line=number) from None
 
 
-def _glob_component(name: str) -> str:
-    """A Go ``filepath.Match`` component as Python's fnmatch spells it (``[^…]`` is ``[!…]``)."""
-    return name.replace("[^", "[!")
+class BadPatternError(ValueError):
+    """A glob Go's ``filepath.Match`` refuses (``ErrBadPattern``): modctl fails on it too."""
+
+
+def glob_component_regex(part: str) -> re.Pattern[str]:
+    """One path component of a glob, matched as Go's ``filepath.Match`` matches it: ``*`` any run
+    of characters, ``?`` one, ``[…]`` a class of characters or ``a-z`` ranges, ``[^…]`` negated
+    (``!`` is an ordinary character there, unlike Python's fnmatch). A class that is empty or not
+    closed, or a range ending in ``]`` or starting with ``-``, raises ``BadPatternError``."""
+    out: list[str] = []
+    i, n = 0, len(part)
+    while i < n:
+        c = part[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[":
+            j = i + 1
+            negate = j < n and part[j] == "^"
+            j += negate
+            ranges: list[str] = []
+            while True:
+                if j >= n:
+                    raise BadPatternError(f"{part!r}: '[' is not closed")
+                if part[j] == "]" and ranges:
+                    break
+                lo = part[j]
+                if lo in "-]":
+                    raise BadPatternError(f"{part!r}: {lo!r} cannot start a character range")
+                hi = lo
+                if j + 1 < n and part[j + 1] == "-":
+                    if j + 2 >= n or part[j + 2] in "-]":
+                        raise BadPatternError(f"{part!r}: a range has no end")
+                    hi = part[j + 2]
+                    if hi < lo:
+                        raise BadPatternError(f"{part!r}: range {lo}-{hi} is reversed")
+                    j += 2
+                ranges.append(re.escape(lo) if lo == hi else f"{re.escape(lo)}-{re.escape(hi)}")
+                j += 1
+            out.append("[" + ("^" if negate else "") + "".join(ranges) + "]")
+            i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z", re.DOTALL)
 
 
 class _Walk:
@@ -258,8 +306,8 @@ class _Walk:
                 if _MAGIC.isdisjoint(part):
                     names = [part]
                 else:
-                    pat = _glob_component(part)
-                    names = [n for n in self.listdir(directory, glob) if fnmatch.fnmatchcase(n, pat)]
+                    rx = glob_component_regex(part)
+                    names = [n for n in self.listdir(directory, glob) if rx.match(n)]
                 for name in names:
                     full = os.path.join(directory, name)
                     if not os.path.lexists(full):
