@@ -75,8 +75,8 @@ def test_offline_starts_from_the_local_cache_and_the_kserve_initializer_through_
     registry_factory: Any,
     checkpoint: Path,
     tmp_path: Path,
-    serve: Any,
-    pods: list[Pod],  # noqa: F811
+    serve: Any,  # noqa: F811
+    pods: list[Pod],
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root: the KServe initializer runs as uid 1000 in a mount namespace")
@@ -87,13 +87,19 @@ def test_offline_starts_from_the_local_cache_and_the_kserve_initializer_through_
     assert first.returncode == 0, first.stderr
     pod_a, pod_b = pods
     uri = f"modelpack://{model.pinned}"
-    env_a = kserve_env(pod_a, MODELPACK_CACHE=str(pod_a.node_cache))
+    pem = "\n".join("          " + line for line in Path(model.pub).read_text().strip().splitlines())
+    policy = (
+        f"rules:\n  - match: '{model.host}/down/*'\n    keys:\n      - pem: |\n{pem}\n"
+        "    require_signature: true\n"
+    )
+    env_a = kserve_env(pod_a, MODELPACK_CACHE=str(pod_a.node_cache), MODELPACK_POLICY_YAML=policy)
     assert run_initializer(pod_a, [uri, str(pod_a.dest("warm"))], env_a).returncode == 0
     peer = serve(node)
     origin.kill()
 
     # everything down but the local caches: pinned pull (signature trusted from the cache's
-    # record), a load of the snapshot, and the initializer all succeed without a network
+    # record), a load of the snapshot, and the initializer (under the policy) all succeed
+    # without a network
     again = run(
         tmp_path,
         "pull",
@@ -118,8 +124,15 @@ def test_offline_starts_from_the_local_cache_and_the_kserve_initializer_through_
         p.name for p in checkpoint.glob("*.safetensors")
     )
 
-    # another pod, empty cache, origin down: the initializer gets the model from the peer
-    env_b = kserve_env(pod_b, MODELPACK_CACHE=str(pod_b.node_cache), MODELPACK_MIRRORS=peer.url)
+    # another pod, empty cache, origin down: the initializer gets the model and its signatures
+    # from the peer, and checks them under its own policy
+    env_b = kserve_env(
+        pod_b,
+        MODELPACK_CACHE=str(pod_b.node_cache),
+        MODELPACK_MIRRORS=peer.url,
+        MODELPACK_POLICY_YAML=policy,
+        MODELPACK_RETRY_FOR="2s",
+    )
     by_peer = run_initializer(pod_b, [uri, str(pod_b.dest("models"))], env_b)
     assert by_peer.returncode == 0, by_peer.stderr
     for f in checkpoint.glob("*.safetensors"):
