@@ -38,7 +38,7 @@ def select_entry(
     selector: VariantSelector | None,
     trusted_keys: Sequence[Any] | None,
     where: str,
-) -> tuple[str, bytes, str | None, Selection]:
+) -> tuple[str, bytes, str, Selection]:
     """(entry digest, its verified manifest bytes, media type, the selection) for the index at
     ``index_digest`` (``raw`` already verified against it)."""
     parsed = parse_manifest_or_index(raw, media_type)
@@ -60,4 +60,4 @@ def select_entry(
         check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
     except Exception as exc:
         raise SourceError(f"{where}: {exc}") from exc
-    return digest, entry_raw, entry_type, selection
+    return digest, entry_raw, entry_type or entry.descriptor.media_type, selection

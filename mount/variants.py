@@ -94,7 +94,8 @@ class IndexRecords:
         """Keep the index; with ``chosen`` (``{digest, reference, variant, at}``) also remember
         that entry as taken (every entry ever taken here is listed; the last one is ``chosen``)."""
         current = self.read(index.digest) or {}
-        taken = current.get("taken") if isinstance(current.get("taken"), dict) else {}
+        recorded = current.get("taken")
+        taken: dict[str, Any] = dict(recorded) if isinstance(recorded, dict) else {}
         if chosen is not None:
             taken = {**taken, chosen["digest"]: chosen}
         doc = {

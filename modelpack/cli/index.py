@@ -16,6 +16,7 @@ from modelpack.cli.options import (
     handle_errors,
     jobs_option,
     json_option,
+    node_accelerator,
     progress_option,
     read_passphrase,
     target_options,
@@ -131,7 +132,7 @@ def create_cmd(
         emit_json(result.to_json())
         return
     doc = result.index.to_json()
-    click.echo(f"index {result.reference}: {len(doc['variants'])} variants", err=True)
+    click.echo(f"index {result.reference}: {len(result.index.entries)} variants", err=True)
     for digest, what in result.signed.items():
         click.echo(f"  {what}: {digest}", err=True)
     click.echo(result.digest)
@@ -192,67 +193,4 @@ def show_cmd(
     sel = doc["selection"]
     click.echo(
         f"this node: {sel['chosen']}" if "chosen" in sel else f"this node: {for_terminal(sel['error'])}"
-    )
-
-
-def node_accelerator(device: str = "auto") -> Any:
-    """The node's device arch as ``loader.fingerprint.device_arch`` computes it, lazily: torch
-    is imported only when an index is actually met. ``auto``: the first CUDA device, else cpu."""
-
-    def compute() -> str:
-        import torch
-
-        from modelpack.loader.fingerprint import device_arch
-
-        dev = device
-        if dev == "auto":
-            dev = "cuda:0" if torch.cuda.is_available() else "cpu"
-        return device_arch(dev)
-
-    return compute
-
-
-def variant_options(fn: Any = None, *, with_tp_size: bool = True) -> Any:
-    """``--variant KEY=VALUE`` (repeatable), ``--engine``, ``--device``: how pull, load and the
-    KServe initializer pick an entry when the reference is an index of variants. (``load`` has
-    its own ``--tp-size`` and ``--device``; the others get them here.)"""
-    opts = [
-        click.option(
-            "--variant",
-            "variant",
-            multiple=True,
-            metavar="KEY=VALUE",
-            help="When REFERENCE is an index of variants: take the entry with this field (precision, "
-            "quantization, tp-size, accelerator, engine, layout); repeatable. Without it the entry "
-            "is chosen by this node's device arch, TP size and engine; none or a tie is refused.",
-        ),
-        click.option("--engine", "variant_engine", help="Engine to select a variant for (e.g. vllm)."),
-    ]
-    if with_tp_size:
-        opts.append(
-            click.option(
-                "--tp-size",
-                "variant_tp_size",
-                type=click.IntRange(1, 4096),
-                help="Tensor-parallel size to select a variant for (default 1).",
-            )
-        )
-
-    def apply(f: Any) -> Any:
-        for opt in reversed(opts):
-            f = opt(f)
-        return f
-
-    return apply(fn) if fn is not None else apply
-
-
-def selector_from(kwargs: dict[str, Any], *, tp_size: int | None = None, device: str = "auto") -> Any:
-    """Pop the variant options into a ``VariantSelector`` (device arch computed only if needed)."""
-    from modelpack.oci.variant_selection import VariantSelector
-
-    variant = kwargs.pop("variant", ()) or ()
-    engine = kwargs.pop("variant_engine", None)
-    tp = kwargs.pop("variant_tp_size", None) or tp_size
-    return VariantSelector.from_options(
-        tuple(variant), accelerator=node_accelerator(device), tp_size=tp, engine=engine
     )

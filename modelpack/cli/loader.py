@@ -9,7 +9,6 @@ from typing import Any
 
 import click
 
-from modelpack.cli.index import selector_from, variant_options
 from modelpack.cli.options import (
     build_target_options,
     emit_json,
@@ -17,7 +16,9 @@ from modelpack.cli.options import (
     human_size,
     json_option,
     progress_option,
+    selector_from,
     target_options,
+    variant_options,
 )
 
 

@@ -481,3 +481,67 @@ def read_passphrase(from_stdin: bool) -> str | None:
         line = sys.stdin.readline().rstrip("\n")
         return line or None
     return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
+
+
+# ------------------------------------------------------------------ variants (an index of them)
+def node_accelerator(device: str = "auto") -> Any:
+    """The node's device arch as ``loader.fingerprint.device_arch`` computes it, lazily: torch
+    is imported only when an index is actually met. ``auto``: the first CUDA device, else cpu."""
+
+    def compute() -> str:
+        import torch
+
+        from modelpack.loader.fingerprint import device_arch
+
+        dev = device
+        if dev == "auto":
+            dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+        return device_arch(dev)
+
+    return compute
+
+
+def variant_options(fn: Any = None, *, with_tp_size: bool = True) -> Any:
+    """``--variant KEY=VALUE`` (repeatable), ``--engine`` and (``with_tp_size``) ``--tp-size``: how
+    pull and load pick an entry when the reference is an index of variants (``load`` has its own
+    ``--tp-size`` and ``--device``). The device arch is this node's (``node_accelerator``)."""
+    opts = [
+        click.option(
+            "--variant",
+            "variant",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="When REFERENCE is an index of variants: take the entry with this field (precision, "
+            "quantization, tp-size, accelerator, engine, layout); repeatable. Without it the entry "
+            "is chosen by this node's device arch, TP size and engine; none or a tie is refused.",
+        ),
+        click.option("--engine", "variant_engine", help="Engine to select a variant for (e.g. vllm)."),
+    ]
+    if with_tp_size:
+        opts.append(
+            click.option(
+                "--tp-size",
+                "variant_tp_size",
+                type=click.IntRange(1, 4096),
+                help="Tensor-parallel size to select a variant for (default 1).",
+            )
+        )
+
+    def apply(f: Any) -> Any:
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+
+    return apply(fn) if fn is not None else apply
+
+
+def selector_from(kwargs: dict[str, Any], *, tp_size: int | None = None, device: str = "auto") -> Any:
+    """Pop the variant options into a ``VariantSelector`` (device arch computed only if needed)."""
+    from modelpack.oci.variant_selection import VariantSelector
+
+    variant = kwargs.pop("variant", ()) or ()
+    engine = kwargs.pop("variant_engine", None)
+    tp = kwargs.pop("variant_tp_size", None) or tp_size
+    return VariantSelector.from_options(
+        tuple(variant), accelerator=node_accelerator(device), tp_size=tp, engine=engine
+    )

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from modelpack.cli.index import selector_from, variant_options
 from modelpack.cli.options import (
     SIZE,
     build_target_options,
@@ -23,9 +22,11 @@ from modelpack.cli.options import (
     jobs_option,
     json_option,
     progress_option,
+    selector_from,
     signals_interrupt,
     target_options,
     trust_policy_from,
+    variant_options,
 )
 from modelpack.terminal import for_terminal
 

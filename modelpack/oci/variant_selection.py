@@ -24,7 +24,7 @@ a tie: a refusal naming the tied entries, never a pick by position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from modelpack.errors import VariantIndexError, VariantSelectionError
@@ -39,7 +39,7 @@ from modelpack.mediatypes.variants import (
 from modelpack.oci.variant_index import VariantEntry, VariantIndex
 
 
-def parse_variant_options(items: tuple[str, ...] | list[str] | Mapping[str, str]) -> dict[str, str]:
+def parse_variant_options(items: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
     """``("precision=bf16", "tp-size=2")`` (the CLI's repeated ``--variant``) or a mapping →
     ``{"precision": "bf16", "tp-size": "2"}``; unknown fields and malformed values refused."""
     pairs: list[tuple[str, str]] = []
@@ -134,7 +134,7 @@ class VariantSelector:
     @classmethod
     def from_options(
         cls,
-        variant: tuple[str, ...] | list[str] | Mapping[str, str] = (),
+        variant: Sequence[str] | Mapping[str, str] = (),
         *,
         accelerator: str | Callable[[], str] | None = None,
         tp_size: int | None = None,
