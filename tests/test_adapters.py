@@ -24,6 +24,7 @@ from modelpack.errors import (
     AdapterError,
     AdapterSubjectError,
     InvalidReferenceError,
+    PullError,
     SignatureRefused,
 )
 from modelpack.oci.descriptor import Manifest
@@ -185,6 +186,7 @@ def _plant_adapter(
     name: str,
     subject_digest: str | None = None,
     marker_base: str | None = None,
+    kind: str = "lora",
 ) -> str:
     """Push by hand an adapter-looking manifest (what a hostile pusher can write), return its digest."""
     target = open_target(parse_reference(f"{repo}:x"), for_write=True)
@@ -201,7 +203,7 @@ def _plant_adapter(
         artifact_type=ARTIFACT_TYPE_MODEL,
         subject=Descriptor(base_type, Digest(subject_digest), len(base_raw)),
         annotations={
-            ANNOTATION_ADAPTER: "lora",
+            ANNOTATION_ADAPTER: kind,
             ANNOTATION_ADAPTER_NAME: name,
             ANNOTATION_ADAPTER_BASE: marker_base or subject_digest,
         },
@@ -214,10 +216,12 @@ def test_listing_on_a_registry_without_referrers_api_verifies_each_entry(tmp_pat
     a = push_adapter(str(_adapter(tmp_path, "alpha")), f"{repo}:alpha", f"@{base_digest}")
     b = push_adapter(str(_adapter(tmp_path, "beta", seed=2)), f"{repo}:beta", f"@{base_digest}")
     traversal = _plant_adapter(repo, base_digest, name="../../../etc")
+    other_kind = _plant_adapter(repo, base_digest, name="delta", kind="prefix")
     disagreeing = _plant_adapter(repo, base_digest, name="gamma", marker_base="sha256:" + "1" * 64)
     adapters, skipped = list_adapters(f"{repo}@{base_digest}")
     assert [(x.name, x.digest) for x in adapters] == [("alpha", a.digest), ("beta", b.digest)]
-    assert len(skipped) == 2 and any(traversal in s and "not a safe name" in s for s in skipped)
+    assert len(skipped) == 3 and any(traversal in s and "not a safe name" in s for s in skipped)
+    assert any(other_kind in s and "is not 'lora'" in s for s in skipped)
     assert any(disagreeing in s and "is not its subject" in s for s in skipped)
 
 
@@ -231,6 +235,14 @@ def test_pull_into_a_directory_puts_each_adapter_under_adapters_name(tmp_path: P
     assert [(a.name, a.path) for a in result.adapters] == [("sql-lora", str(dest / "adapters" / "sql-lora"))]
     assert _files(dest / "adapters" / "sql-lora") == _files(ad)
     assert (dest / "config.json").exists() and (dest / "model.safetensors").exists()
+    # DEST/adapters planted as a symlink out of DEST: refused, nothing written through it
+    elsewhere, dest2 = tmp_path / "elsewhere", tmp_path / "dest2"
+    elsewhere.mkdir()
+    dest2.mkdir()
+    (dest2 / "adapters").symlink_to(elsewhere)
+    with pytest.raises(PullError, match="symlink"):
+        pull_with_adapters(base_ref, str(dest2))
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_an_adapter_of_another_base_is_refused_naming_both_digests(tmp_path: Path, repo: str) -> None:

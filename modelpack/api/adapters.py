@@ -317,8 +317,19 @@ def pull_with_adapters(
     dir_result = pull(pinned, dest_dir, target_options=topts, jobs=jobs, progress=progress, force=force)
     for a in chosen:
         a.path = os.path.join(dest_dir, ADAPTERS_SUBDIR, a.name)
+        _refuse_links(dest_dir, a.name)
         pull(a.reference, a.path, target_options=topts, jobs=jobs, progress=progress, force=force)
     return BasePullResult(str(ref), str(desc.digest), dest_dir, chosen, skipped, dir_result)
+
+
+def _refuse_links(dest_dir: str, name: str) -> None:
+    """``DEST/adapters`` and ``DEST/adapters/NAME`` must be directories of their own (or absent),
+    never symlinks: whoever could write ``DEST`` must not send an adapter's files elsewhere."""
+    for path in (os.path.join(dest_dir, ADAPTERS_SUBDIR), os.path.join(dest_dir, ADAPTERS_SUBDIR, name)):
+        if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+            raise PullError(
+                f"{path}: is a symlink or not a directory; an adapter is written only into a directory"
+            )
 
 
 def _refuse_adapters_dir_in_base(manifest: Manifest, ref: Reference) -> None:

@@ -25,6 +25,7 @@ from modelpack.mediatypes import ARTIFACT_TYPE_MODEL, is_model_config
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.packing.adapter import (
+    ADAPTER_KIND_LORA,
     ANNOTATION_ADAPTER,
     ANNOTATION_ADAPTER_BASE,
     ANNOTATION_ADAPTER_NAME,
@@ -100,6 +101,9 @@ def check_adapter_manifest(manifest: Manifest, where: str) -> str:
         raise AdapterError(
             f"{where}: not a modelpack adapter (no {ANNOTATION_ADAPTER} annotation on a ModelPack manifest)"
         )
+    kind = (manifest.annotations or {}).get(ANNOTATION_ADAPTER)
+    if kind != ADAPTER_KIND_LORA:
+        raise AdapterError(f"{where}: adapter kind {str(kind)[:40]!r} is not {ADAPTER_KIND_LORA!r}")
     if manifest.subject is None:
         raise AdapterSubjectError(f"{where}: adapter has no subject (the base model it is for)")
     declared = (manifest.annotations or {}).get(ANNOTATION_ADAPTER_BASE)
