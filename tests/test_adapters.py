@@ -392,3 +392,21 @@ def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: 
     out = runner.invoke(main, ["k8s", "init-container", base, "--vllm", "--adapter", f"{repo}:foreign"])
     assert out.exit_code == 1 and foreign.digest in out.output and base_digest in out.output, out.output
     assert "apiVersion" not in out.stdout
+
+
+def test_an_oci_layout_holds_a_base_and_its_adapters(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), SyntheticSpec(hidden=64, intermediate=128, vocab=128, heads=2, kv_heads=1))
+    layout = f"oci:{tmp_path / 'layout'}"
+    assert runner.invoke(main, ["pack", str(ckpt), f"{layout}:base"]).exit_code == 0
+    out = runner.invoke(
+        main, ["pack", str(_adapter(tmp_path, "lay")), f"{layout}:lay", "--base", ":base", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    adapter_digest = json.loads(out.stdout)["digest"]
+    out = runner.invoke(main, ["inspect", f"{layout}:base", "--json"])
+    assert [a["digest"] for a in json.loads(out.stdout)["adapters"]] == [adapter_digest], out.output
+    result = pull_with_adapters(f"{layout}:base", str(tmp_path / "dest"))
+    assert [a.name for a in result.adapters] == ["lay"]
+    assert (tmp_path / "dest" / "adapters" / "lay" / "adapter_model.safetensors").exists()
