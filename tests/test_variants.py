@@ -16,7 +16,6 @@ import hashlib
 import json
 import platform
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +45,13 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "modelpack.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    """The CLI in this process (click's runner: no interpreter start per call); stdout/stderr apart."""
+    from click.testing import CliRunner
+
+    from modelpack.cli import main
+
+    res = CliRunner().invoke(main, list(args))
+    proc = subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, res.stderr)
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
