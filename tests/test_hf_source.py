@@ -100,12 +100,20 @@ def make_hub_cache(root: Path, repo_id: str = REPO, commit: str = "a" * 8 + "1" 
     gen = root.parent / f"gen-{name}"
     gen.mkdir(exist_ok=True)
     files = _model_files(gen)
+    tree: dict[str, dict[str, Any]] = {}
     for rel, data in files.items():
-        blob = hashlib.sha256(data).hexdigest() if rel.endswith(".safetensors") else _git_blob_sha1(data)
+        lfs = rel.endswith(".safetensors")
+        blob = hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data)
         (repo / "blobs" / blob).write_bytes(data)
         link = repo / "snapshots" / commit / rel
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+        tree[rel] = {"size": len(data), "blob_id": _git_blob_sha1(data)}
+        if lfs:
+            tree[rel].update({"lfs_sha256": blob, "lfs_size": len(data)})
+    # the listing snapshot_download caches per commit, by which it tells a complete snapshot offline
+    (repo / "trees").mkdir()
+    (repo / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": tree}, indent=1))
     return HubCache(root, repo, commit, files)
 
 
@@ -308,6 +316,13 @@ def test_hf_home_locates_the_cache_and_a_tag_ref_resolves(hub: HubCache, tmp_pat
     assert moved.returncode == 1 and "not in the Hugging Face cache" in moved.stderr
 
 
+def test_an_incomplete_snapshot_is_a_typed_error_not_a_partial_pack(hub: HubCache) -> None:
+    (hub.snapshot / "tokenizer.json").unlink()  # an interrupted download
+    with pytest.raises(HFRevisionNotFoundError, match="incomplete") as err:
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    assert err.value.repo_id == REPO and err.value.revision == "main"
+
+
 def test_a_revision_is_data_escaped_when_printed_and_never_a_path(hub: HubCache) -> None:
     proc = run_cli("pack", f"hf://{REPO}@v1\x1b[2J", "oci:/nonexistent-x:v1", hub=hub)
     assert proc.returncode != 0
@@ -376,7 +391,7 @@ def test_hostile_names_and_links_in_the_snapshot_are_refused(hub: HubCache, tmp_
     # a link that walks through blobs/ and out again
     link = hub.snapshot / "config.json"
     link.unlink()
-    link.symlink_to("../../blobs/../../../outside/x.md")
+    link.symlink_to("../../blobs/" + os.path.relpath(outside / "x.md", hub.repo / "blobs"))  # blobs/../../..
     with pytest.raises(HFSourceError, match=r"config\.json.*outside"):
         build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
 

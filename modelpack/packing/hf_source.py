@@ -148,10 +148,19 @@ def download_snapshot(
     cache = os.path.abspath(cache_dir or constants.HF_HUB_CACHE)
     revision = source.revision or "main"
     where = f"{source.shown} (revision {for_terminal(revision)!r})"
+    # huggingface_hub >= 2 tells an interrupted download from a missing revision
+    incomplete: Any = getattr(hub.errors, "IncompleteSnapshotError", ())
     try:
         path = hub.snapshot_download(
             source.repo_id, revision=revision, cache_dir=cache, local_files_only=local_files_only
         )
+    except incomplete:
+        raise HFRevisionNotFoundError(
+            f"{where}: the cached snapshot in {cache} is incomplete (an interrupted download?) and the "
+            "Hub was not asked; download it again online",
+            repo_id=source.repo_id,
+            revision=revision,
+        ) from None
     except (LocalEntryNotFoundError, RevisionNotFoundError) as exc:
         raise HFRevisionNotFoundError(
             f"{where}: not in the Hugging Face cache {cache}, and the Hub was not asked or does not have "
