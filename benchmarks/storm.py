@@ -256,7 +256,7 @@ def start_cache_serve(
         ns,
         [
             *MODELPACK, "cache", "serve", "--cache", str(cache), "--listen", f"{ip}:{PEER_PORT}",
-            "--fill", pinned, "--fill-plain-http", "--max-connections", "256",
+            "--fill", pinned, "--fill-plain-http", "--fill-concurrency", "16", "--max-connections", "256",
         ],
         stdout=subprocess.DEVNULL,
         stderr=out,

@@ -22,10 +22,11 @@ therefore bounded by what the *operator* pinned, never by the request:
 - bytes are verified (size and sha256) before the commit; an origin serving wrong bytes commits
   nothing, and the digest is refused for ``retry_after_s`` so a flood cannot turn one bad blob
   into unbounded origin traffic;
-- at most ``concurrency`` fills at once (a miss beyond that is ``503`` with ``Retry-After``: the
-  requester asks its next source), a requester waits at most ``wait_s`` (below the client's stall
-  limit; the fill goes on for the next requester), and at most ``quota`` bytes are fetched from
-  the origin over the process's life (default: twice the pinned manifests' total).
+- at most ``concurrency`` fills at once (a miss beyond that waits for a free one), a requester
+  waits at most ``wait_s`` in all (below the client's stall limit; then ``503`` with
+  ``Retry-After``: it asks its next source, and a started fill goes on for the next requester),
+  and at most ``quota`` bytes are fetched from the origin over the process's life (default:
+  twice the pinned manifests' total).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ log = logging.getLogger("modelpack.mount.serve")
 _CHUNK = 1024 * 1024
 #: pinned manifests a server fills for, at most
 MAX_PINNED = 64
+#: the origin's retry budget and per-read timeout for a fill (a requester is waiting)
+ORIGIN_RETRY_FOR_S = 5.0
+ORIGIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -112,10 +116,17 @@ class Filler:
                 raise CacheServeError(
                     f"--fill {text!r}: a registry reference pinned by digest (REF@sha256:…)"
                 )
-            opts = replace(settings.options, plain_http=settings.plain_http or settings.options.plain_http)
+            opts = replace(
+                settings.options,
+                plain_http=settings.plain_http or settings.options.plain_http,
+                # a requester waits on the fill: the origin gets a short budget, not a pull's 60 s
+                retry_for=min(settings.options.retry_for or ORIGIN_RETRY_FOR_S, ORIGIN_RETRY_FOR_S),
+                timeout=min(settings.options.timeout or ORIGIN_TIMEOUT_S, ORIGIN_TIMEOUT_S),
+            )
             self._pinned.append(_Pinned(_origin_target(text, opts.bound_to(ref)), str(ref.digest)))
         self._lock = threading.Lock()
         self._loaded = False
+        self._load_again_at = 0.0  # after a failed manifest fetch: not before this (monotonic)
         self._inflight: dict[str, threading.Event] = {}
         self._failed_until: dict[str, float] = {}
         self._slots = threading.BoundedSemaphore(settings.concurrency)
@@ -124,8 +135,8 @@ class Filler:
     def _load(self) -> None:
         """Fetch each pinned manifest by digest (verified by the target) once, on first need."""
         with self._lock:
-            if self._loaded:
-                return
+            if self._loaded or time.monotonic() < self._load_again_at:
+                return  # a flood of misses while the origin is down costs one fetch per interval
             total = 0
             for pin in self._pinned:
                 if pin.raw:
@@ -143,6 +154,8 @@ class Filler:
                 pin.blobs = {str(d.digest): d for d in (manifest.config, *manifest.layers)}
                 total += manifest.total_size + len(raw)
             self._loaded = all(pin.raw for pin in self._pinned)
+            if not self._loaded:
+                self._load_again_at = time.monotonic() + self.settings.retry_after_s
             if self.settings.quota is None and self._loaded:
                 self._quota = 2 * total
 
@@ -172,29 +185,47 @@ class Filler:
                 self.stats.refused += 1
             return MISS
         pin, desc = found
+        deadline = time.monotonic() + self.settings.wait_s
         with self._lock:
             if self._failed_until.get(digest, 0.0) > time.monotonic():
                 return MISS
             event = self._inflight.get(digest)
+        if event is None:
+            event = self._start(digest, pin, desc, deadline)
             if event is None:
-                if not self._slots.acquire(blocking=False):
-                    self.stats.busy += 1
-                    return BUSY
-                size = desc.size if desc is not None else len(pin.raw)
-                quota = self.quota
-                if quota is not None and self.stats.origin_bytes + size > quota:
-                    self._slots.release()
-                    self.stats.busy += 1
-                    log.warning("fill: quota of %d bytes reached; %s not filled", quota, digest)
-                    return BUSY
-                event = threading.Event()
-                self._inflight[digest] = event
-                threading.Thread(
-                    target=self._run, args=(digest, pin, desc, event), name="modelpack-fill", daemon=True
-                ).start()
-        if not event.wait(self.settings.wait_s):
+                return BUSY
+        if not event.wait(max(0.0, deadline - time.monotonic())):
             return BUSY
         return READY if os.path.exists(self.store.blob_path(digest)) else MISS
+
+    def _start(
+        self, digest: str, pin: _Pinned, desc: Descriptor | None, deadline: float
+    ) -> threading.Event | None:
+        """The fill of ``digest`` (started here, or by whoever started it while this requester
+        waited for a free slot), or None when no slot freed up before ``deadline`` or the quota
+        is spent (BUSY: the requester asks its next source)."""
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            with self._lock:
+                self.stats.busy += 1
+            return None
+        with self._lock:
+            event = self._inflight.get(digest)
+            if event is not None:  # another requester started it while this one queued
+                self._slots.release()
+                return event
+            size = desc.size if desc is not None else len(pin.raw)
+            quota = self.quota
+            if quota is not None and self.stats.origin_bytes + size > quota:
+                self._slots.release()
+                self.stats.busy += 1
+                log.warning("fill: quota of %d bytes reached; %s not filled", quota, digest)
+                return None
+            event = threading.Event()
+            self._inflight[digest] = event
+        threading.Thread(
+            target=self._run, args=(digest, pin, desc, event), name="modelpack-fill", daemon=True
+        ).start()
+        return event
 
     def _run(self, digest: str, pin: _Pinned, desc: Descriptor | None, event: threading.Event) -> None:
         try:

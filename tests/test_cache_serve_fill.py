@@ -22,9 +22,15 @@ from modelpack.api import transfer
 from modelpack.oci.descriptor import Manifest
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import open_readable
-from tests.fixtures.registry import RegistryServer
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
-from tests.test_cache_serve import _cli, _env, _request, _same, serve  # noqa: F401 (the fixture)
+from tests.fixtures.registry import RegistryServer
+from tests.test_cache_serve import (
+    _cli,
+    _env,
+    _request,
+    _same,
+    serve,  # noqa: F401 (the fixture)
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,7 +61,10 @@ def _empty_cache(tmp_path: Path, name: str) -> Path:
 
 
 def test_two_nodes_pulling_through_an_empty_owner_cost_the_origin_one_copy(
-    registry: RegistryServer, checkpoint: Path, tmp_path: Path, serve: Any
+    registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811 (the fixture imported above)
 ) -> None:
     digest, manifest = _push(registry, checkpoint, "fill/model")
     pinned = f"{registry.host}/fill/model@{digest}"
@@ -89,7 +98,10 @@ def test_two_nodes_pulling_through_an_empty_owner_cost_the_origin_one_copy(
 
 
 def test_a_digest_nobody_pinned_is_never_fetched_and_a_flood_costs_one_fetch(
-    registry: RegistryServer, checkpoint: Path, tmp_path: Path, serve: Any
+    registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811 (the fixture imported above)
 ) -> None:
     digest, manifest = _push(registry, checkpoint, "fill/pinned")
     other_dir = tmp_path / "other"
@@ -128,7 +140,10 @@ def test_a_digest_nobody_pinned_is_never_fetched_and_a_flood_costs_one_fetch(
 
 
 def test_an_origin_serving_wrong_bytes_commits_nothing_and_is_not_asked_again_at_once(
-    registry_factory: Any, checkpoint: Path, tmp_path: Path, serve: Any
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811 (the fixture imported above)
 ) -> None:
     origin = registry_factory.start()
     digest, manifest = _push(origin, checkpoint, "fill/lying")
@@ -152,8 +167,16 @@ def test_an_origin_serving_wrong_bytes_commits_nothing_and_is_not_asked_again_at
     # and a puller through this owner is not misled: it finishes from the origin and refuses the bad bytes
     time.sleep(0.1)
     res = subprocess.run(
-        _cli("pull", "--cache", str(tmp_path / "node-b"), "--retry-for", "2s", "--mirror", owner.url,
-             f"{origin.host}/fill/lying@{digest}"),
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "node-b"),
+            "--retry-for",
+            "2s",
+            "--mirror",
+            owner.url,
+            f"{origin.host}/fill/lying@{digest}",
+        ),
         env=_env(tmp_path),
         capture_output=True,
         text=True,
@@ -162,3 +185,23 @@ def test_an_origin_serving_wrong_bytes_commits_nothing_and_is_not_asked_again_at
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert str(layer.digest) in res.stderr
     assert not os.path.exists(tmp_path / "node-b" / "blobs" / "sha256" / layer.digest.hex)
+
+
+def test_with_the_origin_down_a_flood_of_misses_is_answered_within_one_short_budget(
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811 (the fixture imported above)
+) -> None:
+    origin = registry_factory.start()
+    digest, manifest = _push(origin, checkpoint, "fill/down")
+    cache = _empty_cache(tmp_path, "owner")
+    owner = serve(cache, "--fill", f"{origin.host}/fill/down@{digest}")
+    origin.kill()
+    layer = max(manifest.layers, key=lambda d: d.size)
+    t0 = time.monotonic()
+    for _ in range(10):
+        assert _request(owner, "GET", f"/v2/fill/down/blobs/{layer.digest}")[0] == 404
+    # one manifest fetch within the fill's 5 s origin budget, then misses without asking again
+    assert time.monotonic() - t0 < 12
+    assert owner.proc.poll() is None
