@@ -149,7 +149,7 @@ def download_snapshot(
     revision = source.revision or "main"
     where = f"{source.shown} (revision {for_terminal(revision)!r})"
     # huggingface_hub >= 2 tells an interrupted download from a missing revision
-    incomplete: Any = getattr(hub.errors, "IncompleteSnapshotError", ())
+    incomplete: Any = getattr(getattr(hub, "errors", None), "IncompleteSnapshotError", ())
     try:
         path = hub.snapshot_download(
             source.repo_id, revision=revision, cache_dir=cache, local_files_only=local_files_only
