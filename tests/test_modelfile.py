@@ -279,6 +279,7 @@ def test_quoted_paths_dataset_and_flags_over_modelfile(tmp_path: Path) -> None:
         ("DOC sub", "is a directory"),
         ("MODEL missing.safetensors", "no such file"),
         ("DOC *.txt", "not UTF-8"),
+        ("DOC dangling/*.md", "dangling symlink"),
     ],
 )
 def test_globs_never_leave_the_context_directory(tmp_path: Path, line: str, message: str) -> None:
@@ -290,6 +291,8 @@ def test_globs_never_leave_the_context_directory(tmp_path: Path, line: str, mess
     (ctx / "sub" / "ok.md").write_text("ok")
     (ctx / "link-out.md").symlink_to(outside / "secret.md")
     (ctx / "linked-dir").symlink_to(outside)
+    (ctx / "dangling").mkdir()
+    (ctx / "dangling" / "gone.md").symlink_to("nowhere.md")
     with open(os.path.join(os.fsencode(ctx), b"\xff.txt"), "wb") as f:
         f.write(b"a name that is not UTF-8")
     mf = tmp_path / "Modelfile"

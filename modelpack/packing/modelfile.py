@@ -323,7 +323,14 @@ class _Walk:
         out = []
         literal = _MAGIC.isdisjoint(glob.pattern)
         for rel, real in current:
-            st = os.stat(real)
+            try:
+                st = os.stat(real)
+            except OSError as exc:
+                raise ModelfileError(
+                    self.path,
+                    f"{glob.command} {glob.pattern!r}: {rel}: {exc.strerror or exc} (a dangling symlink?)",
+                    line=glob.line,
+                ) from None
             if stat.S_ISDIR(st.st_mode):
                 if literal:
                     raise ModelfileError(
