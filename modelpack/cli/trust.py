@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -28,6 +28,9 @@ from modelpack.events import EventLog
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.terminal import for_terminal
+
+if TYPE_CHECKING:
+    from modelpack.signing.policy import TrustPolicy
 
 _HOST_ONLY = re.compile(
     r"^(localhost|[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+|[A-Za-z0-9.-]+:[0-9]+|\[[0-9A-Fa-f:]+\](:[0-9]+)?)$"
@@ -225,6 +228,7 @@ def verify_cmd(
     from modelpack.signing.verify import resolve_policy, select_directory_bundle, verify_reference
 
     identity_flags = (cert_identity, cert_identity_regexp, cert_issuer, trusted_root)
+    pol: TrustPolicy | None
     if any(identity_flags):
         if policy:
             raise click.UsageError("give --policy or --certificate-* options, not both")
