@@ -338,6 +338,9 @@ def test_pull_selects_by_variant_and_by_device_arch_and_refuses_what_does_not_fi
     # no --variant: this CPU node's device arch selects the accelerator=cpu entry
     auto = json.loads(_cli("pull", ref, str(tmp_path / "auto"), "--json").stdout)
     assert auto["digest"] == v.f32 and auto["variant"]["node"]["accelerator"] == NODE_ARCH
+    shown = json.loads(_cli("index", "show", ref, "--variant", "precision=bf16", "--json").stdout)
+    assert shown["selection"]["chosen"] == v.bf16
+    assert [e["fits"] for e in shown["selection"]["entries"]] == [True, False]
     none = _cli("pull", ref, str(tmp_path / "none"), "--variant", "precision=f16", ok=False)
     assert none.returncode == 1 and "no variant fits" in none.stderr
     assert (
@@ -414,6 +417,21 @@ def test_load_streams_the_selected_entry(variants: Variants) -> None:
     assert auto["digest"] == v.f32  # --device cpu: the accelerator=cpu entry
     refused = _cli("load", src, "--variant", "engine=vllm", ok=False)
     assert refused.returncode == 1 and "engine: wanted vllm, entry declares none" in refused.stderr
+    # with a trusted key the index itself must be signed by it (the entry's chunk table too)
+    unsigned = _cli("load", src, "--variant", "precision=bf16", "--trusted-key", str(v.pub), ok=False)
+    assert unsigned.returncode == 1 and "the index is not signed by a trusted key" in unsigned.stderr
+    signed = _index(v, "variants/idx-load-signed", "--sign-key", str(v.key))
+    ok = _cli(
+        "load",
+        f"{v.host}/variants/idx-load-signed@{signed}",
+        "--variant",
+        "precision=bf16",
+        "--trusted-key",
+        str(v.pub),
+        "--json",
+    )
+    doc = json.loads(ok.stdout)
+    assert doc["digest"] == v.bf16 and set(doc["verification"].values()) == {"chunks"}
 
 
 # --------------------------------------------------------------------------- trust
