@@ -39,11 +39,11 @@ def parse_entry_overrides(items: tuple[str, ...], count: int) -> dict[int, dict[
     return {i: parse_variant_options(v) for i, v in grouped.items()}
 
 
-def print_variants(doc: dict[str, Any]) -> None:
+def print_variants(doc: dict[str, Any], *, err: bool = False) -> None:
     """One line per variant: position, digest, fields (all escaped by the terminal layer)."""
     for v in doc["variants"]:
         fields = " ".join(f"{k}={x}" for k, x in v["variant"].items()) or "(no variant fields)"
-        click.echo(f"  #{v['position']} {v['digest']}  {for_terminal(fields)}")
+        click.echo(f"  #{v['position']} {v['digest']}  {for_terminal(fields)}", err=err)
 
 
 @click.group("index")
@@ -131,8 +131,8 @@ def create_cmd(
     if as_json:
         emit_json(result.to_json())
         return
-    doc = result.index.to_json()
     click.echo(f"index {result.reference}: {len(result.index.entries)} variants", err=True)
+    print_variants(result.index.to_json(), err=True)
     for digest, what in result.signed.items():
         click.echo(f"  {what}: {digest}", err=True)
     click.echo(result.digest)

@@ -217,7 +217,7 @@ def _push_variant(
         emit_json(result.to_json())
         return
     click.echo(f"index {result.reference}: {len(result.index.entries)} variants", err=True)
-    print_variants(result.index.to_json())
+    print_variants(result.index.to_json(), err=True)
     click.echo(result.digest)
 
 
