@@ -10,7 +10,8 @@ which remembers the referrer manifests it fetched by a digest a referrers listin
 bundle blobs of their layers (bounded by the bundle limit, hashed). After the snapshot is ready
 and its trust recorded, ``keep`` commits, for each referrer whose manifest names the model as
 its ``subject``, has exactly one layer of an accepted bundle media type whose bytes hash to its
-digest, and whose bundle is signed by a key the policy trusts: the OCI empty config, the bundle
+digest, and whose bundle is signed by a key the policy trusts (or, keyless, names an identity it
+trusts): the OCI empty config, the bundle
 and the manifest into the store (content addressed, read-only like every committed blob), and
 the manifest's entry into ``index.json`` with ``artifactType`` and the annotation
 ``io.modelpack.cache.subject`` (the OCI layout's place for manifests; GC keeps their blobs while
@@ -125,9 +126,12 @@ class RecordingTarget:
         return out
 
 
-def keep(store: Store, subject: str, recorder: RecordingTarget, keys: Sequence[Any]) -> list[str]:
+def keep(
+    store: Store, subject: str, recorder: RecordingTarget, keys: Sequence[Any], keyless: Any = None
+) -> list[str]:
     """Commit the referrers of ``subject`` that ``recorder`` saw and that a key in ``keys``
-    signed (see the module docstring); returns their digests. Blobs first, the index.json entry
+    signed, or (``keyless``: the policy's ``KeylessTrust``) whose Sigstore certificate names an
+    identity the policy trusts (see the module docstring); returns their digests. Blobs first, the index.json entry
     last, so an interrupted keep leaves at most unreferenced blobs for GC, never an entry whose
     blobs are missing."""
     from modelpack.signing.bundle import ACCEPTED_BUNDLE_MEDIA_TYPES, Bundle
@@ -139,9 +143,13 @@ def keep(store: Store, subject: str, recorder: RecordingTarget, keys: Sequence[A
         if layer.media_type not in ACCEPTED_BUNDLE_MEDIA_TYPES:
             continue
         try:
-            if Bundle.from_bytes(data, source=f"referrer {digest}").verify(list(keys)) is None:
-                continue
+            bundle = Bundle.from_bytes(data, source=f"referrer {digest}")
         except ModelpackError:
+            continue
+        if bundle.keyless:
+            if keyless is None or keyless.check(data, source=f"referrer {digest}").identity is None:
+                continue
+        elif bundle.verify(list(keys)) is None:
             continue
         config = manifest.config
         if config.digest == Digest.from_bytes(EMPTY_JSON) and config.size == len(EMPTY_JSON):

@@ -88,9 +88,9 @@ class TrustRecords:
         pending = self._read_with.pop(digest, None)
         if pending is None:
             return
-        recorder, keys, ev = pending
+        recorder, (keys, keyless), ev = pending
         try:
-            kept = keep(self.store, digest, recorder, keys)
+            kept = keep(self.store, digest, recorder, keys, keyless)
         except (OSError, ModelpackError) as exc:
             ev("cache.referrers_not_kept", digest=digest, reason=str(exc)[:300])
             return
@@ -190,7 +190,8 @@ class TrustRecords:
             status=result.status,
             key_ids=result.key_ids,
         )
-        self._read_with[str(manifest.digest)] = (recorder, list(resolve_policy(policy, ref).keys), ev)
+        rp = resolve_policy(policy, ref)
+        self._read_with[str(manifest.digest)] = (recorder, (list(rp.keys), rp.keyless), ev)
         if record:
             self.record(str(manifest.digest), result)
         return result

@@ -15,6 +15,7 @@ import base64
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -29,6 +30,7 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.opener import open_target
 from tests.fixtures.local_sigstore import LocalSigstore
 from tests.fixtures.registry import RegistryServer
+from tests.origin_down_support import run, serve  # noqa: F401 (serve: the fixture)
 
 ISSUER = "https://token.actions.githubusercontent.com"
 WORKFLOW = "https://github.com/acme/models/.github/workflows/publish-model.yml@refs/tags/v1"
@@ -272,3 +274,39 @@ def test_verify_with_cosign_style_identity_flags(
         main, [*base, "--certificate-identity", WORKFLOW, "--certificate-identity-regexp", "x"]
     )
     assert both.exit_code == 2
+
+
+def test_keyless_signed_pinned_start_through_a_peer_with_the_origin_down(
+    registry_factory: Any,
+    checkpoint: Path,
+    sigstore: LocalSigstore,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+) -> None:
+    """Node A verified the keyless signature and keeps it; node B, origin down, gets model and
+    signature from A's ``cache serve`` and trusts it by the same identity rule."""
+    origin = registry_factory.start()
+    ref, desc = _push(origin, checkpoint, "keyless/peers")
+    _sign(sigstore, ref, desc)
+    policy = _policy(tmp_path, sigstore, f"subject: {WORKFLOW}")
+    pinned = f"{origin.host}/keyless/peers@{desc.digest}"
+    node_a = tmp_path / "node-a"
+    assert run(tmp_path, "pull", "--cache", str(node_a), "--policy", str(policy), pinned).returncode == 0
+    peer = serve(node_a)
+    origin.kill()
+    b = run(
+        tmp_path,
+        "pull", "--cache", str(tmp_path / "node-b"), "--policy", str(policy), "--mirror", peer.url,
+        "--retry-for", "2s", "--json", pinned,
+    )  # fmt: skip
+    assert b.returncode == 0, b.stderr
+    doc = json.loads(b.stdout)
+    assert doc["signature"] == "verified" and set(doc["bytes_by_source"]) == {peer.host}, doc
+    # a peer cannot vouch for an identity the policy does not name: node C trusts another subject
+    other = _policy(tmp_path / "other", sigstore, f"subject: {WORKFLOW}-other")
+    c = run(
+        tmp_path,
+        "pull", "--cache", str(tmp_path / "node-c"), "--policy", str(other), "--mirror", peer.url,
+        "--retry-for", "2s", pinned,
+    )  # fmt: skip
+    assert c.returncode == 1 and "not by an identity the policy trusts" in c.stderr, c.stderr
