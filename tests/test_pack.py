@@ -471,3 +471,21 @@ def test_an_image_layer_is_not_built_from_a_file_changed_after_hashing(
     with pytest.raises(PackError, match=r"README\.md: changed after it was hashed"):
         image_format.build_image_artifact(str(checkpoint), staging_parent=str(tmp_path / "staging"))
     assert list((tmp_path / "staging").iterdir()) == []  # the staged tars are gone too
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_naming_it(tmp_path: Path, checkpoint: Path) -> None:
+    """A name that is not UTF-8 cannot be an annotation value; it used to escape as a
+    UnicodeEncodeError traceback from the JSON encoder. Excluding it packs the rest."""
+    from click.testing import CliRunner
+
+    from modelpack.cli import main
+
+    ckpt = tmp_path / "named"
+    shutil.copytree(checkpoint, ckpt)
+    with open(os.path.join(os.fsencode(ckpt), b"notes-\xff.txt"), "wb") as f:
+        f.write(b"x")
+    res = CliRunner().invoke(main, ["pack", str(ckpt), f"oci:{tmp_path / 'out'}:v1"])
+    assert res.exit_code == 1 and "not UTF-8" in res.output and "notes-\\xff.txt" in res.output, res.output
+    assert "Traceback" not in res.output
+    ok = CliRunner().invoke(main, ["pack", str(ckpt), f"oci:{tmp_path / 'out'}:v1", "--exclude", "notes-*"])
+    assert ok.exit_code == 0, ok.output

@@ -108,6 +108,13 @@ def discover_files(
                 continue
             if exclude and _matches(rel, exclude):
                 continue
+            try:
+                rel.encode("utf-8")  # the name goes into annotations and JSON: it must be text
+            except UnicodeEncodeError:
+                raw = os.fsencode(rel)
+                raise PackError(
+                    f"{os.fsencode(root)!r}: file name {raw!r} is not UTF-8; rename it or --exclude it"
+                ) from None
             out.append((rel, full))
     out.sort(key=lambda x: x[0].split("/"))
     if not out:
