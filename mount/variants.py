@@ -160,10 +160,10 @@ class VariantResolver:
     ) -> tuple[VariantIndex, str, ReadableTarget | None] | None:
         """The index ``digest`` names (from the records, offline, else fetched and verified), or
         None when it names a plain manifest. Returns the target it opened, if any."""
-        cached = self.records.load(str(digest))
-        if cached is not None:
-            doc = self.records.read(str(digest)) or {}
-            return cached, str(doc.get("mediaType") or ""), target
+        doc = self.records.read(str(digest))
+        if doc is not None:  # read once: bytes checked against the digest, then parsed bounded
+            media_type = str(doc.get("mediaType") or "")
+            return parse_variant_index(doc["_raw"], media_type or None), media_type, target
         if desc is not None and not is_index_media_type(desc.media_type):
             return None  # a tag resolved to a manifest: no extra request
         target = target or open_readable(ref, target_options)
@@ -232,6 +232,15 @@ class VariantResolver:
         return selection, target
 
     def record(self, vi: VariantIndex, media_type: str, reference: str, selection: Selection) -> None:
+        """Remember the entry taken; a hit that took the same entry for the same reference as
+        last time writes nothing (no fsync on the hit path)."""
+        last = (self.records.read(vi.digest) or {}).get("chosen")
+        if (
+            isinstance(last, dict)
+            and last.get("digest") == selection.digest
+            and last.get("reference") == reference
+        ):
+            return
         chosen = {
             "reference": reference,
             "digest": selection.digest,
