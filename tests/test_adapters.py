@@ -293,18 +293,43 @@ def test_pull_into_the_node_cache_checks_every_adapter_against_the_policy(tmp_pa
     assert (snap / "adapter_model.safetensors").exists() and str(signed.digest) in str(
         cache.resolve_local(f"{repo}@{signed.digest}")
     )
-    # an unsigned adapter next to it: the whole pull is refused under the key
-    push_adapter(str(_adapter(tmp_path, "unsigned", seed=4)), f"{repo}:unsigned", f"@{base.digest}")
+    # an unsigned adapter listed next to it (anyone with push access can list one): left out,
+    # reported, and it neither reaches the node nor blocks the signed one
+    unsigned = push_adapter(
+        str(_adapter(tmp_path, "unsigned", seed=4)), f"{repo}:unsigned", f"@{base.digest}"
+    )
     cache2 = NodeCache(str(tmp_path / "cache2"))
+    result = pull_with_adapters(f"{repo}:base", cache=cache2, policy=policy)
+    assert [a.name for a in result.adapters] == ["signed"]
+    assert any(unsigned.digest in s and "left out" in s for s in result.skipped), result.skipped
+    assert {e.digest for e in cache2.ls()} == {base.digest, signed.digest}
+    # even one named "signed" too: the unsigned duplicate is left out before names are compared
+    dup = push_adapter(
+        str(_adapter(tmp_path, "dup", seed=6)), f"{repo}:dup", f"@{base.digest}", name="signed"
+    )
+    assert [
+        str(a.descriptor.digest)
+        for a in pull_with_adapters(f"{repo}:base", cache=cache2, policy=policy).adapters
+    ] == [signed.digest]
+    # named by reference, the unsigned adapter refuses the pull before anything is written
+    dest = tmp_path / "dest"
     with pytest.raises(SignatureRefused):
-        pull_with_adapters(f"{repo}:base", cache=cache2, policy=policy)
-    assert cache2.ls() == []  # refused before anything was published, the base included
+        pull_with_adapters(f"{repo}:base", str(dest), policy=policy, adapters=[f"{repo}:unsigned"])
+    assert not dest.exists()
+    cache3 = NodeCache(str(tmp_path / "cache3"))
     with pytest.raises(SignatureRefused):
-        pull_with_adapters(f"{repo}:base", str(tmp_path / "dest"), policy=policy)
-    assert not (tmp_path / "dest").exists()
-    # without a policy both come
-    result = pull_with_adapters(f"{repo}:base", cache=cache)
-    assert sorted(a.name for a in result.adapters) == ["signed", "unsigned"]
+        pull_with_adapters(
+            f"{repo}:base",
+            cache=cache3,
+            with_adapters=False,
+            adapters=[f"{repo}@{unsigned.digest}"],
+            policy=policy,
+        )
+    assert cache3.ls() == []  # the base included
+    # without a policy two adapters named "signed" are ambiguous: refused, naming both
+    with pytest.raises(AdapterError, match="named 'signed'") as info:
+        pull_with_adapters(f"{repo}:base", cache=cache3)
+    assert signed.digest in str(info.value) and dup.digest in str(info.value)
 
 
 def test_cli_push_base_pull_with_adapters_inspect(tmp_path: Path, repo: str) -> None:

@@ -9,7 +9,8 @@ later (``AdapterPushResult.base`` says which).
 ``pull_with_adapters`` pulls a base and its adapters: every adapter the registry lists for the
 base (``with_adapters``) and/or adapters named by their own references (``adapters``). Each is
 checked against the base (its subject must be the base's digest: ``AdapterBaseMismatchError``
-names both otherwise), verified against the trust policy when one is given, and written to
+names both otherwise), verified against the trust policy when one is given (a listed adapter
+that fails it is left out and reported; a named one refuses the pull), and written to
 ``DEST/adapters/<name>/`` (a directory pull) or into its own node-cache snapshot (``cache``).
 Everything is checked before the first file is written.
 """
@@ -184,6 +185,7 @@ class SelectedAdapter:
     descriptor: Descriptor
     path: str = ""  # where it landed (DEST/adapters/NAME, or its cache snapshot)
     verification: dict[str, Any] | None = None
+    listed: bool = False  # found in the base's referrers (not named with --adapter)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -224,14 +226,14 @@ def select_adapters(
     adapters: Sequence[str],
     target_options: TargetOptions | None,
 ) -> tuple[list[SelectedAdapter], list[str]]:
-    """The adapters to pull with a base, each checked against it; a name used twice is refused."""
+    """The adapters to pull with a base, each checked against it (names are checked for
+    duplicates once the policy has had its say: ``unique_names``)."""
     chosen: list[SelectedAdapter] = []
     skipped: list[str] = []
     if with_adapters:
         listing = find_adapters(target, base_desc)
         skipped = listing.skipped
-        for found in listing.by_name().values():
-            chosen.append(_selected(base_ref, found))
+        chosen = [_selected(base_ref, found) for found in listing.adapters]
     for text in adapters:
         ref = parse_reference(text)
         src = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
@@ -240,25 +242,56 @@ def select_adapters(
         name = check_adapter_for_base(manifest, str(ref), str(desc.digest), str(base_desc.digest))
         check_subject_resolves(src, manifest, f"adapter {ref} ({desc.digest})")
         pinned = dataclasses.replace(ref, tag=None, digest=desc.digest)
-        if any(c.descriptor.digest == desc.digest for c in chosen):
-            continue
+        chosen = [c for c in chosen if c.descriptor.digest != desc.digest]  # named: no longer optional
         chosen.append(
             SelectedAdapter(name, pinned, Descriptor(manifest.media_type, desc.digest, len(manifest.raw)))
         )
+    return chosen, skipped
+
+
+def unique_names(chosen: Sequence[SelectedAdapter], base_digest: str) -> None:
+    """Two adapters of one base under one name are refused: which one a node serves must not
+    depend on listing order."""
     names: dict[str, str] = {}
     for c in chosen:
         if c.name in names:
             raise AdapterError(
-                f"two adapters for base {base_desc.digest} are named {c.name!r}: {names[c.name]} and "
-                f"{c.descriptor.digest}; pull one of them by reference"
+                f"two adapters for base {base_digest} are named {c.name!r}: {names[c.name]} and "
+                f"{c.descriptor.digest}; pull one of them by reference (--adapter)"
             )
         names[c.name] = str(c.descriptor.digest)
-    return chosen, skipped
+
+
+def apply_policy(
+    pinned: Reference, chosen: list[SelectedAdapter], policy: Any, topts: TargetOptions, skipped: list[str]
+) -> list[SelectedAdapter]:
+    """Verify the base and every adapter under ``policy`` before anything is written. The base
+    and adapters named by reference must pass; an adapter only *listed* for the base that fails
+    is left out and reported in ``skipped`` (anyone who can push may list adapters, as with
+    junk signatures: an unsigned one must neither be served nor block the signed ones)."""
+    from modelpack.errors import SignatureRefused
+    from modelpack.signing.verify import verify_reference
+
+    verify_reference(pinned, policy, topts)
+    kept: list[SelectedAdapter] = []
+    for a in chosen:
+        try:
+            a.verification = verify_reference(a.reference, policy, topts)[2].to_json()
+        except SignatureRefused as exc:
+            if not a.listed:
+                raise
+            skipped.append(f"adapter {a.name} ({a.descriptor.digest}) left out: {exc}")
+            continue
+        kept.append(a)
+    return kept
 
 
 def _selected(base_ref: Reference, found: FoundAdapter) -> SelectedAdapter:
     return SelectedAdapter(
-        found.name, dataclasses.replace(base_ref, tag=None, digest=found.descriptor.digest), found.descriptor
+        found.name,
+        dataclasses.replace(base_ref, tag=None, digest=found.descriptor.digest),
+        found.descriptor,
+        listed=True,
     )
 
 
@@ -301,11 +334,8 @@ def pull_with_adapters(
     if dest_dir is not None:
         _refuse_adapters_dir_in_base(base_manifest, ref)
     if policy is not None:  # every signature before the first byte of any of them is written
-        from modelpack.signing.verify import verify_reference
-
-        verify_reference(pinned, policy, topts)
-        for a in chosen:
-            a.verification = verify_reference(a.reference, policy, topts)[2].to_json()
+        chosen = apply_policy(pinned, chosen, policy, topts, skipped)
+    unique_names(chosen, str(desc.digest))
     if cache is not None:  # the cache checks the policy again, as for any pull, before publishing
         base_result = cache.pull(pinned, topts, policy=policy, jobs=jobs, progress=progress)
         for a in chosen:

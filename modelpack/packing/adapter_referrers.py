@@ -67,19 +67,6 @@ class AdapterListing:
     adapters: list[FoundAdapter] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
-    def by_name(self) -> dict[str, FoundAdapter]:
-        """Adapters by name; two adapters of one base under one name are refused (which one a node
-        would serve must not depend on listing order)."""
-        out: dict[str, FoundAdapter] = {}
-        for a in self.adapters:
-            if a.name in out:
-                raise AdapterError(
-                    f"two adapters of one base are named {a.name!r}: {out[a.name].digest} and {a.digest}; "
-                    "push one under another name (--name)"
-                )
-            out[a.name] = a
-        return out
-
 
 def is_model_manifest(manifest: Manifest) -> bool:
     return manifest.artifact_type == ARTIFACT_TYPE_MODEL or is_model_config(manifest.config.media_type)
