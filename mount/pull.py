@@ -159,9 +159,11 @@ class Puller:
         then that entry pulled by digest under the same policy, so each variant is one snapshot."""
         index, media_type, target = found
         resolver = self.variants
-        index_signature, target = resolver.check_index_trust(
+        index_signature, target, signed_at = resolver.check_index_trust(
             index, media_type, ref, target, target_options, policy, log, ev
         )
+        # a tag of the index under a policy: no index signed before the newest one accepted here
+        pending = self._no_rollback(ref, index.digest, signed_at, ev) if policy is not None else None
         selection, target = resolver.choose(index, target, ref, target_options)
         ev(
             "cache.variant_selected",
@@ -177,6 +179,8 @@ class Puller:
             )
         finally:
             self.variants = resolver
+        if pending is not None:
+            pending.accept()
         resolver.record(index, media_type, str(ref), selection)
         if not ref.digest:  # the tag stands for the entry this node uses (open_snapshot, load)
             self.refs.record(ref, Digest(selection.digest))

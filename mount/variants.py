@@ -189,14 +189,16 @@ class VariantResolver:
         policy: Any,
         log: EventLog,
         ev: Callable[..., None],
-    ) -> tuple[str, ReadableTarget | None]:
-        """Under a policy the index signature must verify (or have verified here before)."""
+    ) -> tuple[str, ReadableTarget | None, float | None]:
+        """Under a policy the index signature must verify (or have verified here before).
+        Returns the status, the target opened (if any) and the index's signing time (for the
+        tag's rollback check: a tag of an index moved back to an older signed index is refused)."""
         if policy is None:
-            return "not-checked", target
+            return "not-checked", target, None
         policy = load_policy(policy)
         if self.trust.trusted_locally(vi.digest, ref, policy):
             ev("cache.signature_verified", digest=vi.digest, status="verified", cached=True, kind="index")
-            return "verified", target
+            return "verified", target, self.trust.signed_time(vi.digest, ref, policy)
         from modelpack.signing import verify_artifact
 
         target = target or open_readable(ref, target_options)
@@ -208,7 +210,7 @@ class VariantResolver:
             raise
         self.trust.record(vi.digest, result)
         ev("cache.signature_verified", digest=vi.digest, status=result.status, kind="index")
-        return str(result.status), target
+        return str(result.status), target, result.signed_at
 
     def choose(
         self,

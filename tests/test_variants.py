@@ -507,3 +507,35 @@ def test_signed_index_and_entries_are_verified_and_an_unsigned_entry_or_other_ke
             policy=[load_public_key(str(v.pub))],
             variant=VariantSelector.from_options(),
         )
+
+
+def test_a_tag_of_an_index_moved_back_to_an_older_signed_index_is_refused(
+    variants: Variants, tmp_path: Path
+) -> None:
+    import time
+
+    v = variants
+    repo = f"{v.host}/variants/idx-rollback"
+    old = _index(v, "variants/idx-rollback", "--sign-key", str(v.key))
+    time.sleep(1.1)  # signing times are whole seconds
+    new = _cli(
+        "index",
+        "create",
+        f"{repo}:v1",
+        f"{v.host}/variants/src:bf16",
+        f"{v.host}/variants/src:f32",
+        "--variant",
+        "2:accelerator=cpu",
+        "--variant",
+        "1:engine=vllm",
+        "--sign-key",
+        str(v.key),
+    ).stdout.strip()
+    assert new != old
+    cache = ["--cache", str(tmp_path / "cache"), "--key", str(v.pub), "--variant", "precision=f32"]
+    assert json.loads(_cli("pull", f"{repo}:v1", *cache, "--json").stdout)["digest"] == v.f32
+    _cli("tag", f"{repo}@{old}", "v1")  # the tag moved back to the older signed index
+    back = _cli("pull", f"{repo}:v1", *cache, ok=False)
+    assert back.returncode == 1 and old in back.stderr and "Traceback" not in back.stderr, back.stderr
+    allowed = _cli("pull", f"{repo}:v1", *cache, "--allow-rollback", "--json")
+    assert json.loads(allowed.stdout)["variant"]["index"] == old
