@@ -50,7 +50,7 @@ class TrustRecords:
         self.store = store
         self.snapshots = snapshots
         #: per digest: what its verification read (``mount.kept_referrers``), kept by ``record``
-        self._read_with: dict[str, tuple[RecordingTarget, list[Any], Callable[..., None]]] = {}
+        self._read_with: dict[str, tuple[RecordingTarget, tuple[list[Any], Any], Callable[..., None]]] = {}
 
     def read(self, digest: str) -> dict[str, Any]:
         """What verified ``digest``; empty when unknown, malformed, or not written by the cache
