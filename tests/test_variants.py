@@ -204,6 +204,11 @@ def test_push_variant_adds_and_replaces_entries_and_refuses_a_plain_manifest(
     again = push_variant(str(v.ckpt["bf16"]), f"{layout}:v1", ["engine=vllm", "tp-size=2"])
     assert [e.fields.get("tp-size") for e in again.index.entries] == [None, "2"]  # bf16 replaced, last
     assert [str(e.descriptor.digest) for e in again.index.entries] == [v.f32, v.bf16]
+    # an index as a variant of an index, and two entries no node could tell apart: refused at create
+    with pytest.raises(VariantIndexError, match="is an index; an index entry must be a model manifest"):
+        create_index(f"{layout}:nested", [f"{layout}:v1"])
+    with pytest.raises(VariantIndexError, match="have the same variant fields"):
+        create_index(f"{layout}:dup", [f"{layout}@{v.bf16}", f"{layout}@{v.bf16}"])
     api.cp(f"{layout}@{v.f32}", f"{layout}:plain")
     with pytest.raises(VariantIndexError, match="holds a model manifest, not an index"):
         push_variant(str(v.ckpt["bf16"]), f"{layout}:plain", ["engine=x"])
