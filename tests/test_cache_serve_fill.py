@@ -205,3 +205,50 @@ def test_with_the_origin_down_a_flood_of_misses_is_answered_within_one_short_bud
     # one manifest fetch within the fill's 5 s origin budget, then misses without asking again
     assert time.monotonic() - t0 < 12
     assert owner.proc.poll() is None
+
+
+def test_with_blob_order_every_node_asks_the_same_owner_first_and_owners_spread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``MODELPACK_PEER_ORDER=blob``: the peers of a ``dns+`` name are ranked per blob, the same on
+    every node (else each owner would be asked by only some nodes and the origin would serve
+    each blob once per owner); a ``--mirror`` that is not a peer keeps its place; the node's own
+    address stays in the set (it may own blobs)."""
+    from modelpack.oci.descriptor import Descriptor
+    from modelpack.oci.digest import Digest
+    from modelpack.targets.registry.client import RegistryClient
+    from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors
+    from modelpack.targets.registry.repository import RepositoryAPI
+
+    monkeypatch.setenv("MODELPACK_HOSTS_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("MODELPACK_PEER_ORDER", "blob")
+    monkeypatch.setenv("MODELPACK_NODE_IP", "127.0.0.1")
+    blobs = [Descriptor("application/octet-stream", Digest.from_bytes(b"%d" % i), 1) for i in range(64)]
+
+    def owners(node: str) -> list[str]:
+        monkeypatch.setenv("MODELPACK_NODE_NAME", node)
+        # localhost resolves to 127.0.0.1 (and maybe ::1): the own address is kept in blob order
+        endpoints = configured_mirrors(
+            "origin.example:5000", ["http://mirror.example:5000", "dns+http://localhost:5050"], None
+        )
+        assert endpoints[0].host == "mirror.example:5000" and not endpoints[0].peer
+        assert any(e.host == "127.0.0.1:5050" and e.peer for e in endpoints)
+        fake_peers = [
+            type(endpoints[1])(host=f"10.231.0.{i}:5050", plain_http=True, peer=True) for i in range(1, 9)
+        ]
+        mirrors = MirroredBlobs(
+            RepositoryAPI(RegistryClient("origin.example:5000", plain_http=True), "m"),
+            [endpoints[0], *fake_peers],
+        )
+        order = [mirrors._for_blob(b) for b in blobs]
+        assert all(o[0].name == "mirror.example:5000" for o in order)  # not a peer: first, as configured
+        return [o[1].name for o in order]
+
+    first = owners("node-a")
+    assert owners("node-b") == first == owners("node-c")  # the same owner on every node
+    counts = {name: first.count(name) for name in set(first)}
+    assert len(counts) == 8 and max(counts.values()) <= 16, counts  # 64 blobs spread over 8 peers
+    monkeypatch.setenv("MODELPACK_PEER_ORDER", "node")
+    monkeypatch.setenv("MODELPACK_NODE_NAME", "node-a")
+    node_order = configured_mirrors("origin.example:5000", ["dns+http://localhost:5050"], None)
+    assert all(e.host != "127.0.0.1:5050" for e in node_order)  # node order leaves itself out
