@@ -17,7 +17,7 @@ installed package has, even when ``PYTHONDONTWRITEBYTECODE`` is set. ``--importt
 imports that cost the most in that command, to see what to make lazy.
 
     .venv/bin/python benchmarks/cache_hit.py [--sizes 64,512] [--repeat 50] [--process-repeat 15]
-        [--process-only] [--importtime] [--workdir /tmp]
+        [--process-only] [--importtime] [--workdir /tmp] [--engine-repeat 5] [--engine-only]
 """
 
 from __future__ import annotations
@@ -141,13 +141,19 @@ def engine_rows(model: CachedModel, repeat: int) -> dict[str, float]:
         for k, v in iter_tensors(snap, options=LoaderOptions(views="shard")):
             params[k].copy_(v)
 
-    best = {"plain": float("inf"), "hit": float("inf")}
-    for _ in range(repeat):
-        for name, fn in (("plain", plain), ("hit", hit)):
+    runs: dict[str, list[float]] = {"plain": [], "hit": []}
+    loads: list[float] = []
+    for r in range(repeat):
+        loads.append(os.getloadavg()[0])
+        order = (("plain", plain), ("hit", hit)) if r % 2 == 0 else (("hit", hit), ("plain", plain))
+        for name, fn in order:  # alternating which goes first: neither always meets a warmer cache
             t = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return {"engine_plain_ms": best["plain"] * 1000, "engine_hit_ms": best["hit"] * 1000}
+            runs[name].append(time.perf_counter() - t)
+    out = {f"engine_{name}_ms": min(v) * 1000 for name, v in runs.items()}
+    out.update({f"engine_{name}_median_ms": statistics.median(v) * 1000 for name, v in runs.items()})
+    out["load_min"], out["load_max"] = min(loads), max(loads)
+    return out
 
 
 def child_env(root: str) -> dict[str, str]:
@@ -199,6 +205,17 @@ def import_costs(model: CachedModel, env: dict[str, str], top: int = 25) -> str:
     return "\n".join(rows[:top])
 
 
+def _engine_line(model: CachedModel, e: dict[str, float]) -> str:
+    return (
+        f"{model.total / 2**20:>7.0f}MiB  engine reads the plain dir {e['engine_plain_ms']:8.1f} ms "
+        f"(median {e['engine_plain_median_ms']:.1f})   cache hit + snapshot views "
+        f"{e['engine_hit_ms']:8.1f} ms (median {e['engine_hit_median_ms']:.1f})   "
+        f"= {e['engine_hit_ms'] / e['engine_plain_ms']:.2f}x the plain directory (best), "
+        f"{e['engine_hit_median_ms'] / e['engine_plain_median_ms']:.2f}x (median); "
+        f"load average {e['load_min']:.1f}–{e['load_max']:.1f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64,512", help="model sizes in MiB, comma-separated")
@@ -208,6 +225,7 @@ def main() -> None:
     ap.add_argument("--importtime", action="store_true", help="list the costliest imports of the CLI hit")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
     ap.add_argument("--engine-repeat", type=int, default=5, help="engine weights-read rounds (0: skip)")
+    ap.add_argument("--engine-only", action="store_true", help="only the engine weights-read rows")
     args = ap.parse_args()
     print(
         "compares: the hit against re-hashing the snapshot (a cache without ready markers) and the CLI "
@@ -226,6 +244,10 @@ def main() -> None:
         try:
             model = prepare(mib, root)
             env = child_env(root)
+            if args.engine_only:
+                e = engine_rows(model, max(1, args.engine_repeat))
+                engine.append(_engine_line(model, e))
+                continue
             proc = whole_process(model, args.process_repeat, env)
             if args.process_only:
                 inproc = "".join(f"{'-':>{w}} " for w in (9, 9, 10, 11))
@@ -244,11 +266,7 @@ def main() -> None:
                 print(import_costs(model, env))
             if args.engine_repeat > 0:
                 e = engine_rows(model, args.engine_repeat)
-                engine.append(
-                    f"{model.total / 2**20:>7.0f}MiB  engine reads the plain dir {e['engine_plain_ms']:8.1f} ms   "
-                    f"cache hit + snapshot views {e['engine_hit_ms']:8.1f} ms   "
-                    f"= {e['engine_hit_ms'] / e['engine_plain_ms']:.2f}x the plain directory"
-                )
+                engine.append(_engine_line(model, e))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(
@@ -257,7 +275,10 @@ def main() -> None:
         "runs (goal < 150 ms), 'python' = 'python -c pass', 'added' = the difference; 'CPU' = user + sys"
     )
     if engine:
-        print(f"\nengine weights read, best of {args.engine_repeat} (every tensor copied into a parameter):")
+        print(
+            f"\nengine weights read, best and median of {args.engine_repeat} interleaved rounds (every "
+            "tensor copied into a preallocated parameter; which mode goes first alternates):"
+        )
         print("\n".join(engine))
 
 
