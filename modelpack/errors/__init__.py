@@ -7,6 +7,15 @@ one import callers use and the split is invisible to them.
 
 from __future__ import annotations
 
+from modelpack.errors.adapters import (
+    AdapterBaseMismatchError as AdapterBaseMismatchError,
+)
+from modelpack.errors.adapters import (
+    AdapterError as AdapterError,
+)
+from modelpack.errors.adapters import (
+    AdapterSubjectError as AdapterSubjectError,
+)
 from modelpack.errors.base import (
     ConfigError as ConfigError,
 )
@@ -17,19 +26,22 @@ from modelpack.errors.base import (
     DocumentError as DocumentError,
 )
 from modelpack.errors.base import (
-    InvalidDigestError as InvalidDigestError,
-)
-from modelpack.errors.base import (
-    InvalidReferenceError as InvalidReferenceError,
-)
-from modelpack.errors.base import (
     HFRevisionNotFoundError as HFRevisionNotFoundError,
 )
 from modelpack.errors.base import (
     HFSourceError as HFSourceError,
 )
 from modelpack.errors.base import (
+    InvalidDigestError as InvalidDigestError,
+)
+from modelpack.errors.base import (
+    InvalidReferenceError as InvalidReferenceError,
+)
+from modelpack.errors.base import (
     ManifestError as ManifestError,
+)
+from modelpack.errors.base import (
+    MissingRankError as MissingRankError,
 )
 from modelpack.errors.base import (
     ModelfileError as ModelfileError,
@@ -45,9 +57,6 @@ from modelpack.errors.base import (
 )
 from modelpack.errors.base import (
     SafetensorsError as SafetensorsError,
-)
-from modelpack.errors.base import (
-    MissingRankError as MissingRankError,
 )
 from modelpack.errors.base import (
     ShardedStateError as ShardedStateError,
@@ -77,10 +86,10 @@ from modelpack.errors.loading import (
     HeaderMismatchError as HeaderMismatchError,
 )
 from modelpack.errors.loading import (
-    LoaderError as LoaderError,
+    LayoutMismatchError as LayoutMismatchError,
 )
 from modelpack.errors.loading import (
-    LayoutMismatchError as LayoutMismatchError,
+    LoaderError as LoaderError,
 )
 from modelpack.errors.loading import (
     PlanError as PlanError,
@@ -273,13 +282,4 @@ from modelpack.errors.trust import (
 )
 from modelpack.errors.trust import (
     TagHistoryError as TagHistoryError,
-)
-from modelpack.errors.adapters import (
-    AdapterBaseMismatchError as AdapterBaseMismatchError,
-)
-from modelpack.errors.adapters import (
-    AdapterError as AdapterError,
-)
-from modelpack.errors.adapters import (
-    AdapterSubjectError as AdapterSubjectError,
 )
