@@ -449,3 +449,21 @@ def test_load_cli_reports_each_ranks_own_files_and_refuses_another_tp_size(
     assert "Traceback" not in out.output
     out = runner.invoke(main, ["load", layout.ref, "--tp-size", "2"])
     assert out.exit_code == 1 and "the artifact's layout is 'sharded_state'" in out.stderr
+
+
+def test_inspect_shows_the_variant_a_manifest_declares(
+    layout: Layout, checkpoint: Path, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from modelpack.cli import main
+
+    runner = CliRunner()
+    out = runner.invoke(main, ["inspect", layout.ref, "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["variant"] == {"layout": "sharded_state", "tp-size": "2"}
+    out = runner.invoke(main, ["inspect", layout.ref])
+    assert "Variant:       tp-size=2, layout=sharded_state" in out.stdout
+    canonical = pack_layout(checkpoint, tmp_path / "canonical")
+    out = runner.invoke(main, ["inspect", canonical.ref, "--json"])
+    assert "variant" not in json.loads(out.stdout)

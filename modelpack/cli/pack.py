@@ -192,8 +192,9 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
     from modelpack.cli.adapters import adapters_section, print_adapters
 
     adapters = adapters_section(summary.manifest, reference, topts)
+    variant = _manifest_variant(summary.manifest)
     if as_json:
-        emit_json({**summary.to_json(), **adapters})
+        emit_json({**summary.to_json(), **({"variant": variant} if variant else {}), **adapters})
         return
     # every value below came from the artifact: each shown as one inert line (for_terminal)
     cfg = summary.config or {}
@@ -209,6 +210,8 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
             value = desc.get(key) if key == "family" else mc.get(key)
             if value:
                 click.echo(f"  {key + ':':<15}{for_terminal(value)}")
+    if variant:  # what the manifest says it is (the sharded_state packer writes layout and tp-size)
+        click.echo(f"Variant:       {for_terminal(', '.join(f'{k}={v}' for k, v in variant.items()))}")
     click.echo(f"Layers:        {len(summary.layers)}, total {human_size(summary.total_size)}")
     paths = [for_terminal(layer.path or "-") for layer in summary.layers]
     width = max((len(p) for p in paths), default=4)
@@ -218,6 +221,18 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
             f"{human_size(layer.size):>10}  {layer.digest[:19]}…"
         )
     print_adapters(adapters)
+
+
+def _manifest_variant(manifest: Any) -> dict[str, str]:
+    """The variant fields on a manifest's own annotations (``dev.modelpack.variant.*``), checked;
+    a malformed value is left out here (loading refuses it, naming it)."""
+    from modelpack.errors import ModelpackError
+    from modelpack.mediatypes.variants import variant_fields
+
+    try:
+        return variant_fields(getattr(manifest, "annotations", None), where="manifest")
+    except ModelpackError:
+        return {}
 
 
 def _inspect_variants(reference: str, topts: Any, as_json: bool) -> bool:
