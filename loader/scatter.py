@@ -62,7 +62,7 @@ def scatter_plan(
             return None
         if s > pos:
             segments.append(Segment(pos, s, gap[pos - b0 : s - b0], None))
-        view = memoryview(dbytes[s - span.offset : e - span.offset].numpy()).cast("B")
+        view = dbytes[s - span.offset : e - span.offset].numpy().data.cast("B")
         segments.append(Segment(s, e, view, idx))
         pos = e
     if pos < b1:
