@@ -467,3 +467,34 @@ def test_inspect_shows_the_variant_a_manifest_declares(
     canonical = pack_layout(checkpoint, tmp_path / "canonical")
     out = runner.invoke(main, ["inspect", canonical.ref, "--json"])
     assert "variant" not in json.loads(out.stdout)
+
+
+def test_vllms_config_hook_refuses_another_tp_size_or_layout_before_workers_start(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """``check_layout_before_start`` (run by the plugin when vLLM builds its config, with vLLM's
+    ``--tensor-parallel-size``) on the pulled snapshot: the matching start passes, another TP size,
+    the default layout and a manifest whose tp-size lies are refused, each with a config-stage event."""
+    from modelpack.serving.sharded_state import check_layout_before_start
+
+    cache = NodeCache(str(tmp_path / "cache"))
+    snap = cache.pull(layout.ref).path
+    events = tmp_path / "events.jsonl"
+    extra = {"expected_digest": layout.digest, "layout": "sharded_state", "events": str(events)}
+    check_layout_before_start(snap, json.dumps(extra), tp_size=TP, environ={})
+    with pytest.raises(TpSizeMismatchError):
+        check_layout_before_start(snap, extra, tp_size=4, environ={})
+    with pytest.raises(LayoutMismatchError):
+        check_layout_before_start(snap, {**extra, "layout": "canonical"}, tp_size=TP, environ={})
+    lie = _republish(layout, "lie", annotations={ANNOTATION_VARIANT_TP_SIZE: "1"})
+    lying = cache.pull(f"oci:{layout.path}@{lie}").path
+    with pytest.raises(ShardedStateError, match=r"says 1, but the rank files are for ranks 0\.\.1"):
+        check_layout_before_start(lying, {**extra, "expected_digest": lie}, tp_size=1, environ={})
+    refused = [json.loads(line) for line in events.read_text().splitlines()]
+    assert {e["event"] for e in refused} == {"serving.refused"}
+    assert [e["stage"] for e in refused] == ["config"] * 3
+    assert [e["reason"].split(":")[0] for e in refused] == [
+        "TpSizeMismatchError",
+        "LayoutMismatchError",
+        "ShardedStateError",
+    ]

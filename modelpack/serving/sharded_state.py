@@ -9,17 +9,25 @@ parameter, a shape larger than its parameter, or a parameter no rank file filled
 ``ServingError`` before the engine serves (vLLM's own loader raises a ``KeyError`` or, for a missing
 parameter, a ``ValueError`` after copying the rest).
 
+``check_layout_before_start`` runs from the plugin's config hook (``vllm_plugin.py``): a snapshot of
+the other layout, or split for another TP size, is refused before vLLM starts its workers.
+
 Kept free of vLLM imports (``vllm_loader.py`` hands in the state dict, filtered by vLLM's own
-``ShardedStateLoader._filter_subtensors``), so it is tested without vLLM.
+``ShardedStateLoader._filter_subtensors``; the plugin hands in the TP size), so it is tested
+without vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
+import json
+import os
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
-from modelpack.errors import ServingError
+from modelpack.errors import ModelpackError, ServingConfigError, ServingError
+from modelpack.events import EventLog
 
 
 def copy_into_state(
@@ -62,4 +70,63 @@ def copy_into_state(
     return copied
 
 
-__all__ = ["copy_into_state"]
+def check_layout_before_start(
+    model_dir: str,
+    extra_config: Mapping[str, Any] | str | None,
+    *,
+    tp_size: int,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """For a node-cache snapshot: refuse, when vLLM builds its config (before any worker starts),
+    a layout other than the extra config's ``layout`` or a sharded_state split for another TP size,
+    with the same checks each rank runs again before reading (``loader/sharded_state.py``).
+
+    A streamed ``source`` (whose pin may name an index resolved with the engine's TP size) and an
+    image volume (``trust: runtime``) are left to the rank load. Writes ``serving.refused`` with
+    ``stage: config`` to the start's event log before raising.
+    """
+    from modelpack.loader import snapshot_binding
+    from modelpack.loader.sharded_state import select_rank_files
+    from modelpack.loader.weight_files import ResolvedSource, WeightFile, weight_layers
+    from modelpack.serving.settings import ServingSettings
+
+    env = os.environ if environ is None else environ
+    if isinstance(extra_config, str):
+        try:
+            extra_config = json.loads(extra_config) if extra_config.strip() else {}
+        except ValueError as exc:
+            raise ServingConfigError(f"--model-loader-extra-config: not JSON: {exc}") from exc
+    if extra_config is not None and not isinstance(extra_config, Mapping):
+        raise ServingConfigError("--model-loader-extra-config must be a JSON object")
+    settings = ServingSettings.from_extra_config(extra_config, env)
+    if settings.source or settings.trust == "runtime":
+        return
+    found = snapshot_binding.claim(os.path.realpath(model_dir))
+    if found is None:
+        return  # the directory check refuses it, naming why
+    try:
+        manifest = snapshot_binding.pinned_manifest(found)
+
+        def never() -> Any:  # pragma: no cover - nothing is read at config time
+            raise AssertionError("no file is opened by the config-time layout check")
+
+        files = [
+            WeightFile(rel, layer.size, never, "trusted", descriptor=layer)
+            for rel, layer in weight_layers(manifest, found.path, from_cache=True)
+        ]
+        src = ResolvedSource(found.path, found.digest, manifest, files, False, "none", "hit")
+        select_rank_files(src, settings.layout, tp_size, 0)
+    except ModelpackError as exc:
+        if settings.events:
+            EventLog(settings.events).emit(
+                "serving.refused",
+                start_id=settings.start_id or env.get("MODELPACK_START_ID"),
+                stage="config",
+                reference=model_dir,
+                digest=found.digest,
+                reason=f"{type(exc).__name__}: {exc}"[:2000],
+            )
+        raise
+
+
+__all__ = ["check_layout_before_start", "copy_into_state"]

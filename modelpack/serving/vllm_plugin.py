@@ -47,6 +47,13 @@ def _checked_first(original: Callable[..., Any]) -> Callable[..., Any]:
                 tokenizer=getattr(self, "tokenizer", None),
                 hf_config_path=getattr(self, "hf_config_path", None),
             )
+            from modelpack.serving.sharded_state import check_layout_before_start
+
+            check_layout_before_start(
+                str(self.model),
+                getattr(self, "model_loader_extra_config", None),
+                tp_size=int(getattr(self, "tensor_parallel_size", 1) or 1),
+            )
             setattr(self, _GUARDED, True)  # checked once per EngineArgs
         return original(self, *args, **kwargs)
 
