@@ -417,6 +417,8 @@ def read_range_into(
                 if have == before:
                     break  # the registry has no more bytes: the size check below says so
                 budget.progressed()
+                if have == length:
+                    _keep_alive(resp)
         except TRANSPORT_ERRORS as exc:
             if not is_transport_error(exc):
                 raise
@@ -428,6 +430,15 @@ def read_range_into(
             repo.count("read_resumes")
     if have != length:
         raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
+
+
+def _keep_alive(resp: requests.Response) -> None:
+    """Hand the connection back to the pool once http.client has read the body to its end (the
+    bytes went past urllib3, which would otherwise close it): the next range reuses it."""
+    fp = getattr(resp.raw, "_fp", None)
+    isclosed = getattr(fp, "isclosed", None)
+    if isclosed is not None and isclosed():
+        resp.raw.release_conn()
 
 
 def _remaining(views: Sequence[memoryview], skip: int) -> Iterator[memoryview]:

@@ -25,6 +25,7 @@ from modelpack.errors import (
     NotFoundError,
     RegistryConnectionError,
     RegistryError,
+    SizeMismatchError,
     TransferInterrupted,
     UploadError,
 )
@@ -214,6 +215,10 @@ class RegistryTarget:
         if self.mirrors is not None:
             length = sum(len(v) for v in views)
             data = memoryview(self.mirrors.read_range(descriptor, offset, length, check))
+            if len(data) != length:
+                raise SizeMismatchError(
+                    descriptor.digest, length, len(data), source=f"{self.name} range {offset}"
+                )
             pos = 0
             for v in views:
                 v[:] = data[pos : pos + len(v)]
