@@ -190,3 +190,28 @@ def test_options_that_stage_still_verify(pushed: tuple[str, Any, Any], ref: dict
     for name, want in ref.items():
         assert torch.equal(sd[name], want), name
     assert stats.staged_bytes == 0
+
+
+def _idle_ports(target: Any) -> set[int]:
+    """Local ports of the open sockets idling in the target's HTTP pools (urllib3's pools)."""
+    ports = set()
+    for adapter in target.client.session.adapters.values():
+        for pool in adapter.poolmanager.pools._container.values():
+            for conn in list(pool.pool.queue):
+                sock = getattr(conn, "sock", None) if conn is not None else None
+                if sock is not None:
+                    ports.add(sock.getsockname()[1])
+    return ports
+
+
+def test_ranges_received_in_place_reuse_their_connection(pushed: tuple[str, Any, Any]) -> None:
+    pinned, manifest, _ = pushed
+    big = max(manifest.layers, key=lambda d: d.size)
+    target = open_readable(pinned)
+    reader = TargetReader(target, big)
+    seen: list[set[int]] = []
+    for i in range(6):
+        reader.read_scatter(i * 5000, [memoryview(bytearray(3000)), memoryview(bytearray(2000))])
+        seen.append(_idle_ports(target))
+    # after every range the connection is back in the pool, open, and it is the same one
+    assert all(ports == seen[0] and len(ports) == 1 for ports in seen), seen
