@@ -81,6 +81,11 @@ def main() -> int:
     ap.add_argument(
         "--profile-dir", default=None, help="write a cProfile of every load_model here (slows it)"
     )
+    ap.add_argument(
+        "--weights-modes",
+        default=None,
+        help="';'-separated subset of the weights-phase modes (default: all; 'default' always runs)",
+    )
     args = ap.parse_args()
     if not vllm_available():
         print(
@@ -235,6 +240,9 @@ def _weights(
         ),
         Mode("streamed, whole layers", str(cfg_whole), "modelpack", {"source": pinned}),
     ]
+    if args.weights_modes:
+        keep = {m.strip() for m in args.weights_modes.split(";")} | {"default"}
+        modes = [m for m in modes if m.name in keep]
     blobs = [
         Blob(f"{registry.url}/v2/bench/vllm-start/blobs/sha256:{_sha256(f)}", f.stat().st_size)
         for f in sorted(ckpt.glob("*.safetensors"))
