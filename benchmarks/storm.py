@@ -57,7 +57,6 @@ sys.path.insert(0, str(ROOT))
 SUBNET = "10.231.0"
 ORIGIN_IP = f"{SUBNET}.1"
 MIRROR_IP = f"{SUBNET}.2"
-EVIL_IP = f"{SUBNET}.250"
 PEER_PORT = 5050
 PEERS_NAME = "peers.storm"
 REPO = "storm/model"
@@ -395,12 +394,13 @@ class Storm:
         rate = args.rate
         self.origin_ns = self.net.add_host("o", ORIGIN_IP, rate * args.origin_factor)
         self.mirror_ns = self.net.add_host("m", MIRROR_IP, rate * args.origin_factor)
-        self.evil_ns = self.net.add_host("x", EVIL_IP, rate)
         n = max(args.nodes)
         self.node_ns = [self.net.add_host(f"n{i}", node_ip(i), rate) for i in range(n)]
         start_registry(self.net, self.origin_ns, base / "origin")
         self.model = push_model(self.net, self.origin_ns, make_model(base, args.size, args.shards))
         self.pinned = f"{ORIGIN_IP}:5000/{REPO}@{self.model.digest}"
+        self.evil_ip = self._evil_address([node_ip(i) for i in range(n)])
+        self.evil_ns = self.net.add_host("x", self.evil_ip, rate)
 
     # ----------------------------------------------------------------------------- one storm
     def run(self, mode: str, n: int) -> Run:
@@ -418,7 +418,7 @@ class Storm:
             )
             mirror_args = ["--mirror", f"http://{MIRROR_IP}:5000"]
         if mode.startswith("peers"):
-            peer_ips = [node_ip(i) for i in nodes] + ([EVIL_IP] if mode == "peers-corrupt" else [])
+            peer_ips = [node_ip(i) for i in nodes] + ([self.evil_ip] if mode == "peers-corrupt" else [])
             for i in nodes:
                 self.net.hosts_file(self.node_ns[i], [f"{ip} {PEERS_NAME}" for ip in peer_ips])
             for i in nodes:
@@ -433,8 +433,9 @@ class Storm:
                 )
             if mode == "peers-corrupt":
                 serves[-1] = self._corrupt_peer(work)
+                run.extra["corrupt_peer_owns"] = self.evil_owns
             for i, proc in serves.items():
-                ip = EVIL_IP if i == -1 else node_ip(i)
+                ip = self.evil_ip if i == -1 else node_ip(i)
                 ns = self.evil_ns if i == -1 else self.node_ns[i]
                 _wait_http(ns, f"{ip}:{PEER_PORT}", proc, work / f"serve-{i}.log")
             mirror_args = ["--mirror", f"dns+http://{PEERS_NAME}:{PEER_PORT}"]
@@ -569,6 +570,19 @@ class Storm:
         t.start()
         return t
 
+    def _evil_address(self, peers: list[str]) -> str:
+        """An address for the corrupting peer that owns the most layers among ``peers`` + itself
+        (rendezvous is deterministic: a peer that owns nothing would never be asked first)."""
+        from modelpack.targets.registry.peers import rendezvous
+
+        def owned(ip: str) -> int:
+            everyone = [f"{p}:{PEER_PORT}" for p in [*peers, ip]]
+            return sum(rendezvous(everyone, d)[0] == f"{ip}:{PEER_PORT}" for d in self.model.blobs)
+
+        best = max((f"{SUBNET}.{k}" for k in range(200, 250)), key=owned)
+        self.evil_owns = owned(best)
+        return best
+
     def _corrupt_peer(self, work: Path) -> subprocess.Popen[Any]:
         """A peer whose store holds every layer of the model with zeroed bytes, committed as a
         genuine blob would be (read-only, the cache owner's): only the digest can tell."""
@@ -584,7 +598,7 @@ class Storm:
         out = open(work / "serve--1.log", "ab")
         proc = self.net.popen(
             self.evil_ns,
-            [*MODELPACK, "cache", "serve", "--cache", str(cache), "--listen", f"{EVIL_IP}:{PEER_PORT}"],
+            [*MODELPACK, "cache", "serve", "--cache", str(cache), "--listen", f"{self.evil_ip}:{PEER_PORT}"],
             stdout=subprocess.DEVNULL,
             stderr=out,
             stdin=subprocess.DEVNULL,
