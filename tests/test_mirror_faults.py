@@ -264,3 +264,40 @@ def test_a_mirror_forging_a_manifest_by_digest_is_abandoned_for_the_origin(
         assert (snapshot / f.name).read_bytes() == f.read_bytes()
     assert ("GET", f"/v2/faults/forged/manifests/{digest}") in liar.requests
     assert f"abandoned for {digest}" in proc.stderr, proc.stderr
+
+
+def test_a_lying_mirror_sends_the_blob_to_the_next_mirror_not_to_the_origin(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """A mirror whose bytes fail the digest is dropped for that blob and the next mirror asked;
+    the origin serves only what no honest mirror has. Before, the first mismatch sent the whole
+    blob to the origin (a corrupting storm peer cost the origin ~5 copies of the model)."""
+    origin = registry_factory.start()
+    honest = registry_factory.start()
+    digest, _manifest, blobs = _push(origin, checkpoint, "faults/next")
+    transfer.cp(origin.ref("faults/next", "v1"), honest.ref("faults/next", "v1"), progress="off")
+    liar = HostileMirror(blobs, "zero")
+    crawler_for.append(liar)
+    mark = origin.log_mark()
+    mirrors = ["--mirror", liar.url, "--mirror", f"http://{honest.host}"]
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            *mirrors,
+            "--json",
+            f"{origin.host}/faults/next@{digest}",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for f in checkpoint.glob("*.safetensors"):
+        assert (Path(doc["path"]) / f.name).read_bytes() == f.read_bytes()
+    assert any("/blobs/" in p for _, p in liar.requests)  # the liar was asked, and lied
+    assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p and m == "GET"]
+    assert set(doc["bytes_by_source"]) == {honest.host}, doc

@@ -363,17 +363,34 @@ class MirroredBlobs:
 
     def _spool(self, desc: Descriptor) -> BinaryIO | None:
         """The whole blob from the mirrors (the origin finishing what they could not deliver),
-        verified; None when the origin must serve the whole blob (nothing usable was spooled)."""
+        verified; None when the origin must serve the whole blob (nothing usable was spooled).
+
+        Bytes that fail the digest do not send the blob to the origin while another mirror is
+        left: the mirrors that served them are dropped for this blob and the next ones asked
+        (one more spool per liar, at most one per mirror), so a corrupting peer costs the
+        origin nothing when an honest peer has the blob."""
+        excluded: set[str] = set()
+        while True:
+            spooled, served = self._spool_once(desc, excluded)
+            if spooled is not None or not served:
+                return spooled
+            excluded |= served
+            if not [m for m in self._for_blob(desc) if m.name not in excluded]:
+                return None
+
+    def _spool_once(self, desc: Descriptor, excluded: set[str]) -> tuple[BinaryIO | None, set[str]]:
+        """One pass over the mirrors not ``excluded`` (then the origin): the verified spool, or
+        None and the names of the mirrors whose bytes went into a spool that failed the digest."""
         algo, _, want = str(desc.digest).partition(":")
         try:
             hasher = hashlib.new(algo)
         except ValueError:
-            return None
+            return None, set()
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
         pos = 0
         sources: list[tuple[_Mirror | None, int]] = []
         try:
-            for mirror in [*self._for_blob(desc), None]:
+            for mirror in [*(m for m in self._for_blob(desc) if m.name not in excluded), None]:
                 if pos >= desc.size:
                     break
                 repo = mirror.repo if mirror is not None else self.origin
@@ -417,14 +434,16 @@ class MirroredBlobs:
                         source_urls={k: urls[k] for k in split},
                     )
                 spool.seek(0)
-                return spool  # type: ignore[return-value]
+                return spool, set()  # type: ignore[return-value]
+            liars: set[str] = set()
             for mirror, n in sources:
                 if mirror is not None and n:
                     self._abandon(mirror, desc, "digest mismatch: served bytes that are not the blob", 0)
+                    liars.add(mirror.name)
                 elif n:
                     self._count(self.origin.client.host, n)  # crossed the wire, then discarded
             spool.close()
-            return None
+            return None, liars
         except BaseException:
             spool.close()
             raise
@@ -520,7 +539,9 @@ class MirroredBlobs:
 class _CountingStream:
     """An origin stream that books what it delivers under the origin's name."""
 
-    def __init__(self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str, desc: Descriptor) -> None:
+    def __init__(
+        self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str, desc: Descriptor
+    ) -> None:
         self._inner = inner
         self._owner = owner
         self._source = source
