@@ -50,7 +50,7 @@ def test_keygen_sign_verify_cli(checkpoint: Path, tmp_path: Path, monkeypatch: p
     assert ev["event"] == "signing.verified" and ev["key_ids"] == [info["keyId"]]
 
     usage = runner.invoke(main, ["verify", p.ref])
-    assert usage.exit_code == 2 and "--key or --policy" in usage.output
+    assert usage.exit_code == 2 and "--key, --policy or --certificate-identity" in usage.output
     both = runner.invoke(main, ["verify", p.ref, "--key", info["publicKey"], "--policy", info["publicKey"]])
     assert both.exit_code == 2
 
