@@ -59,7 +59,9 @@ def classify(relpath: str, other: str = "doc") -> tuple[str | None, bool]:
     return other, True
 
 
-def _matches(relpath: str, patterns: Sequence[str]) -> bool:
+def matches_pattern(relpath: str, patterns: Sequence[str]) -> bool:
+    """``--include``/``--exclude`` semantics for every source: a glob matches the relative path or
+    its base name."""
     return any(
         fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(os.path.basename(relpath), p) for p in patterns
     )
@@ -104,9 +106,9 @@ def discover_files(
                 full = target
             if not stat.S_ISREG(st.st_mode):
                 raise PackError(f"{full}: not a regular file (device, FIFO or socket); refusing to pack it")
-            if include and not _matches(rel, include):
+            if include and not matches_pattern(rel, include):
                 continue
-            if exclude and _matches(rel, exclude):
+            if exclude and matches_pattern(rel, exclude):
                 continue
             try:
                 rel.encode("utf-8")  # the name goes into annotations and JSON: it must be text
@@ -122,4 +124,4 @@ def discover_files(
     return out
 
 
-__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files"]
+__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files", "matches_pattern"]

@@ -31,7 +31,7 @@ from modelpack.errors import HFRevisionNotFoundError, HFSourceError, PackError, 
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
-from modelpack.packing.selected_files import SelectedFile, build_selected_artifact
+from modelpack.packing.selected_files import SelectedFile, build_selected_artifact, filter_selected
 from modelpack.terminal import for_terminal, has_control_characters
 
 HF_SCHEME = "hf://"
@@ -276,21 +276,6 @@ def _blob_of(source: HFSource, full: str, rel: str, blobs: str, snapshot: str) -
     return real
 
 
-def _filter(selected: list[SelectedFile], opts: PackOptions) -> list[SelectedFile]:
-    import fnmatch
-
-    def matches(rel: str, patterns: list[str]) -> bool:
-        base = rel.rsplit("/", 1)[-1]
-        return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(base, p) for p in patterns)
-
-    include, exclude = list(opts.include), list(opts.exclude)
-    return [
-        s
-        for s in selected
-        if (not include or matches(s.relpath, include)) and not (exclude and matches(s.relpath, exclude))
-    ]
-
-
 def build_hf_artifact(
     url: str,
     opts: PackOptions | None = None,
@@ -311,7 +296,7 @@ def build_hf_artifact(
     )
     from huggingface_hub import constants
 
-    selected = _filter(list_snapshot(source, snapshot, storage, opts.other_files), opts)
+    selected = filter_selected(list_snapshot(source, snapshot, storage, opts.other_files), opts)
     if not selected:
         raise HFSourceError(
             f"{source.shown}: no files to pack at commit {commit} (empty, or everything excluded)",

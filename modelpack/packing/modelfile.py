@@ -16,7 +16,6 @@ The result is a list of ``SelectedFile`` rows and ``PackOptions`` fields; packin
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 import stat
@@ -27,7 +26,7 @@ from modelpack.errors import ModelfileError, UnsafePathError
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
-from modelpack.packing.selected_files import SelectedFile, build_selected_artifact
+from modelpack.packing.selected_files import SelectedFile, build_selected_artifact, filter_selected
 from modelpack.terminal import for_terminal, has_control_characters
 
 #: A Modelfile is a few dozen short lines; these bounds only stop a hostile one.
@@ -401,19 +400,6 @@ def select_files(mf: Modelfile, context_dir: str) -> list[SelectedFile]:
     return [sel for sel, _ in chosen.values()]
 
 
-def _filter(selected: list[SelectedFile], opts: PackOptions) -> list[SelectedFile]:
-    def matches(rel: str, patterns: tuple[str, ...] | list[str]) -> bool:
-        base = rel.rsplit("/", 1)[-1]
-        return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(base, p) for p in patterns)
-
-    include, exclude = list(opts.include), list(opts.exclude)
-    return [
-        s
-        for s in selected
-        if (not include or matches(s.relpath, include)) and not (exclude and matches(s.relpath, exclude))
-    ]
-
-
 def build_modelfile_artifact(
     context_dir: str, modelfile: str, opts: PackOptions | None = None
 ) -> PackedArtifact:
@@ -428,7 +414,7 @@ def build_modelfile_artifact(
         raise ModelfileError(modelfile, "--max-file-size is not supported with --modelfile")
     merged = mf.pack_options(opts)
     merged.check(OTHER_FILE_CHOICES)
-    selected = _filter(select_files(mf, context_dir), merged)
+    selected = filter_selected(select_files(mf, context_dir), merged)
     if not selected:
         raise ModelfileError(modelfile, "--include/--exclude left no file of the Modelfile's globs")
     root = os.path.realpath(context_dir)

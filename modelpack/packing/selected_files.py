@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelpack.errors import PackError
+from modelpack.packing.file_discovery import matches_pattern
 from modelpack.packing.file_metadata import file_identity, file_mode
 from modelpack.packing.model_config import describe_model, read_json
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
@@ -86,4 +87,15 @@ def build_selected_artifact(
     return PackedArtifact(manifest, spec, config_bytes, packed, name=name)
 
 
-__all__ = ["SelectedFile", "build_selected_artifact"]
+def filter_selected(selected: list[SelectedFile], opts: PackOptions) -> list[SelectedFile]:
+    """The files ``opts.include`` / ``opts.exclude`` keep, as a directory pack filters them."""
+    include, exclude = list(opts.include), list(opts.exclude)
+    return [
+        s
+        for s in selected
+        if (not include or matches_pattern(s.relpath, include))
+        and not (exclude and matches_pattern(s.relpath, exclude))
+    ]
+
+
+__all__ = ["SelectedFile", "build_selected_artifact", "filter_selected"]
