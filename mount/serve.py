@@ -28,8 +28,14 @@ key; the handshake runs on the connection's thread, bounded by the same timeout)
 (compared in constant time; ``401`` with a ``WWW-Authenticate`` challenge otherwise).
 
 With ``fill`` (``cache serve --fill REF@DIGEST``, ``mount/serve_fill.py``) a miss for a blob of a
-pinned manifest is fetched once from that manifest's registry, verified and committed, then
-served: the one write, bounded by what the operator pinned, never by the request.
+pinned manifest is fetched once from that manifest's registry, verified and committed: the one
+write, bounded by what the operator pinned, never by the request. While that fill runs, a
+``GET`` (or ``Range`` ``GET``) of the blob is answered from the fill's growing temp file as the
+bytes land (``Content-Length``: the pinned size; each wait bounded by ``wait_s``), and a
+``HEAD`` with the pinned size. These are bytes the peer has not verified yet: the last byte of
+the blob is sent only once the fill verified and committed it, and a fill that fails cuts every
+response still streaming from it short (the connection closes before ``Content-Length``), so the
+client, which hashes every byte before using any, abandons this peer for its next source.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from urllib.parse import parse_qs
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.mount.kept_referrers import referrers_index
-from modelpack.mount.serve_fill import BUSY, READY, Filler, FillSettings
+from modelpack.mount.serve_fill import BUSY, DONE, FAILED, MISS, READY, RUNNING, Fill, Filler, FillSettings
 from modelpack.mount.store import Store
 
 from modelpack.boundedjson import loads_object
@@ -99,6 +105,7 @@ class _Server(http.server.ThreadingHTTPServer):
         self.tls = tls
         self.filler = filler  # fill-on-miss for pinned manifests' blobs (``serve_fill``), or None
         self.slots = threading.BoundedSemaphore(settings.max_connections)
+        self.closing = threading.Event()  # set on shutdown: ends the waits of streamed fills
         self.served = 0
         self.refused = 0
         self.count_lock = threading.Lock()
@@ -226,11 +233,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         fd = self._open_committed(d.group(1))
         if fd is None and self.server.filler is not None:
-            outcome = self.server.filler.fill(d.group(1))
-            if outcome == BUSY:
-                self._error(503, "UNAVAILABLE", "being filled; ask another source", {"Retry-After": "1"})
+            filler = self.server.filler
+            got: Fill | str = filler.stream(d.group(1)) if kind == "blobs" else filler.fill(d.group(1))
+            if isinstance(got, Fill):
+                if self._blob_from_fill(got, reference):
+                    return
+                got = READY if got.state == DONE else MISS if got.state == FAILED else BUSY
+            if got == BUSY:
+                self._busy()
                 return
-            fd = self._open_committed(d.group(1)) if outcome == READY else None
+            fd = self._open_committed(d.group(1)) if got == READY else None
         if fd is None:
             self._error(
                 404, "MANIFEST_UNKNOWN" if kind == "manifests" else "BLOB_UNKNOWN", "not in this cache"
@@ -279,8 +291,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._count()
         self._send(200, raw, {"Content-Type": str(media_type), "Docker-Content-Digest": digest})
 
-    def _blob(self, f: Any, digest: str) -> None:
-        size = os.fstat(f.fileno()).st_size
+    def _busy(self) -> None:
+        self._error(503, "UNAVAILABLE", "being filled; ask another source", {"Retry-After": "1"})
+
+    def _span(self, size: int, digest: str) -> tuple[int, int, int, dict[str, str]] | None:
+        """(status, first, last byte, headers) of the answer for a blob of ``size`` bytes and this
+        request's ``Range``; None when a ``416`` was sent."""
         start, end = 0, size - 1
         status = 200
         headers = {
@@ -294,7 +310,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             first, last = (m.group(1), m.group(2)) if m else ("", "")
             if m is None or (not first and not last):
                 self._error(416, "RANGE_INVALID", "one bytes=a-b range", {"Content-Range": f"bytes */{size}"})
-                return
+                return None
             if first:
                 start = int(first)
                 end = min(int(last), size - 1) if last else size - 1
@@ -302,16 +318,70 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 start, end = max(0, size - int(last)), size - 1
             if start >= size or start > end:
                 self._error(416, "RANGE_INVALID", "not satisfiable", {"Content-Range": f"bytes */{size}"})
-                return
+                return None
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-        length = end - start + 1
+        return status, start, end, headers
+
+    def _head(self, status: int, headers: dict[str, str], length: int) -> None:
         self.send_response(status)
         self.send_header("Docker-Distribution-API-Version", "registry/2.0")
         for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(length))
         self.end_headers()
+
+    def _blob_from_fill(self, fill: Fill, digest: str) -> bool:
+        """Answer from ``fill`` while it runs (its temp file, followed as it grows); False when
+        there is nothing to follow (the fill is over: the caller reads the committed blob, or
+        misses). Each wait is bounded by ``wait_s`` and ends on shutdown; the response never
+        goes beyond what the fill wrote, nor to the blob's last byte before it is verified."""
+        wait_s = self.server.filler.settings.wait_s if self.server.filler is not None else 0.0
+        stop = self.server.closing
+        if fill.size == 0:
+            fill.wait(0, wait_s, stop)  # nothing to stream: answered from the commit
+            return False
+        span = self._span(fill.size, digest)
+        if span is None:
+            return True  # a 416 was sent
+        status, start, end, headers = span
+        if self.command == "HEAD":
+            self._head(status, headers, end - start + 1)
+            return True
+        sendable, state = fill.wait(start, wait_s, stop)
+        if state != RUNNING:
+            return False
+        if sendable <= start:
+            self._busy()  # no byte within wait_s: ask another source (the fill goes on)
+            return True
+        fd = fill.reader()
+        if fd is None:
+            return False
+        with contextlib.closing(os.fdopen(fd, "rb", buffering=0)):
+            self._head(status, headers, end - start + 1)
+            self._count()
+            pos = start
+            while pos <= end:
+                sendable, state = fill.wait(pos, wait_s, stop)
+                if state == FAILED or sendable <= pos:  # failed, stalled or shutting down: cut short
+                    self.close_connection = True
+                    return True
+                data = os.pread(fd, min(_CHUNK, end + 1 - pos, sendable - pos), pos)
+                if not data:
+                    self.close_connection = True
+                    return True
+                self.wfile.write(data)
+                pos += len(data)
+        return True
+
+    def _blob(self, f: Any, digest: str) -> None:
+        size = os.fstat(f.fileno()).st_size
+        span = self._span(size, digest)
+        if span is None:
+            return
+        status, start, end, headers = span
+        length = end - start + 1
+        self._head(status, headers, length)
         if self.command == "HEAD":
             return
         self._count()
@@ -390,6 +460,7 @@ class CacheServer:
             self._server.server_close()
 
     def shutdown(self) -> None:
+        self._server.closing.set()
         self._server.shutdown()
 
 

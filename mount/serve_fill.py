@@ -23,10 +23,22 @@ therefore bounded by what the *operator* pinned, never by the request:
   nothing, and the digest is refused for ``retry_after_s`` so a flood cannot turn one bad blob
   into unbounded origin traffic;
 - at most ``concurrency`` fills at once (a miss beyond that waits for a free one), a requester
-  waits at most ``wait_s`` in all (below the client's stall limit; then ``503`` with
-  ``Retry-After``: it asks its next source, and a started fill goes on for the next requester),
-  and at most ``quota`` bytes are fetched from the origin over the process's life (default:
-  twice the pinned manifests' total).
+  waits at most ``wait_s`` for a slot and then for each next byte (below the client's stall
+  limit; before the first byte ``503`` with ``Retry-After``, later the response is cut: it asks
+  its next source, and a started fill goes on for the next requester), and at most ``quota``
+  bytes are fetched from the origin over the process's life (default: twice the pinned
+  manifests' total).
+
+A fill streams (:class:`Fill`): its requesters are answered from the growing temp file as the
+origin's bytes land, not once the whole blob is committed (store-and-forward left a requester's
+throughput window empty, it abandoned the owner, and the next-ranked peer filled the blob from
+the origin again). So a peer now sends bytes it has not verified yet. That is safe because the
+client hashes every byte before using any (``MirroredBlobs`` spools and verifies whole blobs;
+ranges are checked against the signed chunk table, as from the origin), and because the last byte
+of a blob is held back until the fill verified and committed it: a fill that fails (short, too
+long, wrong digest, origin error) cuts every response still streaming from it before its last
+byte, so no client ever receives a complete wrong blob from a peer, and it abandons this source
+for its next one at once.
 """
 
 from __future__ import annotations
@@ -54,6 +66,9 @@ from modelpack.targets.options import TargetOptions
 log = logging.getLogger("modelpack.mount.serve")
 
 _CHUNK = 1024 * 1024
+#: a fill reads the origin in pieces this small so its readers follow closely (a read blocks
+#: until the whole piece arrived: 1 MiB on a slow link would hold the first byte back seconds)
+_FILL_CHUNK = 256 * 1024
 #: pinned manifests a server fills for, at most
 MAX_PINNED = 64
 #: the origin's retry budget and per-read timeout for a fill (a requester is waiting)
@@ -94,6 +109,66 @@ class FillStats:
 
 #: outcomes of ``Filler.fill``
 READY, MISS, BUSY = "ready", "miss", "busy"
+#: states of a :class:`Fill`
+RUNNING, DONE, FAILED = "running", "done", "failed"
+#: a waiting reader wakes at least this often (to notice a server shutdown)
+_WAKE_S = 0.5
+
+
+class Fill:
+    """One fill in flight: the origin's bytes land in a temp file that its readers follow.
+
+    ``written`` grows as bytes are on disk; a reader may send up to ``sendable()``: everything
+    written but the blob's last byte while the fill runs, the whole blob once it is verified and
+    committed (``DONE``). ``FAILED`` ends every reader short of the end."""
+
+    def __init__(self, digest: str, size: int) -> None:
+        self.digest = digest
+        self.size = size
+        self.cond = threading.Condition()
+        self.written = 0
+        self.state = RUNNING
+        self._fd: int | None = None  # read-only fd on the temp file while the fill runs
+
+    def sendable(self) -> int:
+        if self.state == DONE:
+            return self.size
+        return 0 if self.state == FAILED else min(self.written, self.size - 1)
+
+    def reader(self) -> int | None:
+        """A private fd on the temp file (the committed blob's inode once renamed), or None when
+        there is none (the fill is over, or did not write a temp file): read the committed blob."""
+        with self.cond:
+            return os.dup(self._fd) if self._fd is not None else None
+
+    def wait(self, pos: int, timeout: float, stop: threading.Event | None = None) -> tuple[int, str]:
+        """(sendable bytes, state) as soon as more than ``pos`` bytes are sendable or the fill
+        ended, else after ``timeout`` seconds (or ``stop``): bounded, woken every ``_WAKE_S``."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.state == RUNNING and self.sendable() <= pos:
+                left = deadline - time.monotonic()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    break
+                self.cond.wait(min(left, _WAKE_S))
+            return self.sendable(), self.state
+
+    def _opened(self, fd: int) -> None:
+        with self.cond:
+            self._fd = fd
+
+    def _landed(self, n: int) -> None:
+        with self.cond:
+            self.written = min(n, self.size)
+            self.cond.notify_all()
+
+    def _end(self, state: str) -> None:
+        with self.cond:
+            self.state = state
+            if self._fd is not None:
+                os.close(self._fd)  # readers hold their own dup
+                self._fd = None
+            self.cond.notify_all()
 
 
 class Filler:
@@ -127,7 +202,7 @@ class Filler:
         self._lock = threading.Lock()
         self._loaded = False
         self._load_again_at = 0.0  # after a failed manifest fetch: not before this (monotonic)
-        self._inflight: dict[str, threading.Event] = {}
+        self._inflight: dict[str, Fill] = {}
         self._failed_until: dict[str, float] = {}
         self._slots = threading.BoundedSemaphore(settings.concurrency)
 
@@ -178,6 +253,19 @@ class Filler:
     def fill(self, hex_digest: str) -> str:
         """Make ``sha256:<hex>`` committed if it may be filled: READY when it now is, MISS when
         it may not be filled (or failed), BUSY when the caller should ask elsewhere for now."""
+        deadline = time.monotonic() + self.settings.wait_s
+        got = self.stream(hex_digest)
+        if isinstance(got, str):
+            return got
+        _, state = got.wait(got.size, max(0.0, deadline - time.monotonic()))
+        if state == RUNNING:
+            return BUSY
+        return READY if state == DONE and os.path.exists(self.store.blob_path(got.digest)) else MISS
+
+    def stream(self, hex_digest: str) -> Fill | str:
+        """The fill of ``sha256:<hex>`` in flight (joined, or started here) for the caller to
+        stream from; MISS when it may not be filled (or failed just now), BUSY when no fill slot
+        freed up within ``wait_s`` or the quota is spent."""
         digest = "sha256:" + hex_digest
         found = self._lookup(digest)
         if found is None:
@@ -189,18 +277,12 @@ class Filler:
         with self._lock:
             if self._failed_until.get(digest, 0.0) > time.monotonic():
                 return MISS
-            event = self._inflight.get(digest)
-        if event is None:
-            event = self._start(digest, pin, desc, deadline)
-            if event is None:
-                return BUSY
-        if not event.wait(max(0.0, deadline - time.monotonic())):
-            return BUSY
-        return READY if os.path.exists(self.store.blob_path(digest)) else MISS
+            fill = self._inflight.get(digest)
+        if fill is None:
+            fill = self._start(digest, pin, desc, deadline)
+        return BUSY if fill is None else fill
 
-    def _start(
-        self, digest: str, pin: _Pinned, desc: Descriptor | None, deadline: float
-    ) -> threading.Event | None:
+    def _start(self, digest: str, pin: _Pinned, desc: Descriptor | None, deadline: float) -> Fill | None:
         """The fill of ``digest`` (started here, or by whoever started it while this requester
         waited for a free slot), or None when no slot freed up before ``deadline`` or the quota
         is spent (BUSY: the requester asks its next source)."""
@@ -209,10 +291,10 @@ class Filler:
                 self.stats.busy += 1
             return None
         with self._lock:
-            event = self._inflight.get(digest)
-            if event is not None:  # another requester started it while this one queued
+            fill = self._inflight.get(digest)
+            if fill is not None:  # another requester started it while this one queued
                 self._slots.release()
-                return event
+                return fill
             size = desc.size if desc is not None else len(pin.raw)
             quota = self.quota
             if quota is not None and self.stats.origin_bytes + size > quota:
@@ -220,37 +302,39 @@ class Filler:
                 self.stats.busy += 1
                 log.warning("fill: quota of %d bytes reached; %s not filled", quota, digest)
                 return None
-            event = threading.Event()
-            self._inflight[digest] = event
-        threading.Thread(
-            target=self._run, args=(digest, pin, desc, event), name="modelpack-fill", daemon=True
-        ).start()
-        return event
+            fill = Fill(digest, size)
+            self._inflight[digest] = fill
+        threading.Thread(target=self._run, args=(pin, desc, fill), name="modelpack-fill", daemon=True).start()
+        return fill
 
-    def _run(self, digest: str, pin: _Pinned, desc: Descriptor | None, event: threading.Event) -> None:
+    def _run(self, pin: _Pinned, desc: Descriptor | None, fill: Fill) -> None:
+        state = FAILED
         try:
             if desc is None:
                 self.store.put_bytes(
-                    Descriptor("application/octet-stream", Digest(digest), len(pin.raw)), pin.raw
+                    Descriptor("application/octet-stream", Digest(fill.digest), len(pin.raw)), pin.raw
                 )
             elif not self.store.has(desc):
-                self._fetch(pin.target, desc)
+                self._fetch(pin.target, desc, fill)
             with self._lock:
                 self.stats.filled += 1
-                self.stats.filled_bytes += desc.size if desc is not None else len(pin.raw)
+                self.stats.filled_bytes += fill.size
+            state = DONE
         except Exception as exc:  # any failure is a miss for the requester, logged
-            log.warning("fill: %s from %s failed: %s", digest, pin.target.name, exc)
+            log.warning("fill: %s from %s failed: %s", fill.digest, pin.target.name, exc)
             with self._lock:
                 self.stats.failed += 1
-                self._failed_until[digest] = time.monotonic() + self.settings.retry_after_s
+                self._failed_until[fill.digest] = time.monotonic() + self.settings.retry_after_s
         finally:
             with self._lock:
-                self._inflight.pop(digest, None)
+                self._inflight.pop(fill.digest, None)
             self._slots.release()
-            event.set()
+            fill._end(state)
 
-    def _fetch(self, target: ReadableTarget, desc: Descriptor) -> None:
-        """Stream ``desc`` from the origin into a private temp file; commit only if it verifies."""
+    def _fetch(self, target: ReadableTarget, desc: Descriptor, fill: Fill) -> None:
+        """Stream ``desc`` from the origin into a private temp file that ``fill``'s readers
+        follow as it grows; commit only if it verifies (the temp file is gone on any failure
+        before ``fill`` ends, so a failed fill leaves nothing behind)."""
         tmp = os.path.join(
             self.store.ingest_dir, f"{TEMP_PREFIX}fill-{desc.digest.hex[:16]}-{uuid.uuid4().hex[:8]}"
         )
@@ -259,21 +343,24 @@ class Filler:
         start = time.monotonic()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f, target.fetch_blob(desc) as stream:
+            with contextlib.closing(os.fdopen(fd, "wb", buffering=0)) as f, target.fetch_blob(desc) as stream:
+                fill._opened(os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
                 while n <= desc.size:
-                    data = stream.read(min(_CHUNK, desc.size + 1 - n))
+                    data = stream.read(min(_FILL_CHUNK, desc.size + 1 - n))
                     if not data:
                         break
-                    n += len(data)
                     with self._lock:
                         self.stats.origin_bytes += len(data)
                     h.update(data)
-                    f.write(data)
+                    view = memoryview(data)
+                    while view:  # unbuffered: what ``_landed`` announces is in the file
+                        view = view[f.write(view) or 0 :]
+                    n += len(data)
+                    fill._landed(n)
                 if n != desc.size:
                     raise CacheServeError(f"origin sent {n} bytes for {desc.digest}, expected {desc.size}")
                 if "sha256:" + h.hexdigest() != desc.digest:
                     raise CacheServeError(f"origin's bytes for {desc.digest} hash to sha256:{h.hexdigest()}")
-                f.flush()
                 os.fsync(f.fileno())
             self.store.commit(tmp, desc.digest)
             log.info(
@@ -305,4 +392,15 @@ def fill_stats(filler: Filler | None) -> dict[str, Any]:
     return {} if filler is None else dict(vars(filler.stats))
 
 
-__all__ = ["BUSY", "MISS", "READY", "FillSettings", "FillStats", "Filler"]
+__all__ = [
+    "BUSY",
+    "DONE",
+    "FAILED",
+    "MISS",
+    "READY",
+    "RUNNING",
+    "Fill",
+    "FillSettings",
+    "FillStats",
+    "Filler",
+]

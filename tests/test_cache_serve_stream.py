@@ -144,13 +144,13 @@ def test_an_origin_sending_wrong_bytes_cuts_the_streamed_response_short_and_comm
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         whole = pool.submit(fetch, {})
-        ranged = pool.submit(fetch, {"Range": f"bytes={layer.size - 8192}-"})
+        ranged = pool.submit(fetch, {"Range": "bytes=1000-"})
         (status, length, body), (r_status, r_length, r_body) = whole.result(), ranged.result()
     assert status == 200 and length == layer.size
     # cut before its last byte: the client sees fewer bytes than announced and abandons this source
     assert len(body) < length, len(body)
     assert body == forge(want, None)[: len(body)]  # what it did get are the origin's (unverified) bytes
-    assert r_status == 206 and r_length == 8192 and len(r_body) < r_length
+    assert r_status == 206 and r_length == layer.size - 1000 and len(r_body) < r_length
     assert not owner.committed(layer)
     assert list((owner.cache / "ingest").iterdir()) == []  # no temp file left behind
     assert owner.server.filler is not None and owner.server.filler.stats.failed == 1
