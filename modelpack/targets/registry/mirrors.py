@@ -1,9 +1,7 @@
 """Blob reads through an ordered list of mirrors before the origin, with fallback per blob.
 
-Configured the way containerd, Dragonfly's dfdaemon, Harbor proxy caches and Spegel already are:
-``<hosts dir>/<host[:port]>/hosts.toml`` (``--hosts-dir`` / ``MODELPACK_HOSTS_DIR``, default
-``/etc/containerd/certs.d``), ``[host."URL"]`` tables with the ``pull`` capability in file order,
-plus ``--mirror URL`` (repeatable) / ``MODELPACK_MIRRORS`` ahead of them.
+Configured the way containerd, Dragonfly's dfdaemon, Harbor proxy caches and Spegel already are
+(``mirror_config``: ``--mirror URL`` / ``MODELPACK_MIRRORS``, then ``hosts.toml``).
 
 A mirror never chooses the version: tags are resolved at the origin only; a mirror serves blobs
 and manifests by digest (the target asks it for a manifest by digest first, verified against the
@@ -11,8 +9,9 @@ digest), and referrer listings only when the origin cannot be reached. A mirror'
 to a spool (memory, then a temp file) and are hashed on the way; the consumer sees them only once
 the whole blob matched its digest. So a mirror that refuses, errors, stalls (no byte for the
 stall time: the read timeout of its client, whose retry budget is short) or dies mid-blob is
-abandoned for that blob and the origin continues from the byte reached; a mirror whose bytes do
-not hash to the digest is abandoned and the origin serves the whole blob. Each abandonment is an
+abandoned for that blob and the next mirror, finally the origin, continues from the byte reached;
+a mirror whose bytes do not hash to the digest is dropped for that blob and the next mirror asked
+for the whole blob (the origin when no other is left). Each abandonment is an
 event (``registry.mirror_abandoned``: mirror, blob, reason, offset); each blob a mirror served
 (maybe finished by the origin) is a ``registry.blob_sources`` event, and ``bytes_by_source``
 totals the bytes delivered per source host for the run. A mirror whose connection failed is skipped for
@@ -33,19 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
 from modelpack import stopping
 from modelpack.errors import (
-    MirrorConfigError,
     ModelpackError,
     RegistryConnectionError,
     RegistryError,
@@ -54,176 +48,31 @@ from modelpack.errors import (
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
-from modelpack.targets.registry.hosts import canonical_host
-from modelpack.targets.registry.peers import PREFIX, blob_order, expand_peer_urls, rendezvous
+from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
+    DEFAULT_HOSTS_DIR,
+    MIRROR_STALL_S,
+    MirrorEndpoint,
+    configured_mirrors,
+    hosts_toml_mirrors,
+    mirror_limits,
+    parse_mirror_url,
+)
+from modelpack.targets.registry.peers import blob_order, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, failure_kind, origin_url
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 log = logging.getLogger("modelpack.targets.registry")
 
-DEFAULT_HOSTS_DIR = "/etc/containerd/certs.d"
 #: a mirror's whole retry budget per blob: a dead mirror is abandoned quickly, the origin has 60 s
 MIRROR_RETRY_FOR = 3.0
-#: no byte from a mirror for this long is a stall (its client's read timeout)
-MIRROR_STALL_S = 10.0
-#: a mirror must deliver at least this many bytes per second (``MODELPACK_MIRROR_MIN_RATE``)…
-MIRROR_MIN_RATE = 256 * 1024
-#: …over each window of this many seconds (``MODELPACK_MIRROR_RATE_WINDOW``)
-MIRROR_RATE_WINDOW_S = 10.0
 #: a mirror whose connection failed is not asked again for this long
 DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
-MAX_HOSTS_TOML = 1024 * 1024
 _CHUNK = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class MirrorEndpoint:
-    """One mirror: where it is and how to talk to it (from ``--mirror`` or a ``hosts.toml``)."""
-
-    host: str
-    plain_http: bool = False
-    ca_file: str | None = None
-    skip_verify: bool = False
-    headers: Mapping[str, str] = field(default_factory=dict)
-    origin: str = ""  # where it was configured: "--mirror", or the hosts.toml path
-    peer: bool = False  # one of the addresses of a ``dns+`` peers name
-
-    @property
-    def url(self) -> str:
-        return ("http://" if self.plain_http else "https://") + self.host
-
-
-def parse_mirror_url(url: str, *, origin: str = "--mirror", **settings: Any) -> MirrorEndpoint:
-    """``http://host:port``, ``https://host[/v2]`` or a bare ``host[:port]`` (HTTPS, or either for a
-    loopback host). A path prefix other than ``/v2`` cannot be addressed and is refused."""
-    text = url.strip()
-    parts = urlsplit(text if "://" in text else "https://" + text)
-    if parts.scheme not in ("http", "https") or not parts.netloc or "@" in parts.netloc:
-        raise MirrorConfigError(f"mirror {url!r} is not an http(s)://host[:port] URL", target=origin)
-    if parts.path.rstrip("/") not in ("", "/v2") or parts.query:
-        raise MirrorConfigError(
-            f"mirror {url!r} has a path prefix; only http(s)://host[:port] mirrors are supported",
-            target=origin,
-        )
-    return MirrorEndpoint(host=parts.netloc, plain_http=parts.scheme == "http", origin=origin, **settings)
-
-
-def hosts_toml_mirrors(hosts_dir: str, registry: str) -> list[MirrorEndpoint]:
-    """The pull mirrors ``<hosts_dir>/<registry>/hosts.toml`` lists, in order (else ``_default``'s).
-
-    Hosts without the ``pull`` capability (containerd's default is pull, resolve and push) are
-    skipped; ``server`` is ignored: the origin is the registry the reference names."""
-    names = [registry, canonical_host(registry), "_default"]
-    for name in dict.fromkeys(names):
-        path = os.path.join(hosts_dir, name, "hosts.toml")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_HOSTS_TOML + 1)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise MirrorConfigError(f"cannot read: {exc.strerror}", target=path) from None
-        if len(raw) > MAX_HOSTS_TOML:
-            raise MirrorConfigError("larger than 1 MiB", target=path)
-        return _parse_hosts_toml(raw, path)
-    return []
-
-
-def _parse_hosts_toml(raw: bytes, path: str) -> list[MirrorEndpoint]:
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise MirrorConfigError(f"not valid TOML: {exc}", target=path) from None
-    hosts = doc.get("host", {})
-    if not isinstance(hosts, dict):
-        raise MirrorConfigError("[host] must be a table of URL → settings", target=path)
-    out = []
-    for url, cfg in hosts.items():
-        if not isinstance(cfg, dict):
-            raise MirrorConfigError(f"host {url!r} must be a table", target=path)
-        caps = cfg.get("capabilities", ["pull", "resolve", "push"])
-        if not isinstance(caps, list) or "pull" not in caps:
-            continue
-        if cfg.get("override_path"):
-            raise MirrorConfigError(f"host {url!r}: override_path is not supported", target=path)
-        ca = cfg.get("ca")
-        if isinstance(ca, list):
-            ca = ca[0] if ca else None
-        headers: dict[str, str] = {}
-        for key, value in (cfg.get("header") or {}).items():
-            values = value if isinstance(value, list) else [value]
-            headers[str(key)] = ", ".join(str(v) for v in values)
-        out.append(
-            parse_mirror_url(
-                url,
-                origin=path,
-                ca_file=str(ca) if ca else None,
-                skip_verify=bool(cfg.get("skip_verify", False)),
-                headers=headers,
-            )
-        )
-    return out
-
 
 #: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
 RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
-
-
-def mirror_limits(extra: Mapping[str, Any] | None = None) -> tuple[float, Floor | None]:
-    """(stall seconds, throughput floor) from ``TargetOptions.extra`` (``mirror_stall_s``,
-    ``mirror_min_rate``, ``mirror_rate_window_s``), else ``MODELPACK_MIRROR_STALL``,
-    ``MODELPACK_MIRROR_MIN_RATE`` (bytes/s; 0 turns the floor off), ``MODELPACK_MIRROR_RATE_WINDOW``."""
-    extra = extra or {}
-
-    def value(key: str, env: str, default: float) -> float:
-        raw = extra.get(key)
-        if raw is None:
-            raw = os.environ.get(env) or None
-        try:
-            got = float(raw) if raw is not None else default
-        except ValueError:
-            raise MirrorConfigError(f"{env} must be a number, got {raw!r}", target=env) from None
-        if got < 0 or got != got:
-            raise MirrorConfigError(f"{env} must not be negative, got {raw!r}", target=env)
-        return got
-
-    stall = value("mirror_stall_s", "MODELPACK_MIRROR_STALL", MIRROR_STALL_S) or MIRROR_STALL_S
-    rate = value("mirror_min_rate", "MODELPACK_MIRROR_MIN_RATE", MIRROR_MIN_RATE)
-    window = value("mirror_rate_window_s", "MODELPACK_MIRROR_RATE_WINDOW", MIRROR_RATE_WINDOW_S)
-    return stall, (Floor(rate, window) if rate > 0 and window > 0 else None)
-
-
-def configured_mirrors(
-    registry: str, mirrors: list[str] | None, hosts_dir: str | None
-) -> list[MirrorEndpoint]:
-    """``--mirror``/``MODELPACK_MIRRORS`` first, then the hosts.toml of ``registry``; a mirror that
-    is the registry itself is dropped (it would be asked twice)."""
-    urls = list(mirrors or [])
-    if not urls:
-        urls = [u for u in os.environ.get("MODELPACK_MIRRORS", "").replace(",", " ").split() if u]
-    found = [
-        parse_mirror_url(u, origin="--mirror", peer=url.startswith(PREFIX))
-        for url in urls
-        for u in expand_peer_urls([url])
-    ]
-    directory = hosts_dir or os.environ.get("MODELPACK_HOSTS_DIR") or DEFAULT_HOSTS_DIR
-    found += hosts_toml_mirrors(directory, registry)
-    own = canonical_host(registry)
-    seen: set[str] = set()
-    out = []
-    for m in found:
-        key = canonical_host(m.host)
-        if key != own and key not in seen:
-            seen.add(key)
-            out.append(m)
-    return out
 
 
 class _Mirror:
@@ -585,9 +434,12 @@ class _CountingStream:
 
 __all__ = [
     "DEFAULT_HOSTS_DIR",
+    "MIRROR_STALL_S",
     "MirrorEndpoint",
     "MirroredBlobs",
+    "RangeCheck",
     "configured_mirrors",
     "hosts_toml_mirrors",
+    "mirror_limits",
     "parse_mirror_url",
 ]
