@@ -35,7 +35,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from modelpack import stopping
@@ -45,7 +45,7 @@ from modelpack.errors import (
     RegistryError,
     TransferInterrupted,
 )
-from modelpack.oci.descriptor import Descriptor
+from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
@@ -57,6 +57,7 @@ from modelpack.targets.registry.mirror_config import (  # re-exported: where cal
     mirror_limits,
     parse_mirror_url,
 )
+from modelpack.targets.registry.owners import balanced_owners
 from modelpack.targets.registry.peers import blob_order, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, failure_kind, origin_url
@@ -123,6 +124,8 @@ class MirroredBlobs:
         self.abandoned = 0
         #: ``MODELPACK_PEER_ORDER=blob``: each blob is asked first of its owner peer (``_for_blob``)
         self.blob_order = blob_order()
+        #: blob digest → owner peer, from the manifests read (``plan``; ``owners.balanced_owners``)
+        self._owners: dict[str, str] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     def _count(self, source: str, n: int) -> None:
@@ -190,8 +193,33 @@ class MirroredBlobs:
         peers = {m.name: m for m in usable if m.endpoint.peer}
         if len(peers) < 2:
             return usable
-        ranked = iter([peers[name] for name in rendezvous(list(peers), str(desc.digest))])
+        names = rendezvous(list(peers), str(desc.digest))
+        owner = self._owners.get(str(desc.digest))
+        if owner in peers:  # the planned owner first, the rest in rendezvous order
+            names = [owner, *(n for n in names if n != owner)]
+        ranked = iter([peers[name] for name in names])
         return [next(ranked) if m.endpoint.peer else m for m in usable]
+
+    def plan(self, blobs: Sequence[Descriptor]) -> None:
+        """With blob order: owners for a manifest's ``blobs`` with bounded load over every peer
+        (down or not: the same on every node), asked first by ``_for_blob``."""
+        if not self.blob_order:
+            return
+        peers = [m.name for m in self.mirrors if m.endpoint.peer]
+        if len(peers) >= 2:
+            owners = balanced_owners(peers, blobs)
+            with self._lock:
+                self._owners.update(owners)
+
+    def plan_manifest(self, raw: bytes, media_type: str) -> None:
+        """``plan`` for the blobs of an image manifest just read (an index or junk: nothing)."""
+        if not self.blob_order:
+            return
+        try:
+            manifest = Manifest.parse(raw, media_type=media_type)
+        except (ModelpackError, ValueError, TypeError, KeyError):
+            return
+        self.plan([manifest.config, *manifest.layers])
 
     # ------------------------------------------------------------------ streams
     def open_blob(self, desc: Descriptor, offset: int = 0) -> BinaryIO:

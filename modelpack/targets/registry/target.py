@@ -181,6 +181,8 @@ class RegistryTarget:
 
     def fetch_manifest(self, reference: str) -> tuple[bytes, str]:
         raw, media_type, _ = self._by_digest(reference, lambda store: store.get(reference))
+        if self.mirrors is not None:  # blob order: this manifest's owners, balanced (``owners``)
+            self.mirrors.plan_manifest(raw, media_type)
         return raw, media_type
 
     # ------------------------------------------------------------------ blobs (read)
