@@ -278,10 +278,9 @@ def prewarm_daemonset(
     Tags are allowed here (pre-warming "the current v1"), but pods should consume digests.
     Re-pulling a cached digest is a hit (no hashing, no transfer), so the loop is cheap.
 
-    With ``serve_port``, each pod also runs ``cache serve`` on that port (the cache mounted
-    read-only) and its pulls ask the other nodes first: ``MODELPACK_MIRRORS`` is
-    ``dns+http://`` the headless Service ``peers_service`` makes, ordered per node
-    (``MODELPACK_NODE_NAME``, its own pod IP left out), the origin last.
+    With ``serve_port``, each pod also runs ``cache serve --fill`` (the digest-pinned references;
+    only it mounts the cache writable) on that port and pulls ask the peers of ``peers_service``
+    first (``MODELPACK_MIRRORS=dns+http://…``), ranked per blob, the origin last.
     """
     if not references:
         raise K8sError("prewarm needs at least one reference")
@@ -298,18 +297,19 @@ def prewarm_daemonset(
     if serve_port is not None and not 1 <= serve_port <= 65535:
         raise K8sError(f"--serve-peers {serve_port}: not a port")
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    fills = [r for r in refs if parse_reference(r).digest is not None] if serve_port is not None else []
+    serve_env, serve_mounts, _ = _credential_env_and_mounts(registry_secret, None, policy_key)
     if serve_port is not None:
         env = [
             *env,
+            *([_env("MODELPACK_PEER_ORDER", "blob")] if fills else []),
             _env("MODELPACK_MIRRORS", peers_url(name, namespace, serve_port)),
             {"name": "MODELPACK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "MODELPACK_NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ]
     pulls = _pull_command(refs, cache_path, policy_secret, policy_key)
-    script = "set -u\nwhile true; do\n" + "".join(
-        f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls
-    )
-    script += f"  sleep {int(interval_s)}\ndone\n"
+    loop = "".join(f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls)
+    script = f"set -u\nwhile true; do\n{loop}  sleep {int(interval_s)}\ndone\n"
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "modelpack-prewarm"}
     meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
     if namespace:
@@ -342,10 +342,13 @@ def prewarm_daemonset(
                     literal(cache_path),
                     "--listen",
                     f"0.0.0.0:{serve_port}",
+                    *(arg for ref in fills for arg in ("--fill", literal(ref))),
                 ],
+                **({"env": serve_env} if fills and serve_env else {}),
                 "ports": [{"name": "peers", "containerPort": serve_port, "protocol": "TCP"}],
                 "readinessProbe": {"httpGet": {"path": "/v2/", "port": serve_port}, "periodSeconds": 10},
-                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": True}],
+                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": not fills}]
+                + (serve_mounts if fills else []),
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
             }
