@@ -10,8 +10,9 @@ namespace of the benchmark's own. Modes, like for like at each N (same model, li
   ``proxy.remoteurl``, its own namespace and the origin's link), cold at the start of the run;
 - ``peers``: every node runs ``cache serve --fill ORIGIN/REPO@DIGEST`` and pulls with
   ``--mirror dns+http://peers.storm:5050`` (the name resolves to every node, as a headless
-  Service does) and ``MODELPACK_PEER_ORDER=blob``: each blob is asked first of its rendezvous
-  owner, which fetches it once from the origin; the origin is last.
+  Service does) and ``MODELPACK_PEER_ORDER=blob``: each blob is asked first of its owner
+  (rendezvous with bounded load, ``owners.balanced_owners``), which fetches it once from the
+  origin and streams it on as it arrives; the origin is last.
 
 Per run: origin egress (tx bytes of the origin's veth), duplicate bytes (what the nodes' veths
 received beyond one model each: protocol overhead, re-fetches), p50/p95 completion (process start
@@ -282,6 +283,7 @@ class Model:
     size: int  # bytes of all blobs (config, layers) — what one node must receive
     files: dict[str, str]  # relative path → sha256 hex of the source file
     blobs: dict[str, int]  # layer digest → size
+    config: tuple[str, int] = ("", 0)  # the config blob (digest, size): owners are planned with it
 
 
 def make_model(base: Path, size: int, shards: int) -> Path:
@@ -334,7 +336,7 @@ def push_model(net: Network, origin_ns: str, ckpt: Path) -> Model:
         for p in ckpt.rglob("*")
         if p.is_file()
     }
-    return Model(digest, size, files, blobs)
+    return Model(digest, size, files, blobs, (doc["config"]["digest"], int(doc["config"]["size"])))
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -542,10 +544,19 @@ class Storm:
                     if "digest mismatch" in str(ev.get("reason", "")):
                         run.mismatches += 1
 
-    def _owner(self, digest: str, ips: list[str]) -> str:
-        from modelpack.targets.registry.peers import rendezvous
+    def _owners(self, ips: list[str]) -> dict[str, str]:
+        """Blob digest → owner IP, as every pulling node plans it (``owners.balanced_owners``)."""
+        from modelpack.oci.descriptor import Descriptor
+        from modelpack.oci.digest import Digest
+        from modelpack.targets.registry.owners import balanced_owners
 
-        return rendezvous([f"{ip}:{PEER_PORT}" for ip in ips], digest)[0].rsplit(":", 1)[0]
+        sizes = {**self.model.blobs, self.model.config[0]: self.model.config[1]}
+        descs = [Descriptor("application/octet-stream", Digest(d), n) for d, n in sizes.items() if d]
+        owners = balanced_owners([f"{ip}:{PEER_PORT}" for ip in ips], descs)
+        return {d: o.rsplit(":", 1)[0] for d, o in owners.items()}
+
+    def _owner(self, digest: str, ips: list[str]) -> str:
+        return self._owners(ips)[digest]
 
     def _killer(
         self, serves: dict[int, subprocess.Popen[Any]], nodes: list[int], run: Run
@@ -572,12 +583,11 @@ class Storm:
 
     def _evil_address(self, peers: list[str]) -> str:
         """An address for the corrupting peer that owns the most layers among ``peers`` + itself
-        (rendezvous is deterministic: a peer that owns nothing would never be asked first)."""
-        from modelpack.targets.registry.peers import rendezvous
+        (the owners are deterministic: a peer that owns nothing would never be asked first)."""
 
         def owned(ip: str) -> int:
-            everyone = [f"{p}:{PEER_PORT}" for p in [*peers, ip]]
-            return sum(rendezvous(everyone, d)[0] == f"{ip}:{PEER_PORT}" for d in self.model.blobs)
+            owners = self._owners([*peers, ip])
+            return sum(owners[d] == ip for d in self.model.blobs)
 
         best = max((f"{SUBNET}.{k}" for k in range(200, 250)), key=owned)
         self.evil_owns = owned(best)
