@@ -1,10 +1,10 @@
 """The ``modelpack`` command: a thin click skin over the library.
 
 ``main`` is a lazily loading group: ``COMMANDS`` names the module of each command (one module
-per area: pack, transfer, pull, trust, cache, k8s, loader, assets), imported only when that command
-runs, so a node's ``modelpack pull … --cache DIR`` hit does not pay for the registry client,
-signing or torch. Shared options and output helpers live in ``modelpack.cli.options``; the
-command modules never import this package's ``main``.
+per area: pack, transfer, pull, trust, audit, cache, k8s, loader, assets), imported only when
+that command runs, so a node's ``modelpack pull … --cache DIR`` hit does not pay for the
+registry client, signing or torch. Shared options and output helpers live in
+``modelpack.cli.options``; the command modules never import this package's ``main``.
 Exit codes: 0 ok, 1 a modelpack error (bad input, verification refused, not found), 2 usage.
 """
 
@@ -28,7 +28,7 @@ COMMANDS = {
         "Ship compile caches (Inductor, Triton, vLLM) as fingerprinted, signed referrers of a model.",
     ),
     "audit": LazyCommand(
-        "modelpack.cli.trust:audit_cmd",
+        "modelpack.cli.audit:audit_cmd",
         "Audit REGISTRY/REPO (or oci:DIR, s3://…), or every repository of a bare REGISTRY host.",
     ),
     "cache": LazyCommand(
@@ -39,7 +39,7 @@ COMMANDS = {
         "Copy an artifact between any two places (registry, oci:DIR, s3://…), digests unchanged.",
     ),
     "diff": LazyCommand(
-        "modelpack.cli.trust:diff_cmd",
+        "modelpack.cli.audit:diff_cmd",
         "Compare two artifacts: config, files, and tensors of changed safetensors files.",
     ),
     "index": LazyCommand(
