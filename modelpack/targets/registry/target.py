@@ -42,6 +42,7 @@ from modelpack.targets.registry.peer_referrers import mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
+from modelpack.targets.retry import DEFAULT_RETRY_FOR
 
 log = logging.getLogger("modelpack.targets.registry")
 T = TypeVar("T")
@@ -51,6 +52,9 @@ MAX_TAGS_PAGE_BYTES = 16 * 1024 * 1024
 #: raises ``ListingCutError`` (an endless chain of pages, empty or not, is not a listing)
 MAX_LIST_PAGES = 2_000
 _LINK_RE = re.compile(r"<([^>]+)>\s*;\s*rel=\"?next\"?")
+#: with mirrors configured, an unreachable origin's referrers are given up after this long (the
+#: mirrors' listings are verified entry by entry like the origin's)
+ORIGIN_FALLTHROUGH_S = 3.0
 
 
 class RegistryTarget:
@@ -84,6 +88,9 @@ class RegistryTarget:
         #: the JSON event log the source events go to (``TargetOptions.extra['events']``)
         self.events: Any = None
         self._origin_unreachable: RegistryConnectionError | None = None
+        #: the origin's referrers with a short retry budget, when mirrors can answer instead
+        self._origin_referrers: ManifestStore | None = None
+        self._origin_quick: RegistryClient | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -139,6 +146,20 @@ class RegistryTarget:
                     events=extra.get("events"),
                 )
                 target._mirror_manifests = [(m.name, ManifestStore(m.repo)) for m in target.mirrors.mirrors]
+                # referrers are asked of the origin first: with mirrors to fall back to, an origin
+                # that cannot be reached gets a short budget, not the whole --retry-for
+                budget = DEFAULT_RETRY_FOR if opts.retry_for is None else opts.retry_for
+                quick = RegistryClient(
+                    ref.location,
+                    plain_http=opts.plain_http,
+                    ca_file=opts.ca_file,
+                    insecure_skip_verify=opts.insecure_skip_verify,
+                    credentials=creds,
+                    retry_for=min(budget, ORIGIN_FALLTHROUGH_S),
+                    timeout=opts.timeout,
+                )
+                target._origin_quick = quick
+                target._origin_referrers = ManifestStore(RepositoryAPI(quick, ref.repository))
         return target
 
     # ------------------------------------------------------------------ manifests (read)
@@ -298,13 +319,15 @@ class RegistryTarget:
     # ------------------------------------------------------------------ referrers
     def referrers(self, subject: Descriptor, artifact_type: str | None = None) -> list[Descriptor]:
         """Referrers of ``subject``: the API when served, else the ``sha256-<hex>`` fallback tag.
-        Asked of the origin; of every usable mirror only when the origin cannot be reached (then
-        for the rest of this target's life: one retry budget per run), merged by
+        Asked of the origin; of every usable mirror only when the origin cannot be reached (within
+        ``ORIGIN_FALLTHROUGH_S``, not the whole ``--retry-for``: a pinned start under a policy
+        with the origin down waited 60 s before asking its peers; then for the rest of this
+        target's life), merged by
         ``peer_referrers`` (a listing cannot be verified, but every entry is a digest whose
         manifest and signature are checked: a mirror can withhold a signature, never forge one)."""
         if self._origin_unreachable is None or self.mirrors is None:
             try:
-                got = self._manifests.referrers(subject, artifact_type)
+                got = (self._origin_referrers or self._manifests).referrers(subject, artifact_type)
             except RegistryConnectionError as exc:
                 if self.mirrors is None:
                     raise
@@ -410,6 +433,8 @@ class RegistryTarget:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()
+        if self._origin_quick is not None:
+            self._origin_quick.close()
         self.client.close()
 
 
