@@ -144,4 +144,6 @@ def test_pull_cache_hit_by_registry_digest_imports_nothing_heavy(registry, tmp_p
         "modelpack.cli.lazy_group",
         "modelpack.cli.options",
         "modelpack.cli.pull",
+        # --key/--policy are read on the hit too (no key, no policy: nothing of signing imported)
+        "modelpack.cli.trust_options",
     ]

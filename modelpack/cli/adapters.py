@@ -17,10 +17,9 @@ from modelpack.cli.options import (
     handle_errors,
     human_size,
     json_option,
-    read_passphrase,
     signals_interrupt,
-    trust_policy_from,
 )
+from modelpack.cli.trust_options import read_passphrase, trust_policy_from
 from modelpack.terminal import for_terminal
 
 

@@ -18,10 +18,9 @@ from modelpack.cli.options import (
     handle_errors,
     human_size,
     json_option,
-    read_passphrase,
     target_options,
-    trust_policy_from,
 )
+from modelpack.cli.trust_options import key_policy_options, read_passphrase, trust_policy_from
 
 
 def _environment_options(fn: Any) -> Any:
@@ -153,8 +152,7 @@ def push_cmd(
 @click.argument("dest", type=click.Path(file_okay=False))
 @_kind_option
 @_environment_options
-@click.option("--key", "keys", multiple=True, help="Trusted public key (PEM file or env:VAR); repeatable.")
-@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
+@key_policy_options()
 @click.option(
     "--allow-unsigned",
     is_flag=True,

@@ -20,8 +20,8 @@ from modelpack.cli.options import (
     human_size,
     json_option,
     target_options,
-    trust_policy_from,
 )
+from modelpack.cli.trust_options import key_policy_options, trust_policy_from
 from modelpack.errors import InvalidReferenceError, ModelpackError
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.opener import TargetOptions, open_readable
@@ -120,8 +120,7 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
 
 @click.command("audit")
 @click.argument("location")
-@click.option("--key", "keys", multiple=True, help="Trusted public key to check signatures with; repeatable.")
-@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
+@key_policy_options(key_help="Trusted public key to check signatures with; repeatable.")
 @click.option("--repo", "repo_glob", help="With a bare REGISTRY: only repositories matching this glob.")
 @click.option(
     "--since-digests",

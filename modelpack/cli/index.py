@@ -18,9 +18,9 @@ from modelpack.cli.options import (
     json_option,
     node_accelerator,
     progress_option,
-    read_passphrase,
     target_options,
 )
+from modelpack.cli.trust_options import read_passphrase
 from modelpack.terminal import for_terminal
 
 

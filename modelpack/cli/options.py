@@ -2,7 +2,9 @@
 
 Only click and the error hierarchy are imported here: every command loads this module, so
 what it imports is paid by every start. The library behind an option (targets, signing) is
-imported inside the function that turns the flags into library objects.
+imported inside the function that turns the flags into library objects. The options that
+decide what a command trusts (keys, policies, keyless identities, passphrases) are in
+``modelpack.cli.trust_options``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -23,7 +25,6 @@ import click
 from modelpack.errors import ModelpackError
 
 if TYPE_CHECKING:
-    from modelpack.signing.policy import TrustPolicy
     from modelpack.targets.opener import TargetOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -425,62 +426,6 @@ def _command_registry_host(credentials_given: bool) -> str | None:
         # environment credentials then belong to MODELPACK_REGISTRY_HOST, or to none of them
         return None
     return next(iter(hosts.values()), None)
-
-
-def trust_policy_from(keys: Sequence[str], policy: str | None) -> TrustPolicy | None:
-    """``--key``/``--policy`` → the TrustPolicy to verify against; None when neither was given.
-
-    The signing library (and with it cryptography) is imported only when a key or policy was
-    given, so a pull without verification never pays for it.
-    """
-    if policy and keys:
-        raise click.UsageError("give --key or --policy, not both")
-    if not policy and not keys:
-        return None
-    from modelpack.signing.keys import load_public_key
-    from modelpack.signing.policy import TrustPolicy
-
-    if policy:
-        return TrustPolicy.load(policy)
-    return TrustPolicy.from_keys([load_public_key(k) for k in keys])
-
-
-def keyless_policy_from(
-    keys: Sequence[str],
-    identity: str | None,
-    identity_regexp: str | None,
-    issuer: str | None,
-    trusted_root: str | None,
-) -> TrustPolicy:
-    """cosign's ``--certificate-identity[-regexp]`` / ``--certificate-oidc-issuer`` as a policy of
-    one rule: that identity (and any ``--key``) trusted for the reference given."""
-    from modelpack.signing.keyless_trust import KeylessTrust, TrustedIdentity
-    from modelpack.signing.keys import load_public_key
-    from modelpack.signing.policy import RepositoryPolicy, TrustPolicy
-
-    if not issuer or bool(identity) == bool(identity_regexp):
-        raise click.UsageError(
-            "keyless trust needs --certificate-oidc-issuer and one of --certificate-identity / "
-            "--certificate-identity-regexp"
-        )
-    trust = KeylessTrust(
-        (TrustedIdentity(issuer, identity or "", identity_regexp or ""),),
-        os.path.abspath(trusted_root or "") if trusted_root else "",
-    )
-    rp = RepositoryPolicy(
-        tuple(load_public_key(k) for k in keys), True, rule="--certificate-identity", keyless=trust
-    )
-    return TrustPolicy(default=rp)
-
-
-def read_passphrase(from_stdin: bool) -> str | None:
-    """A signing key's passphrase: a line of stdin when asked, else MODELPACK_SIGNING_PASSPHRASE.
-
-    Never a flag value: command lines end up in shell history and process lists."""
-    if from_stdin:
-        line = sys.stdin.readline().rstrip("\n")
-        return line or None
-    return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
 
 
 # ------------------------------------------------------------------ variants (an index of them)

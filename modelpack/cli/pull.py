@@ -25,9 +25,9 @@ from modelpack.cli.options import (
     selector_from,
     signals_interrupt,
     target_options,
-    trust_policy_from,
     variant_options,
 )
+from modelpack.cli.trust_options import trust_policy_from
 from modelpack.terminal import for_terminal
 
 if TYPE_CHECKING:

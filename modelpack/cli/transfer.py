@@ -22,10 +22,10 @@ from modelpack.cli.options import (
     jobs_option,
     json_option,
     progress_option,
-    read_passphrase,
     target_options,
 )
 from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
+from modelpack.cli.trust_options import read_passphrase
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import TargetOptions
 from modelpack.targets.registry.hosts import same_registry

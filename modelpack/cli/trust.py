@@ -16,9 +16,13 @@ from modelpack.cli.options import (
     emit_json,
     handle_errors,
     json_option,
+    target_options,
+)
+from modelpack.cli.trust_options import (
+    key_policy_options,
+    keyless_identity_options,
     keyless_policy_from,
     read_passphrase,
-    target_options,
     trust_policy_from,
 )
 from modelpack.errors import ModelpackError
@@ -157,34 +161,14 @@ def sign_cmd(
 
 @click.command("verify")
 @click.argument("reference")
-@click.option("--key", "keys", multiple=True, help="Trusted public key (PEM file or env:VAR); repeatable.")
-@click.option("--policy", type=click.Path(exists=True, dir_okay=False), help="Trust policy YAML.")
+@key_policy_options()
 @click.option(
     "--directory", type=click.Path(exists=True, file_okay=False), help="Also check a pulled directory."
 )
 @click.option(
     "--signature", "signature_path", help="model_signing file for --directory (default: the stored one)."
 )
-@click.option(
-    "--certificate-identity",
-    "cert_identity",
-    help="Trust a keyless (Sigstore) signature whose certificate names exactly this subject.",
-)
-@click.option(
-    "--certificate-identity-regexp",
-    "cert_identity_regexp",
-    help="… or whose subject matches this pattern whole.",
-)
-@click.option(
-    "--certificate-oidc-issuer",
-    "cert_issuer",
-    help="The OIDC issuer that certificate must name (with --certificate-identity[-regexp]).",
-)
-@click.option(
-    "--trusted-root",
-    type=click.Path(exists=True, dir_okay=False),
-    help="Sigstore trusted_root.json for keyless signatures (default: Sigstore's public-good root, cached).",
-)
+@keyless_identity_options
 @click.option("--events", "events_path", help="Append JSON events here ('-' for stderr).")
 @target_options
 @json_option
