@@ -197,9 +197,13 @@ def _resolve(
     start_id: str,
     target_factory: Callable[[Any, Any], Any] | None,
 ) -> RankLoad:
-    from modelpack.signing.keys import load_public_key
+    keys: list[Any] = []
+    if settings.trusted_keys:
+        # only with keys: modelpack.signing pulls in cryptography's native bindings (~35 ms warm),
+        # which a cache hit (no keys) would otherwise pay inside vLLM's timed load_model
+        from modelpack.signing.keys import load_public_key
 
-    keys = [load_public_key(k) for k in settings.trusted_keys]
+        keys = [load_public_key(k) for k in settings.trusted_keys]
     vllm_rules, reason = vllm_shard_rules(hf_config, tp_size)
     rules: list[tuple[str, str]] = list(settings.shard_rules.items())
     rules += [(pattern, rule.value) for pattern, rule in vllm_rules]
