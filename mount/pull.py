@@ -10,7 +10,8 @@ ready marker, in ``mount.snapshots``). Trust is recorded only once the snapshot 
 
 Tar layers expand when the snapshot is built, by an amount only their headers tell: extraction
 gets what is left of the quota and the free space as one budget, and crossing it is the same
-typed refusal as a download that would not fit. With ``hold`` the snapshot is held for GC
+typed refusal as a download that would not fit (``mount.expansion``). A reference naming an
+index of variants is handed to ``mount.variants`` (``VariantResolver.pull_index``). With ``hold`` the snapshot is held for GC
 (``mount.leases``) before the pull's own lease ends, so the process it is handed to finds it.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from modelpack.mount.expansion import describe_room, expansion_refused, expansion_room
 from modelpack.mount.ingest import BlobIngest, check_space
 from modelpack.mount.leases import Hold, PullLeases
 from modelpack.mount.locks import acquire
@@ -39,9 +41,7 @@ from modelpack.mount.trust import TrustRecords
 from modelpack.errors import (
     CacheError,
     ExpansionLimitError,
-    InsufficientSpaceError,
     ManifestError,
-    QuotaExceededError,
 )
 from modelpack.events import EventLog
 from modelpack.files import write_error
@@ -51,7 +51,7 @@ from modelpack.oci.reference import Reference, parse_reference
 from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
-from modelpack.transfer.layer_formats import has_tar_layers, manifest_layer_formats, needs_config
+from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
 
 
 @dataclass
@@ -114,7 +114,9 @@ class Puller:
             if info is None and self.variants is not None:
                 found = self.variants.index_for(ref, digest, desc, target, target_options)
                 if found is not None:
-                    return self._pull_variant(found, ref, target_options, policy, jobs, log, sid, ev)
+                    return self.variants.pull_index(
+                        self, found, ref, target_options, policy, jobs, log, sid, ev
+                    )
             if info is not None:
                 signature = "not-checked"
                 if policy is not None:
@@ -144,54 +146,11 @@ class Puller:
                 raise failure from exc
             raise
 
-    def _pull_variant(
-        self,
-        found: tuple[Any, str, ReadableTarget | None],
-        ref: Reference,
-        target_options: TargetOptions | None,
-        policy: Any,
-        jobs: int,
-        log: EventLog,
-        sid: str,
-        ev: Callable[..., None],
-    ) -> PullResult:
-        """An index: its signature (under a policy), the entry that fits this node (``mount.variants``),
-        then that entry pulled by digest under the same policy, so each variant is one snapshot."""
-        index, media_type, target = found
-        resolver = self.variants
-        index_signature, target, signed_at = resolver.check_index_trust(
-            index, media_type, ref, target, target_options, policy, log, ev
-        )
-        # a tag of the index under a policy: no index signed before the newest one accepted here
-        pending = self._no_rollback(ref, index.digest, signed_at, ev) if policy is not None else None
-        selection, target = resolver.choose(index, target, ref, target_options)
-        ev(
-            "cache.variant_selected",
-            index=index.digest,
-            digest=selection.digest,
-            variant=dict(selection.chosen.fields),
-        )
-        entry_ref = dataclasses.replace(ref, tag=None, digest=Digest(selection.digest))
-        self.variants = None  # the entry is a manifest (checked): no second look for an index
-        try:
-            result = self.pull(
-                entry_ref, target_options, policy=policy, jobs=jobs, log=log, source=target, start_id=sid
-            )
-        finally:
-            self.variants = resolver
-        if pending is not None:
-            pending.accept()
-        resolver.record(index, media_type, str(ref), selection)
-        if not ref.digest:  # the tag stands for the entry this node uses (open_snapshot, load)
-            self.refs.record(ref, Digest(selection.digest))
-        result.reference = str(ref)
-        result.variant = {**selection.to_json(), "index_signature": index_signature}
-        return result
-
-    def _no_rollback(
+    def no_rollback(
         self, ref: Reference, digest: str, signed_at: float | None, ev: Callable[..., None]
     ) -> PendingAcceptance:
-        """``mount.rollback``: refuse a tag's version signed before the newest one accepted."""
+        """``mount.rollback``: refuse a tag's version signed before the newest one accepted (also
+        for an index's tag, ``mount.variants``)."""
         if self.rollback is None:
             return PendingAcceptance(None, ref, digest, signed_at or 0.0)
         return self.rollback.check(ref, digest, signed_at, ev)
@@ -339,7 +298,7 @@ class Puller:
                 t = time.monotonic()
                 verification = self.trust.check(target, ref, manifest, policy, log, ev, record=False)
                 timings["signature"] = to_ms(time.monotonic() - t)
-                pending = self._no_rollback(ref, str(digest), verification.signed_at, ev)
+                pending = self.no_rollback(ref, str(digest), verification.signed_at, ev)
             if not ref.digest:  # only a version that passed the checks becomes the tag's here
                 self.refs.record(ref, digest)
 
@@ -452,17 +411,23 @@ class Puller:
         config_raw = None
         if needs_config(manifest):
             config_raw = self.store.read_small(manifest.config.digest)
-        room = self._expansion_room(manifest)
+        room = expansion_room(
+            manifest,
+            self.store.root,
+            reserve_bytes=self.reserve_bytes,
+            max_cache_bytes=self.max_cache_bytes,
+            usage=self.usage,
+        )
         try:
             tmp = self.snapshots.build(
                 manifest,
                 config_raw,
                 extra={"reference": ref_text, "repository": ref.repo_name},
                 max_expanded=room[0] if room else None,
-                expansion_limit=_describe_room(room, self.store.root),
+                expansion_limit=describe_room(room, self.store.root),
             )
         except ExpansionLimitError as exc:
-            raise self._expansion_refused(exc, room, ev, str(digest)) from exc
+            raise expansion_refused(exc, room, ev, str(digest), self.store.root) from exc
         info = self.snapshots.publish(tmp, digest)
         timings["snapshot"] = to_ms(time.monotonic() - t)
         timings["total"] = to_ms(time.monotonic() - t0)
@@ -480,46 +445,6 @@ class Puller:
             duration_ms=timings["total"],
             path=info.path,
         )
-
-    def _expansion_room(self, manifest: Manifest) -> tuple[int, str, int, int] | None:
-        """What tar layers may still write: (bytes, "quota"|"disk_full", used or free, limit or
-        reserve) for the tighter of the quota and the free space; None without tar layers."""
-        if not has_tar_layers(manifest):
-            return None
-        st = os.statvfs(self.store.root)
-        free = st.f_bavail * st.f_frsize
-        rooms = [(max(0, free - self.reserve_bytes), "disk_full", free, self.reserve_bytes)]
-        if self.max_cache_bytes is not None:
-            used = self.usage()
-            rooms.append((max(0, self.max_cache_bytes - used), "quota", used, self.max_cache_bytes))
-        return min(rooms)
-
-    def _expansion_refused(
-        self,
-        exc: ExpansionLimitError,
-        room: tuple[int, str, int, int] | None,
-        ev: Callable[..., None],
-        digest: str,
-    ) -> CacheError:
-        """A tar layer expanding past the quota or the free space: the typed refusal, as if the
-        expanded size had been known before the download."""
-        if room is None:  # pragma: no cover - a cap is always given when tar layers are present
-            return CacheError(str(exc))
-        left, reason, have, limit = room
-        needed = left - exc.left + exc.declared  # expanded so far + the member that did not fit
-        quota = reason == "quota"
-        room_fields = {"used": have, "quota": limit} if quota else {"available": have, "reserve": limit}
-        ev("cache.refused", digest=digest, reason=reason, bytes=needed, **room_fields, detail=str(exc))
-        cls = QuotaExceededError if quota else InsufficientSpaceError
-        return cls(self.store.root, needed, have, limit)
-
-
-def _describe_room(room: tuple[int, str, int, int] | None, root: str) -> str:
-    if room is None:
-        return "the limit"
-    if room[1] == "quota":
-        return f"the node cache quota (--max-cache-bytes {room[3]}, {room[2]} bytes used)"
-    return f"the free space on {root} ({room[2]} bytes free, {room[3]} reserved)"
 
 
 def _with_events(options: TargetOptions | None, log: EventLog) -> TargetOptions:

@@ -13,6 +13,10 @@ the index from here, selects again (the same node facts give the same entry) and
 snapshot hit — no network. GC does not sweep these records (a few KiB each); an entry evicted
 since is simply a miss again.
 
+``VariantResolver.pull_index`` is the index branch of a cache pull (``mount.pull.Puller`` hands
+over on a non-hit whose digest names an index): the index's trust and rollback checks, the
+selection, then the entry pulled through the ``Puller`` by digest.
+
 ``resolve_variant`` is the same selection for callers that do not use the cache (``pull`` into a
 directory, the KServe initializer without a node cache): the chosen entry, pinned by digest.
 
@@ -24,14 +28,18 @@ refused (``index create --sign-key`` signs every entry for that reason).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
+from modelpack.mount.refs import RefRecords
+from modelpack.mount.reports import PullResult
+from modelpack.mount.rollback import PendingAcceptance
 from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords, load_policy
 
@@ -139,8 +147,33 @@ def _is_valid_utf8(raw: bytes) -> bool:
     return True
 
 
+class IndexPuller(Protocol):
+    """What ``VariantResolver.pull_index`` needs of ``mount.pull.Puller`` (named here, not
+    imported: ``mount.pull`` calls into this module)."""
+
+    variants: Any
+    refs: RefRecords
+
+    def pull(
+        self,
+        reference: str | Reference,
+        target_options: TargetOptions | None,
+        *,
+        policy: Any,
+        jobs: int,
+        log: EventLog,
+        source: ReadableTarget | None,
+        start_id: str | None,
+    ) -> PullResult: ...
+
+    def no_rollback(
+        self, ref: Reference, digest: str, signed_at: float | None, ev: Callable[..., None]
+    ) -> PendingAcceptance: ...
+
+
 class VariantResolver:
-    """Turns an index reference into the entry to pull; ``Puller`` calls it on a non-hit."""
+    """Turns an index reference into the entry to pull, and pulls it; ``Puller`` calls it on a
+    non-hit."""
 
     def __init__(
         self, records: IndexRecords, store: Store, trust: TrustRecords, selector: VariantSelector | None
@@ -233,6 +266,50 @@ class VariantResolver:
         check_entry_manifest(entry, raw, media_type, index=vi.digest)
         return selection, target
 
+    def pull_index(
+        self,
+        puller: IndexPuller,
+        found: tuple[VariantIndex, str, ReadableTarget | None],
+        ref: Reference,
+        target_options: TargetOptions | None,
+        policy: Any,
+        jobs: int,
+        log: EventLog,
+        sid: str,
+        ev: Callable[..., None],
+    ) -> PullResult:
+        """An index: its signature (under a policy), the entry that fits this node, then that entry
+        pulled by digest (``puller.pull``) under the same policy, so each variant is one snapshot."""
+        index, media_type, target = found
+        index_signature, target, signed_at = self.check_index_trust(
+            index, media_type, ref, target, target_options, policy, log, ev
+        )
+        # a tag of the index under a policy: no index signed before the newest one accepted here
+        pending = puller.no_rollback(ref, index.digest, signed_at, ev) if policy is not None else None
+        selection, target = self.choose(index, target, ref, target_options)
+        ev(
+            "cache.variant_selected",
+            index=index.digest,
+            digest=selection.digest,
+            variant=dict(selection.chosen.fields),
+        )
+        entry_ref = dataclasses.replace(ref, tag=None, digest=Digest(selection.digest))
+        puller.variants = None  # the entry is a manifest (checked): no second look for an index
+        try:
+            result = puller.pull(
+                entry_ref, target_options, policy=policy, jobs=jobs, log=log, source=target, start_id=sid
+            )
+        finally:
+            puller.variants = self
+        if pending is not None:
+            pending.accept()
+        self.record(index, media_type, str(ref), selection)
+        if not ref.digest:  # the tag stands for the entry this node uses (open_snapshot, load)
+            puller.refs.record(ref, Digest(selection.digest))
+        result.reference = str(ref)
+        result.variant = {**selection.to_json(), "index_signature": index_signature}
+        return result
+
     def record(self, vi: VariantIndex, media_type: str, reference: str, selection: Selection) -> None:
         """Remember the entry taken; a hit that took the same entry for the same reference as
         last time writes nothing (no fsync on the hit path)."""
@@ -282,8 +359,6 @@ def resolve_variant(
     signature is verified here; the caller verifies the entry's own signature as for any model
     (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
     digest and must be a ModelPack manifest whose bytes hash to the entry digest."""
-    import dataclasses
-
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = target if target is not None else open_readable(ref, target_options)
     desc = target.resolve(ref.identifier)
