@@ -184,9 +184,10 @@ class MirroredBlobs:
 
     def _for_blob(self, desc: Descriptor) -> list[_Mirror]:
         """The usable mirrors for ``desc``. With blob order, the peers (in the place of the first
-        one) are ranked by rendezvous hashing on the blob digest: every node computes the same
-        owner for a blob, so a storm asks one peer per blob, which fills it once from the origin
-        (``cache serve --fill``); the next-ranked peers are the fallbacks, the origin last."""
+        one) are ranked by rendezvous hashing on the blob digest, the owner ``plan`` assigned
+        (bounded load) first: every node computes the same owner for a blob, so a storm asks one
+        peer per blob, which fills it once from the origin (``cache serve --fill``); the
+        next-ranked peers are the fallbacks, the origin last."""
         usable = self._usable()
         if not self.blob_order:
             return usable
