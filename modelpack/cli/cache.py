@@ -382,8 +382,9 @@ def cache_rm(reference: str, cache_dir: str | None, force: bool) -> None:
     multiple=True,
     metavar="REF@sha256:…",
     help="Fill on miss: a request for a blob of this pinned manifest (or the manifest) that is not "
-    "in the cache is fetched once from REF's registry with this node's own credentials, verified, "
-    "committed and served. Repeatable. Only these manifests' digests are ever fetched.",
+    "in the cache is fetched once from REF's registry with this node's own credentials and "
+    "streamed to its requesters as it arrives (the last byte only once verified), then committed. "
+    "Repeatable. Only these manifests' digests are ever fetched.",
 )
 @click.option("--fill-plain-http", is_flag=True, help="Reach the --fill registry over plain HTTP.")
 @click.option(
@@ -416,7 +417,8 @@ def cache_serve(
     """Serve the node cache to peers as a read-only OCI registry mirror.
 
     GET /v2/, blobs by digest (HEAD, GET, Range) and manifests by digest; never tags, listings
-    or writes (405). Only committed, read-only store blobs are reachable. Use it as another
+    or writes (405). Only committed, read-only store blobs (and --fill's fills in flight) are
+    reachable. Use it as another
     node's --mirror, or in containerd's hosts.toml with capabilities = ["pull"].
 
     \b
@@ -427,7 +429,7 @@ def cache_serve(
 
     With --fill, a release storm costs the origin about one copy: pulling nodes set
     MODELPACK_PEER_ORDER=blob so every node asks each blob's owner peer first, and the owner
-    fetches it once (docs/distribution.md).
+    fetches it once and streams it on (docs/distribution.md).
     """
     import os
 
