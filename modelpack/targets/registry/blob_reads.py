@@ -304,18 +304,98 @@ def read_range(
     """Exactly ``length`` bytes at ``offset`` (a registry that ignores ``Range`` is skipped
     through); a cut range is continued from the byte it reached. With a ``floor``, a source that
     delivers less than it is ``MirrorTooSlowError``."""
+    pace = _Pace(floor, _range_what(repo, descriptor, offset, length)) if floor is not None else None
+    sink = _BytesSink(offset, length, pace)
+    _fetch_range(repo, descriptor, offset, length, sink)
+    return sink.result()
+
+
+def read_range_into(
+    repo: RepositoryAPI, descriptor: Descriptor, offset: int, views: Sequence[memoryview]
+) -> None:
+    """``read_range`` into caller memory: the range at ``offset`` fills ``views`` one after the
+    other (their lengths add up to the range), received straight into them, no intermediate
+    ``bytes``. A cut range is continued from the byte it reached, as ``read_range`` does."""
+    _fetch_range(repo, descriptor, offset, sum(len(v) for v in views), _ViewSink(views))
+
+
+def _range_what(repo: RepositoryAPI, descriptor: Descriptor, offset: int, length: int) -> str:
+    return f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
+
+
+class _BytesSink:
+    """``read_range``'s destination: the body's bytes as they come (one part unless the range
+    was cut: then joined once at the end), each read paced when a floor was given."""
+
+    def __init__(self, offset: int, length: int, pace: _Pace | None) -> None:
+        self.offset = offset
+        self.length = length
+        self.pace = pace
+        self.parts: list[bytes] = []
+        self.have = 0
+
+    def fill(self, resp: requests.Response) -> None:
+        """Read until the range is complete or the body ends; a cut raises after ``have``
+        counted what arrived first."""
+        while self.have < self.length:
+            data = _read(resp, self.length - self.have, self.pace is not None)
+            if self.pace is not None:
+                self.pace.note(len(data), self.offset + self.have + len(data))
+            if not data:
+                break
+            self.parts.append(data)
+            self.have += len(data)
+
+    def result(self) -> bytes:
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+
+class _ViewSink:
+    """``read_range_into``'s destination: caller memory, received into straight from the socket."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = views
+        self.length = sum(len(v) for v in views)
+        self.have = 0
+
+    def fill(self, resp: requests.Response) -> None:
+        """Fill the views from byte ``have`` on until they are full or the body ends; once full,
+        the connection goes back to the pool (``_keep_alive``)."""
+        for view in _remaining(self.views, self.have):
+            got = 0
+            while got < len(view):
+                n = _readinto(resp, view[got:])
+                if not n:
+                    break
+                got += n
+                self.have += n
+            if got < len(view):
+                break
+        if self.have == self.length:
+            _keep_alive(resp)
+
+
+def _fetch_range(
+    repo: RepositoryAPI,
+    descriptor: Descriptor,
+    offset: int,
+    length: int,
+    sink: _BytesSink | _ViewSink,
+) -> None:
+    """The one range loop under ``read_range`` and ``read_range_into``: request the rest of the
+    range from the byte ``sink`` reached, check where the body starts (a 206's ``Content-Range``,
+    a 200's prefix skipped), let ``sink`` take the bytes, and resume a cut within the client's
+    retry budget, which starts afresh whenever bytes flowed. Exactly ``length`` bytes, else
+    ``SizeMismatchError``."""
     if length <= 0:
-        return b""
+        return
     if offset < 0 or offset + length > descriptor.size:
         raise SizeMismatchError(descriptor.digest, descriptor.size, offset + length, source=repo.name)
     budget = repo.client.budget()
-    parts: list[bytes] = []  # one part unless the range was cut: then joined once at the end
-    have = 0
-    what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
-    pace = _Pace(floor, what) if floor is not None else None
-    while have < length:
+    what = _range_what(repo, descriptor, offset, length)
+    while sink.have < length:
         stopping.check()
-        start = offset + have
+        start = offset + sink.have
         resp = repo.client.request(
             "GET",
             repo.path("blobs", descriptor.digest),
@@ -338,98 +418,22 @@ def read_range(
                     _check_content_range(repo, resp, descriptor, start)
                 else:
                     _skip(resp, start)
-                before = have
-                while have < length:
-                    # a cut returns what arrived first, then raises on the next read
-                    data = _read(resp, length - have, pace is not None)
-                    if pace is not None:
-                        pace.note(len(data), offset + have + len(data))
-                    if not data:
-                        break
-                    parts.append(data)
-                    have += len(data)
-                if have == before:
+                before = sink.have
+                sink.fill(resp)  # a cut keeps what arrived first, then raises on the next read
+                if sink.have == before:
                     break  # the registry has no more bytes: the size check below says so
                 budget.progressed()
         except TRANSPORT_ERRORS as exc:
             if not is_transport_error(exc):
                 raise
-            log.debug("%s: cut at byte %d (%s); resuming", what, offset + have, type(exc).__name__)
+            log.debug("%s: cut at byte %d (%s); resuming", what, offset + sink.have, type(exc).__name__)
             stopping.check()
             if not budget.wait():
                 raise repo.client.connection_error(what, exc, budget) from None
             repo.client.count_retry()
             repo.count("read_resumes")
-    if have != length:
-        raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def read_range_into(
-    repo: RepositoryAPI, descriptor: Descriptor, offset: int, views: Sequence[memoryview]
-) -> None:
-    """``read_range`` into caller memory: the range at ``offset`` fills ``views`` one after the
-    other (their lengths add up to the range), received straight into them, no intermediate
-    ``bytes``. A cut range is continued from the byte it reached, as ``read_range`` does."""
-    length = sum(len(v) for v in views)
-    if length <= 0:
-        return
-    if offset < 0 or offset + length > descriptor.size:
-        raise SizeMismatchError(descriptor.digest, descriptor.size, offset + length, source=repo.name)
-    budget = repo.client.budget()
-    have = 0
-    what = f"range {offset}+{length} of blob {descriptor.digest} from {repo.name}"
-    while have < length:
-        stopping.check()
-        start = offset + have
-        resp = repo.client.request(
-            "GET",
-            repo.path("blobs", descriptor.digest),
-            scopes=repo.scopes(),
-            headers={"Range": f"bytes={start}-{offset + length - 1}"},
-            stream=True,
-            ok=(206,),
-            allow=(200, 416),
-            what=what,
-            budget=budget,
-        )
-        _bound_silence(repo, resp)
-        sock = _socket_of(resp)
-        try:
-            with resp, stopping.abort_on_stop(functools.partial(_shutdown, sock)):
-                if resp.status_code == 416:
-                    raise RegistryError(f"{what} not satisfiable", status=416, target=repo.name)
-                if resp.status_code == 206:
-                    _check_content_range(repo, resp, descriptor, start)
-                else:
-                    _skip(resp, start)
-                before = have
-                for view in _remaining(views, have):
-                    got = 0
-                    while got < len(view):
-                        n = _readinto(resp, view[got:])
-                        if not n:
-                            break
-                        got += n
-                        have += n
-                    if got < len(view):
-                        break
-                if have == before:
-                    break  # the registry has no more bytes: the size check below says so
-                budget.progressed()
-                if have == length:
-                    _keep_alive(resp)
-        except TRANSPORT_ERRORS as exc:
-            if not is_transport_error(exc):
-                raise
-            log.debug("%s: cut at byte %d (%s); resuming", what, offset + have, type(exc).__name__)
-            stopping.check()
-            if not budget.wait():
-                raise repo.client.connection_error(what, exc, budget) from None
-            repo.client.count_retry()
-            repo.count("read_resumes")
-    if have != length:
-        raise SizeMismatchError(descriptor.digest, length, have, source=f"{repo.name} range {offset}")
+    if sink.have != length:
+        raise SizeMismatchError(descriptor.digest, length, sink.have, source=f"{repo.name} range {offset}")
 
 
 def _keep_alive(resp: requests.Response) -> None:
