@@ -23,25 +23,11 @@ from typing import Any
 import pytest
 
 from modelpack.api import transfer
-from modelpack.oci.descriptor import Manifest
-from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import open_readable
-from tests.fixtures.hostile_mirror import HostileMirror
+from tests.fixtures.hostile_mirror import HostileMirror, push_and_read_back
 from tests.fixtures.registry import RegistryServer
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _push(registry: RegistryServer, checkpoint: Path, repo: str) -> tuple[str, Manifest, dict[str, bytes]]:
-    """Push to the origin; (manifest digest, manifest, every blob's bytes by digest)."""
-    res = transfer.push(str(checkpoint), registry.ref(repo, "v1"), progress="off")
-    target = open_readable(registry.ref(repo, None))
-    manifest, _ = fetch_manifest(target, res.digest)
-    blobs = {}
-    for d in [*manifest.layers, manifest.config]:
-        with target.fetch_blob(d) as f:
-            blobs[str(d.digest)] = f.read()
-    return str(res.digest), manifest, blobs
 
 
 def _cli(*argv: str) -> list[str]:
@@ -69,7 +55,7 @@ def crawler_for() -> Iterator[list[HostileMirror]]:
 def test_a_crawling_mirror_is_abandoned_below_its_floor_and_the_origin_finishes(
     registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
 ) -> None:
-    _digest, manifest, blobs = _push(registry, checkpoint, "faults/crawl")
+    _digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/crawl")
     crawler = HostileMirror(blobs, "crawl", interval=0.5)
     crawler_for.append(crawler)
     env = _env(tmp_path, MODELPACK_MIRROR_MIN_RATE="65536", MODELPACK_MIRROR_RATE_WINDOW="2")
@@ -98,7 +84,7 @@ def test_a_crawling_mirror_is_abandoned_below_its_floor_and_the_origin_finishes(
 def test_sigterm_during_a_stalled_mirror_transfer_exits_within_2s_and_removes_temp_files(
     registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror], mode: str
 ) -> None:
-    _digest, _manifest, blobs = _push(registry, checkpoint, f"faults/term-{mode}")
+    _digest, _manifest, blobs = push_and_read_back(registry, checkpoint, f"faults/term-{mode}")
     mirror = HostileMirror(blobs, mode, interval=0.5)
     crawler_for.append(mirror)
     # a stall limit and floor window longer than the test: only the signal can end the wait
@@ -159,7 +145,7 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
     from modelpack.targets.opener import TargetOptions, open_target
     from tests.loader_helpers import reference_tensors
 
-    digest, manifest, blobs = _push(registry, checkpoint, "faults/liar")
+    digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/liar")
     target = open_target(f"{registry.host}/faults/liar@{digest}", for_write=True)
     key = generate_key()
     push_chunk_table(target, target.resolve(digest), compute_chunk_table(target, manifest), key)
@@ -204,7 +190,7 @@ def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_cl
     resolve only at the origin. Before, every manifest read went to the origin."""
     origin = registry_factory.start()
     mirror = registry_factory.start()
-    digest, _manifest, _blobs = _push(origin, checkpoint, "faults/down")
+    digest, _manifest, _blobs = push_and_read_back(origin, checkpoint, "faults/down")
     transfer.cp(origin.ref("faults/down", "v1"), mirror.ref("faults/down", "v1"), progress="off")
     origin.kill()
     mark = mirror.log_mark()
@@ -239,7 +225,7 @@ def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_cl
 def test_a_mirror_forging_a_manifest_by_digest_is_abandoned_for_the_origin(
     registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
 ) -> None:
-    digest, _manifest, blobs = _push(registry, checkpoint, "faults/forged")
+    digest, _manifest, blobs = push_and_read_back(registry, checkpoint, "faults/forged")
     target = open_readable(registry.ref("faults/forged", None))
     raw, media_type = target.fetch_manifest(digest)
     liar = HostileMirror(blobs, "zero", manifests={digest: (raw, media_type)})  # zeroed manifest too
@@ -274,7 +260,7 @@ def test_a_lying_mirror_sends_the_blob_to_the_next_mirror_not_to_the_origin(
     blob to the origin (a corrupting storm peer cost the origin ~5 copies of the model)."""
     origin = registry_factory.start()
     honest = registry_factory.start()
-    digest, _manifest, blobs = _push(origin, checkpoint, "faults/next")
+    digest, _manifest, blobs = push_and_read_back(origin, checkpoint, "faults/next")
     transfer.cp(origin.ref("faults/next", "v1"), honest.ref("faults/next", "v1"), progress="off")
     liar = HostileMirror(blobs, "zero")
     crawler_for.append(liar)

@@ -11,7 +11,6 @@ the origin served alone was in no event, and manifest fetches were in none.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,29 +19,12 @@ import pytest
 
 from modelpack.api import transfer
 from modelpack.events import EventLog, read_events
-from modelpack.oci.descriptor import Manifest
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
-from tests.fixtures.hostile_mirror import HostileMirror
+from tests.fixtures.hostile_mirror import HostileMirror, push_and_read_back
+from tests.fixtures.loopback import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _push(origin: Any, checkpoint: Path, repo: str) -> tuple[str, Manifest, dict[str, bytes]]:
-    res = transfer.push(str(checkpoint), origin.ref(repo, "v1"), progress="off")
-    target = open_readable(origin.ref(repo, None))
-    manifest, _ = fetch_manifest(target, res.digest)
-    blobs = {}
-    for d in [*manifest.layers, manifest.config]:
-        with target.fetch_blob(d) as f:
-            blobs[str(d.digest)] = f.read()
-    return str(res.digest), manifest, blobs
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again when the block ends: nobody listens
 
 
 @pytest.fixture
@@ -62,12 +44,12 @@ def test_each_abandonment_names_the_source_and_why_and_each_blob_its_sources(
     hostile: list[HostileMirror],
 ) -> None:
     origin = registry_factory.start()
-    digest, manifest, blobs = _push(origin, checkpoint, f"events/{mode}")
+    digest, manifest, blobs = push_and_read_back(origin, checkpoint, f"events/{mode}")
     extra: dict[str, Any] = {}
     if mode == "missing":
         url, expect = f"http://{registry_factory.start().host}", "not_found"
     elif mode == "refused":
-        url, expect = f"http://127.0.0.1:{_closed_port()}", "connection_refused"
+        url, expect = f"http://127.0.0.1:{free_port()}", "connection_refused"
     else:
         m = HostileMirror(blobs, mode, interval=0.5, max_s=30)
         hostile.append(m)
@@ -114,7 +96,7 @@ def test_a_manifest_resolved_then_read_through_one_mirror_is_one_fetch_event(
     registry_factory: Any, checkpoint: Path, tmp_path: Path
 ) -> None:
     origin, mirror = registry_factory.start(), registry_factory.start()
-    digest, _, _ = _push(origin, checkpoint, "events/once")
+    digest, _, _ = push_and_read_back(origin, checkpoint, "events/once")
     transfer.cp(origin.ref("events/once", "v1"), mirror.ref("events/once", "v1"), progress="off")
     log = tmp_path / "events.jsonl"
     opts = TargetOptions(mirrors=[f"http://{mirror.host}"], extra={"events": EventLog(str(log))})
