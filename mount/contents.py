@@ -18,7 +18,8 @@ import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
+from modelpack.mediatypes.annotations import safe_relative_path
+from modelpack.mount.snapshot_files import raw_layer_path
 from modelpack.mount.store import Store
 
 from modelpack.errors import (
@@ -40,19 +41,6 @@ class ExpectedFile:
     digest: str
     size: int
     linked: bool  # a hard link of the layer blob (raw layers); False: extracted from a tar layer
-
-
-def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
-    """Where a raw layer's file sits in the snapshot (its title annotation, checked for safety)."""
-    try:
-        rel = layer_filepath(layer.annotations)
-    except UnsafePathError as exc:
-        raise ManifestError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
-    if rel is None:
-        raise ManifestError(
-            f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
-        )
-    return rel
 
 
 def _tar_members(

@@ -71,14 +71,7 @@ def materialise(
                 seen.add(path)
                 files.append(SnapshotFile(path, digest, size, False))
             continue
-        try:
-            rel = layer_filepath(layer.annotations)
-        except UnsafePathError as exc:
-            raise ManifestError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
-        if rel is None:
-            raise ManifestError(
-                f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
-            )
+        rel = raw_layer_path(manifest, layer)
         if rel in seen:
             raise ManifestError(f"{manifest.digest}: two layers claim the path {rel!r}")
         seen.add(rel)
@@ -94,6 +87,19 @@ def materialise(
             os.chmod(target, READ_ONLY_FILE_MODE)
         files.append(SnapshotFile(rel, str(layer.digest), layer.size, True))
     return files
+
+
+def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
+    """Where a raw layer's file sits in the snapshot (its title annotation, checked for safety)."""
+    try:
+        rel = layer_filepath(layer.annotations)
+    except UnsafePathError as exc:
+        raise ManifestError(f"{manifest.digest} layer {layer.digest}: {exc}") from exc
+    if rel is None:
+        raise ManifestError(
+            f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
+        )
+    return rel
 
 
 def _diff_id_to_hash(layer: Descriptor, fmt: LayerFormat, diff_id: str) -> str | None:
