@@ -50,6 +50,7 @@ import re
 import socket
 import ssl
 import stat
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,18 @@ class _Server(http.server.ThreadingHTTPServer):
         except BaseException:
             self.slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A requester hanging up mid-blob is routine (a node abandons a slow peer, a pod is
+        killed): one debug line, never socketserver's traceback on stderr. Anything else is a
+        warning naming the exception, still without a traceback (``--debug`` logs it)."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError, ssl.SSLError)):
+            log.debug("%s hung up: %s", client_address, exc)
+        else:
+            log.warning(
+                "request from %s failed: %r", client_address, exc, exc_info=log.isEnabledFor(logging.DEBUG)
+            )
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

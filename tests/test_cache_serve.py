@@ -370,3 +370,33 @@ def test_peers_from_a_dns_name_in_each_nodes_rendezvous_order(
     )
     assert done.returncode == 0, done.stderr
     _same(done.stdout, checkpoint)
+
+
+def test_a_requester_that_hangs_up_mid_blob_costs_no_traceback_and_no_slot(
+    registry: RegistryServer, tmp_path: Path, serve: Any
+) -> None:
+    """Peers disconnect mid-blob all the time (a node abandons a slow peer, a pod is killed): the
+    server logs nothing alarming and keeps serving. Before, socketserver printed a traceback to
+    stderr per reset connection (``BrokenPipeError`` / ``ConnectionResetError``)."""
+    from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+
+    big = tmp_path / "big"
+    write_checkpoint(str(big), SyntheticSpec(hidden=512, intermediate=1376, layers=2, vocab=8192))
+    _digest, manifest, cache_a = _node_a(registry, big, tmp_path, "peers/hangup")
+    largest = max(manifest.layers, key=lambda d: d.size)
+    assert largest.size > 16 * 1024 * 1024
+    peer = serve(cache_a, "--max-connections", "2")
+    for _ in range(4):  # more hang-ups than slots: a leaked slot would refuse the last GET
+        sock = socket.create_connection(("127.0.0.1", peer.port), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(f"GET /v2/peers/hangup/blobs/{largest.digest} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(0.2)  # the server is now blocked writing into a full socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()  # RST
+    time.sleep(0.5)
+    status, _, body = _request(peer, "GET", f"/v2/peers/hangup/blobs/{largest.digest}")
+    assert status == 200 and hashlib.sha256(body).hexdigest() == largest.digest.hex
+    peer.proc.terminate()
+    _, err = peer.proc.communicate(timeout=10)
+    assert "Traceback" not in err and "Error" not in err, err

@@ -433,6 +433,7 @@ def cache_serve(
     """
     import os
 
+    from modelpack.errors import TransferInterrupted
     from modelpack.mount.serve import CacheServer, ServeSettings
     from modelpack.mount.serve_fill import FillSettings
 
@@ -465,7 +466,10 @@ def cache_serve(
     click.echo(server.url)
     what = f"filling misses for {len(fill_refs)} pinned manifest(s)" if fill_refs else "read-only"
     click.echo(f"serving {server.store.root} {what} on {server.url}", err=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except TransferInterrupted as exc:  # SIGTERM/SIGHUP is how a server is stopped: not an error
+        click.echo(f"cache serve: stopped ({str(exc).split(';')[0]})", err=True)
 
 
 __all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]
