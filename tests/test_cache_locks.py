@@ -13,21 +13,12 @@ import pytest
 from modelpack.mount import NodeCache
 from modelpack.mount.locks import SingleFlight, acquire, is_locked
 
-from modelpack import api
 from modelpack.events import read_events
 from modelpack.oci.descriptor import Manifest
 from modelpack.targets.layout import OCILayoutTarget
-from tests.test_cache_store import FaultySource
+from tests.test_cache_support import FaultySource, pack_layout
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def layout(checkpoint: Path, tmp_path: Path) -> tuple[OCILayoutTarget, Manifest]:
-    api.pack(str(checkpoint), f"oci:{tmp_path / 'layout'}:v1")
-    target = OCILayoutTarget(str(tmp_path / "layout"))
-    manifest, _ = api.fetch_manifest(target, "v1")
-    return target, manifest
 
 
 def _pull_all(caches: list[NodeCache], ref: str, src: FaultySource) -> list[str]:
@@ -49,6 +40,11 @@ def _pull_all(caches: list[NodeCache], ref: str, src: FaultySource) -> list[str]
         t.join()
     assert not errors, errors
     return paths
+
+
+@pytest.fixture
+def layout(checkpoint: Path, tmp_path: Path) -> tuple[OCILayoutTarget, Manifest]:
+    return pack_layout(checkpoint, tmp_path)
 
 
 def test_eight_threads_one_cache_fetch_each_blob_once(

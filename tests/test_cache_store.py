@@ -11,7 +11,7 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pytest
 from modelpack.mount import NodeCache
@@ -20,68 +20,19 @@ from modelpack import api
 from modelpack.errors import DigestMismatchError, ModelpackError, NotFoundError, SnapshotInUseError
 from modelpack.events import read_events
 from modelpack.files import TEMP_PREFIX
-from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import sha256_file
 from modelpack.targets.layout import OCILayoutTarget
-
-
-class _Interrupted(ModelpackError):
-    pass
-
-
-class FaultySource:
-    """A real layout whose blob stream for one digest breaks after ``after`` bytes (a dropped
-    connection), and which counts what it served."""
-
-    def __init__(self, layout: OCILayoutTarget, digest: str | None = None, after: int = 0) -> None:
-        self.layout = layout
-        self.name = layout.name
-        self.digest = digest
-        self.after = after
-        self.served: dict[str, int] = {}
-        self.offsets: list[tuple[str, int]] = []
-
-    def __getattr__(self, item: str) -> Any:
-        return getattr(self.layout, item)
-
-    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
-        self.offsets.append((str(descriptor.digest), offset))
-        f = self.layout.fetch_blob(descriptor, offset)
-        src = self
-
-        class Stream:
-            def __init__(self) -> None:
-                self.n = 0
-
-            def read(self, n: int = -1) -> bytes:
-                if src.digest == descriptor.digest and self.n >= src.after:
-                    raise _Interrupted("connection dropped")
-                if src.digest == descriptor.digest:
-                    n = min(n if n > 0 else 1 << 20, src.after - self.n)
-                data = f.read(n)
-                self.n += len(data)
-                src.served[descriptor.digest] = src.served.get(descriptor.digest, 0) + len(data)
-                return data
-
-            def __enter__(self) -> Stream:
-                return self
-
-            def __exit__(self, *a: object) -> None:
-                f.close()
-
-        return Stream()  # type: ignore[return-value]
-
-
-@pytest.fixture
-def layout(checkpoint: Path, tmp_path: Path) -> tuple[OCILayoutTarget, Manifest]:
-    api.pack(str(checkpoint), f"oci:{tmp_path / 'layout'}:v1")
-    target = OCILayoutTarget(str(tmp_path / "layout"))
-    manifest, _ = api.fetch_manifest(target, "v1")
-    return target, manifest
+from tests.test_cache_support import FaultySource, Interrupted, pack_layout
 
 
 def _ev(cache: NodeCache, name: str) -> list[dict[str, Any]]:
     return [e for e in read_events(cache.events_path) if e["event"] == name]
+
+
+@pytest.fixture
+def layout(checkpoint: Path, tmp_path: Path) -> tuple[OCILayoutTarget, Manifest]:
+    return pack_layout(checkpoint, tmp_path)
 
 
 def test_snapshot_is_hardlinked_read_only_and_the_store_is_an_oci_layout(
@@ -165,7 +116,7 @@ def test_interrupted_download_is_never_a_hit_and_resumes_after_rehash(
     cache = NodeCache(str(tmp_path / "cache"))
     ref = f"oci:{target.path}:v1"
     cut = big.size // 3
-    with pytest.raises(_Interrupted):
+    with pytest.raises(Interrupted):
         cache.pull(ref, source=FaultySource(target, big.digest, cut), jobs=1)
     assert cache.snapshots.ready(manifest.digest) is None and cache.ls() == []
     assert not cache.store.has(big)
@@ -189,7 +140,7 @@ def test_a_damaged_partial_prefix_is_caught_and_refetched(
     big = max(manifest.layers, key=lambda x: x.size)
     cache = NodeCache(str(tmp_path / "cache"))
     ref = f"oci:{target.path}:v1"
-    with pytest.raises(_Interrupted):
+    with pytest.raises(Interrupted):
         cache.pull(ref, source=FaultySource(target, big.digest, big.size // 2), jobs=1)
     partial = cache.store.partial_path(big.digest)
     with open(partial, "r+b") as f:  # torn write / bit rot in the prefix

@@ -4,7 +4,9 @@ The fault tests count bytes and blob GETs through ``tests.fixtures.faultproxy.Fa
 faults added): that is how they measure "each blob was served once" and "a resumed pull
 re-downloaded only the missing part", and how they slow a pull down (``rate``) enough to
 ``kill -9`` it mid-blob. ``run_pull_process`` runs a pull in a separate Python process (a real second process
-with its own locks), printing the ``PullResult`` as JSON.
+with its own locks), printing the ``PullResult`` as JSON. ``FaultySource`` is a real OCI layout
+whose stream of one blob breaks after N bytes, and ``pack_layout`` packs the checkpoint into
+one (the serverless cache tests: ``test_cache_store``, ``test_cache_locks``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 
 from modelpack import api
+from modelpack.errors import ModelpackError
+from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
+from modelpack.targets.layout import OCILayoutTarget
 from tests.fixtures.faultproxy import FaultProxy
 
 _BLOB_RE = re.compile(r"/v2/.+/blobs/(sha256:[0-9a-f]{64})$")
@@ -81,6 +86,62 @@ def partial_bytes(cache: Path) -> dict[str, int]:
 
 def committed(cache: Path) -> set[str]:
     return {"sha256:" + p.name for p in (cache / "blobs" / "sha256").iterdir() if len(p.name) == 64}
+
+
+# --------------------------------------------------------------------------- a faulty layout source
+class Interrupted(ModelpackError):
+    """What ``FaultySource`` raises where its stream breaks (a dropped connection)."""
+
+
+class FaultySource:
+    """A real layout whose blob stream for one digest breaks after ``after`` bytes (a dropped
+    connection), and which counts what it served."""
+
+    def __init__(self, layout: OCILayoutTarget, digest: str | None = None, after: int = 0) -> None:
+        self.layout = layout
+        self.name = layout.name
+        self.digest = digest
+        self.after = after
+        self.served: dict[str, int] = {}
+        self.offsets: list[tuple[str, int]] = []
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.layout, item)
+
+    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+        self.offsets.append((str(descriptor.digest), offset))
+        f = self.layout.fetch_blob(descriptor, offset)
+        src = self
+
+        class Stream:
+            def __init__(self) -> None:
+                self.n = 0
+
+            def read(self, n: int = -1) -> bytes:
+                if src.digest == descriptor.digest and self.n >= src.after:
+                    raise Interrupted("connection dropped")
+                if src.digest == descriptor.digest:
+                    n = min(n if n > 0 else 1 << 20, src.after - self.n)
+                data = f.read(n)
+                self.n += len(data)
+                src.served[descriptor.digest] = src.served.get(descriptor.digest, 0) + len(data)
+                return data
+
+            def __enter__(self) -> Stream:
+                return self
+
+            def __exit__(self, *a: object) -> None:
+                f.close()
+
+        return Stream()  # type: ignore[return-value]
+
+
+def pack_layout(checkpoint: Path, tmp_path: Path) -> tuple[OCILayoutTarget, Manifest]:
+    """``checkpoint`` packed into an OCI layout under ``tmp_path`` as ``:v1``; (layout, manifest)."""
+    api.pack(str(checkpoint), f"oci:{tmp_path / 'layout'}:v1")
+    target = OCILayoutTarget(str(tmp_path / "layout"))
+    manifest, _ = api.fetch_manifest(target, "v1")
+    return target, manifest
 
 
 # --------------------------------------------------------------------------- self-test
