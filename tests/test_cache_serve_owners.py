@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,33 @@ def test_with_blob_order_the_planned_owner_is_asked_first(monkeypatch: pytest.Mo
         order = [m.name for m in mirrors._for_blob(b)]
         assert order[0] == owners[str(b.digest)]
         assert sorted(order) == sorted(_peers(16))  # the others stay as fallbacks
+
+
+def test_a_manifest_read_through_open_readable_plans_its_owners(
+    registry: Any, checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook itself: reading a manifest by digest through the target a pull opens (real
+    registry, peers from a ``dns+`` name) plans that manifest's owners — the path every pulling
+    node takes, not only ``MirroredBlobs.plan`` called by hand."""
+    from modelpack.api import transfer
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.targets.opener import TargetOptions, open_readable
+
+    monkeypatch.setenv("MODELPACK_PEER_ORDER", "blob")
+    monkeypatch.setattr(
+        "modelpack.targets.registry.peers.resolve_all",
+        lambda host, port: ["10.231.0.1", "10.231.0.2", "10.231.0.3"],
+    )
+    res = transfer.push(str(checkpoint), registry.ref("owners/plan", "v1"), progress="off")
+    target = open_readable(
+        registry.ref("owners/plan", None), TargetOptions(mirrors=["dns+http://peers.invalid:5050"])
+    )
+    mirrors = target.mirrors  # type: ignore[attr-defined]
+    assert mirrors is not None and mirrors._owners == {}
+    raw, media_type = target.fetch_manifest(str(res.digest))
+    manifest = Manifest.parse(raw, media_type=media_type)
+    blobs = [manifest.config, *manifest.layers]
+    expected = balanced_owners([m.name for m in mirrors.mirrors if m.endpoint.peer], blobs)
+    assert mirrors._owners == expected and len(set(expected.values())) > 1
+    for b in blobs:
+        assert mirrors._for_blob(b)[0].name == expected[str(b.digest)]
