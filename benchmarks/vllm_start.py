@@ -236,9 +236,11 @@ def _weights(
             "streamed, chunk table",
             str(cfg_chunks),
             "modelpack",
-            {"source": signed_ref, "trusted_keys": [pub]},
+            {"source": signed_ref, "trusted_keys": [pub], "plain_http": True},
         ),
-        Mode("streamed, whole layers", str(cfg_whole), "modelpack", {"source": pinned}),
+        # plain_http: the loopback registry speaks HTTP, as curl's transfer rows are told; without
+        # it the client probes HTTPS first (an SSL context and a refused handshake, ~20 ms)
+        Mode("streamed, whole layers", str(cfg_whole), "modelpack", {"source": pinned, "plain_http": True}),
     ]
     if args.weights_modes:
         keep = {m.strip() for m in args.weights_modes.split(";")} | {"default"}

@@ -26,7 +26,9 @@ parallel over the weight blobs to ``/dev/null``; ``transfer, verified`` — the 
 piped through ``openssl sha256`` (chunk verification hashes each range likewise). Neither is an
 engine start; both are wall times of the whole fetch.
 
-Also per start: RSS growth across ``load_model`` (``VmRSS`` after − before), the peak (``VmHWM``
+Also per start: inside ``load_model``, the loader's ``load_weights`` and vLLM's own two
+``gc.collect()`` calls (the same work for every loader, about two thirds of the call, and what
+swings most between starts), each timed apart; RSS growth across ``load_model`` (``VmRSS`` after − before), the peak (``VmHWM``
 after − ``VmRSS`` before) of the engine process, and the 1-minute load average when it began.
 """
 
@@ -68,6 +70,31 @@ def timed(self, *a, **k):
     timing["hwm_after"] = status("VmHWM")
     return r
 cpu_model_runner.CPUModelRunner.load_model = timed
+# inside load_model: vLLM's own two gc.collect() calls (the same work whatever the loader, and the
+# largest, noisiest part of it) and the loader's load_weights, timed apart
+import gc
+from vllm.model_executor.model_loader import base_loader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+import modelpack.serving.vllm_loader as mp_loader
+timing["gc_s"] = 0.0
+class _TimedGC:
+    def __getattr__(self, name):
+        return getattr(gc, name)
+    def collect(self, *a):
+        t = time.perf_counter()
+        try:
+            return gc.collect(*a)
+        finally:
+            timing["gc_s"] += time.perf_counter() - t
+base_loader.gc = _TimedGC()
+for cls in (DefaultModelLoader, mp_loader.ModelpackModelLoader):
+    def lw(self, *a, _orig=cls.load_weights, **k):
+        t = time.perf_counter()
+        try:
+            return _orig(self, *a, **k)
+        finally:
+            timing["load_weights_s"] = time.perf_counter() - t
+    cls.load_weights = lw
 if spec.get("profile"):
     import cProfile, pstats
     prof_orig = cpu_model_runner.CPUModelRunner.load_model
@@ -205,6 +232,9 @@ def weights_phase(
             "median_s": round(statistics.median(secs), 3),
             "load_avg": [round(d["load_avg"], 2) for d in docs],
         }
+        for part in ("load_weights_s", "gc_s"):
+            if part in docs[0]:
+                row[part.replace("_s", "_median_s")] = round(statistics.median(d[part] for d in docs), 3)
         if "rss_after" in docs[0]:
             row["rss_growth_mib"] = round(
                 statistics.median(d["rss_after"] - d["rss_before"] for d in docs) / 2**20, 1
@@ -239,9 +269,10 @@ def print_table(rows: Mapping[str, Any], model_bytes: int) -> None:
     print()
     print(
         "| mode | best | median | × default (best) | ÷ (default + raw transfer) best / median | "
-        "÷ (default + verified transfer) best / median | RSS growth | peak growth | all runs (load) |"
+        "÷ (default + verified transfer) best / median | load_weights / gc.collect (median) | RSS growth | "
+        "peak growth | all runs (load) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         raw = (
             f"{r['vs_default_plus_raw_best']:.2f}× / {r['vs_default_plus_raw_median']:.2f}×"
@@ -255,10 +286,15 @@ def print_table(rows: Mapping[str, Any], model_bytes: int) -> None:
         )
         rss = f"{r['rss_growth_mib']:.0f} MiB" if "rss_growth_mib" in r else ""
         peak = f"{r['peak_growth_mib']:.0f} MiB" if "peak_growth_mib" in r else ""
+        parts = (
+            f"{r['load_weights_median_s']:.2f} / {r['gc_median_s']:.2f} s"
+            if "load_weights_median_s" in r
+            else ""
+        )
         every = ", ".join(f"{s:.2f} ({la:.1f})" for s, la in zip(r["seconds"], r["load_avg"], strict=True))
         print(
             f"| {name} | {r['best_s']:.2f} s | {r['median_s']:.2f} s | {r['vs_default_best']:.2f}× | "
-            f"{raw} | {ver} | {rss} | {peak} | {every} |"
+            f"{raw} | {ver} | {parts} | {rss} | {peak} | {every} |"
         )
     print()
 
