@@ -31,7 +31,7 @@ from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
 from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.registry import RegistryServer
-from tests.pull_dir_helpers import BLOCK, MiB, image_layer, tar_member, temp_entries, write_artifact
+from tests.pull_dir_helpers import BLOCK, MiB, image_layer, tar_member, tar_of, temp_entries, write_artifact
 
 PLAIN = TargetOptions(plain_http=True)
 
@@ -188,3 +188,40 @@ def test_sigkill_mid_extraction_then_the_next_pull_finishes(registry: RegistrySe
         assert any(".tmp-modelpack-" in s for s in res.swept)
     finally:
         proxy.close()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_one_layer_of_many_files_lands_whole(tmp_path: Path) -> None:
+    """A modelcar built by ``COPY models/ /models/``: every file in one layer, each fsynced in
+    staging before the next is extracted. At DEST each must be whole and no descriptor of the
+    24 files may stay open."""
+    files = {f"models/shard-{i:02d}.bin": os.urandom(64 * 1024 + i) for i in range(24)}
+    layout = tmp_path / "layout"
+    write_artifact(
+        layout, "v1", [image_layer(tar_of(*(tar_member(n, d) for n, d in files.items())))], image_config=True
+    )
+    dest = tmp_path / "dest"
+    before = _open_fds()
+    transfer.pull(f"oci:{layout}:v1", str(dest), progress="off")
+    assert _open_fds() <= before
+    assert _tree(dest) == {n.removeprefix("models/"): d for n, d in files.items()}
+
+
+def test_a_member_cut_short_after_ten_whole_files_publishes_none(tmp_path: Path) -> None:
+    """Ten whole members are written to staging, then the eleventh ends early: the pull fails
+    naming it, nothing reaches DEST (not even the ten whole files) and no descriptor is left
+    open."""
+    whole = b"".join(tar_member(f"models/f{i}.bin", os.urandom(32 * 1024)) for i in range(10))
+    head = tar_member("models/weights.bin", bytes(MiB))[: BLOCK + 100 * 1024]
+    layout = tmp_path / "layout"
+    write_artifact(layout, "v1", [image_layer(whole + head)], image_config=True)
+    dest = tmp_path / "dest"
+    before = _open_fds()
+    with pytest.raises(LayerFormatError, match=r"weights\.bin.*truncated"):
+        transfer.pull(f"oci:{layout}:v1", str(dest), progress="off")
+    assert _open_fds() <= before, "a staged file's descriptor was never closed"
+    assert _tree(dest) == {}
+    assert temp_entries(dest) == []
