@@ -19,7 +19,7 @@ from modelpack.cli.options import (
     json_option,
     signals_interrupt,
 )
-from modelpack.cli.trust_options import read_passphrase, trust_policy_from
+from modelpack.cli.trust_options import push_signing_key, trust_policy_from
 from modelpack.terminal import for_terminal
 
 
@@ -47,7 +47,7 @@ def push_adapter_cmd(
     topts = build_target_options(kwargs, registry=destination)
     if chunk_size:
         topts.extra["chunk_size"] = chunk_size
-    key = _signing_key(kwargs)  # after --password-stdin's line, before any upload
+    key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
     result = push_adapter(
         source, destination, base, pack_options=popts, target_options=topts, jobs=jobs, sign_key=key
     )
@@ -67,17 +67,6 @@ def push_adapter_cmd(
         err=True,
     )
     click.echo(result.digest)
-
-
-def _signing_key(kwargs: dict[str, Any]) -> Any:
-    """``--sign-key`` loaded now, before any upload (as ``push`` does)."""
-    key_spec = kwargs.pop("sign_key", None)
-    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
-    if not key_spec:
-        return None
-    from modelpack.signing import load_private_key
-
-    return load_private_key(key_spec, read_passphrase(from_stdin))
 
 
 def pull_with_adapters_cmd(

@@ -25,7 +25,7 @@ from modelpack.cli.options import (
     target_options,
 )
 from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
-from modelpack.cli.trust_options import read_passphrase
+from modelpack.cli.trust_options import push_sign_options, push_signing_key
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import TargetOptions
 from modelpack.targets.registry.hosts import same_registry
@@ -44,36 +44,6 @@ def _with_chunk_size(topts: TargetOptions, chunk_size: int | None) -> TargetOpti
     if chunk_size:
         topts.extra["chunk_size"] = chunk_size
     return topts
-
-
-def push_sign_options(fn: Any) -> Any:
-    opts = [
-        click.option(
-            "--sign-key",
-            help="Sign the pushed manifest before tagging it: private key PEM file or env:VAR.",
-        ),
-        click.option(
-            "--sign-passphrase-stdin",
-            is_flag=True,
-            help="Read the signing key passphrase from stdin (else MODELPACK_SIGNING_PASSPHRASE).",
-        ),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def push_signing_key(kwargs: dict[str, Any]) -> Any:
-    """Pop the push signing options from ``kwargs`` and load the key now, before any upload (a
-    public key, an unset ``env:`` variable or a wrong passphrase fails a push that sent nothing).
-    The passphrase line is read after ``--password-stdin``'s."""
-    key_spec = kwargs.pop("sign_key", None)
-    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
-    if not key_spec:
-        return None
-    from modelpack.signing import load_private_key
-
-    return load_private_key(key_spec, read_passphrase(from_stdin))
 
 
 @click.command("push")

@@ -1,4 +1,5 @@
-"""The trust and verification options: ``--key``/``--policy``, keyless identities, passphrases.
+"""The trust and verification options: ``--key``/``--policy``, keyless identities, signing keys
+and their passphrases.
 
 Split from ``modelpack.cli.options`` so that the flags which decide what a command trusts sit
 together, in one place to review. Like ``options`` this module imports only click: the signing
@@ -132,3 +133,35 @@ def read_passphrase(from_stdin: bool) -> str | None:
         line = sys.stdin.readline().rstrip("\n")
         return line or None
     return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
+
+
+def push_sign_options(fn: F) -> F:
+    """``--sign-key`` and ``--sign-passphrase-stdin`` of ``push`` (and ``push --base``): what
+    ``push_signing_key`` reads."""
+    return _apply(
+        fn,
+        [
+            click.option(
+                "--sign-key",
+                help="Sign the pushed manifest before tagging it: private key PEM file or env:VAR.",
+            ),
+            click.option(
+                "--sign-passphrase-stdin",
+                is_flag=True,
+                help="Read the signing key passphrase from stdin (else MODELPACK_SIGNING_PASSPHRASE).",
+            ),
+        ],
+    )
+
+
+def push_signing_key(kwargs: dict[str, Any]) -> Any:
+    """Pop the push signing options from ``kwargs`` and load the key now, before any upload (a
+    public key, an unset ``env:`` variable or a wrong passphrase fails a push that sent nothing).
+    The passphrase line is read after ``--password-stdin``'s."""
+    key_spec = kwargs.pop("sign_key", None)
+    from_stdin = kwargs.pop("sign_passphrase_stdin", False)
+    if not key_spec:
+        return None
+    from modelpack.signing import load_private_key
+
+    return load_private_key(key_spec, read_passphrase(from_stdin))
