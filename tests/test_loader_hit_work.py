@@ -117,3 +117,28 @@ def test_trusted_keys_on_a_hit_are_still_loaded_and_a_bad_key_refuses_the_start(
         open_rank_load(
             {"expected_digest": digest, "trusted_keys": [str(bad)]}, snapshot, {}, 1, 0, environ={}
         )
+
+
+def test_a_chunk_verified_stream_loads_keys_and_chunks_not_the_policy_parser_nor_the_signer() -> None:
+    """A streamed start with a chunk table imports ``modelpack.signing.chunks`` inside the timed
+    ``load_model``; before, the package imported every submodule (the policy's YAML parser, the
+    signer, the verifier: ~25 ms more). Names stay importable from ``modelpack.signing``."""
+    probe = (
+        "import sys, modelpack.signing.chunks\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('modelpack.signing.', 'yaml'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout.replace("'", '"')))
+    assert "modelpack.signing.keys" in loaded and "modelpack.signing.chunks" in loaded
+    assert not loaded & {
+        "modelpack.signing.policy",
+        "modelpack.signing.sign",
+        "modelpack.signing.verify",
+        "yaml",
+    }
+    from modelpack import signing
+
+    assert signing.TrustPolicy.__module__ == "modelpack.signing.policy"
+    assert signing.sign_artifact.__module__ == "modelpack.signing.sign"
+    with pytest.raises(AttributeError):
+        signing.no_such_name  # noqa: B018
