@@ -59,6 +59,13 @@ class SignedModel:
     def tagged(self) -> str:
         return f"{self.host}/{self.repo}:v1"
 
+    def key_policy(self, match: str) -> str:
+        """A trust policy that requires this model's key (inline PEM) for ``match``."""
+        pem = "\n".join("          " + line for line in Path(self.pub).read_text().strip().splitlines())
+        return (
+            f"rules:\n  - match: '{match}'\n    keys:\n      - pem: |\n{pem}\n    require_signature: true\n"
+        )
+
 
 def push_signed(origin: Any, checkpoint: Path, tmp_path: Path, repo: str) -> SignedModel:
     """Push ``checkpoint`` signed (manifest signature, directory signature, chunk table)."""
@@ -70,6 +77,13 @@ def push_signed(origin: Any, checkpoint: Path, tmp_path: Path, repo: str) -> Sig
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     return SignedModel(origin.host, repo, doc["digest"], pub, key.key_id)
+
+
+def warm_node(tmp_path: Path, node: Path, model: SignedModel, *, key: bool = True) -> None:
+    """Pull ``model`` into the node cache ``node`` (under its key unless ``key=False``: then the
+    cache holds the model but no verified signature)."""
+    got = run(tmp_path, "pull", "--cache", str(node), *(("--key", model.pub) if key else ()), model.pinned)
+    assert got.returncode == 0, got.stderr
 
 
 class Served:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.kserve_support import Pod, kserve_env, pod_volumes, run_initializer
-from tests.origin_down_support import events, push_signed, run, serve  # noqa: F401 (the fixture)
+from tests.origin_down_support import events, push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,7 +48,7 @@ def test_a_chunk_verified_streamed_load_succeeds_from_a_peer_with_the_origin_dow
     origin = registry_factory.start()
     model = push_signed(origin, checkpoint, tmp_path, "down/load")
     node_a = tmp_path / "node-a"
-    assert run(tmp_path, "pull", "--cache", str(node_a), "--key", model.pub, model.pinned).returncode == 0
+    warm_node(tmp_path, node_a, model)
     peer = serve(node_a)
     origin.kill()
     log = tmp_path / "load-events.jsonl"
@@ -83,15 +83,10 @@ def test_offline_starts_from_the_local_cache_and_the_kserve_initializer_through_
     origin = registry_factory.start()
     model = push_signed(origin, checkpoint, tmp_path, "down/offline")
     node = tmp_path / "node"
-    first = run(tmp_path, "pull", "--cache", str(node), "--key", model.pub, model.pinned)
-    assert first.returncode == 0, first.stderr
+    warm_node(tmp_path, node, model)
     pod_a, pod_b = pods
     uri = f"modelpack://{model.pinned}"
-    pem = "\n".join("          " + line for line in Path(model.pub).read_text().strip().splitlines())
-    policy = (
-        f"rules:\n  - match: '{model.host}/down/*'\n    keys:\n      - pem: |\n{pem}\n"
-        "    require_signature: true\n"
-    )
+    policy = model.key_policy(f"{model.host}/down/*")
     env_a = kserve_env(pod_a, MODELPACK_CACHE=str(pod_a.node_cache), MODELPACK_POLICY_YAML=policy)
     assert run_initializer(pod_a, [uri, str(pod_a.dest("warm"))], env_a).returncode == 0
     peer = serve(node)

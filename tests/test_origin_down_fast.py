@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.origin_down_support import push_signed, run, serve  # noqa: F401 (the fixture)
+from tests.origin_down_support import push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,16 +34,11 @@ def test_origin_down_a_pinned_pull_under_a_policy_uses_the_peer_well_within_the_
     origin = registry_factory.start()
     model = push_signed(origin, checkpoint, tmp_path, "down/fast")
     node_a = tmp_path / "node-a"
-    first = run(tmp_path, "pull", "--cache", str(node_a), "--key", model.pub, model.pinned)
-    assert first.returncode == 0, first.stderr
+    warm_node(tmp_path, node_a, model)
     peer = serve(node_a)
     origin.kill()  # connection refused from now on
-    pem = "\n".join("          " + line for line in Path(model.pub).read_text().strip().splitlines())
     policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        f"rules:\n  - match: '{model.host}/down/*'\n    keys:\n      - pem: |\n{pem}\n"
-        "    require_signature: true\n"
-    )
+    policy.write_text(model.key_policy(f"{model.host}/down/*"))
 
     started = time.monotonic()
     got = run(

@@ -23,7 +23,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.fixtures.loopback import LoopbackServer
-from tests.origin_down_support import events, push_signed, run, serve  # noqa: F401 (the fixture)
+from tests.origin_down_support import events, push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,8 +44,7 @@ def test_a_signed_pinned_pull_succeeds_from_a_peer_with_the_origin_down(
     origin = registry_factory.start()
     model = push_signed(origin, checkpoint, tmp_path, "peers/signed")
     node_a = tmp_path / "node-a"
-    first = run(tmp_path, "pull", "--cache", str(node_a), "--key", model.pub, model.pinned)
-    assert first.returncode == 0, first.stderr
+    warm_node(tmp_path, node_a, model)
     peer = serve(node_a)
 
     # the peer answers the referrers API with what node A verified: all three kinds, filterable
@@ -109,7 +108,7 @@ def test_a_peer_withholding_signatures_is_a_refusal_naming_the_digest_not_a_hang
     model = push_signed(origin, checkpoint, tmp_path, "peers/withheld")
     # node A pulled without a key: it holds the model, but verified (and so keeps) no signature
     node_a = tmp_path / "node-a"
-    assert run(tmp_path, "pull", "--cache", str(node_a), model.pinned).returncode == 0
+    warm_node(tmp_path, node_a, model, key=False)
     peer = serve(node_a)
     origin.kill()
     started = time.monotonic()
@@ -169,9 +168,9 @@ def test_a_peer_cannot_forge_trust_a_withholding_one_hides_no_honest_one_and_a_h
     origin = registry_factory.start()
     model = push_signed(origin, checkpoint, tmp_path, "peers/forged")
     honest = tmp_path / "honest"
-    assert run(tmp_path, "pull", "--cache", str(honest), "--key", model.pub, model.pinned).returncode == 0
+    warm_node(tmp_path, honest, model)
     withholding = tmp_path / "withholding"
-    assert run(tmp_path, "pull", "--cache", str(withholding), model.pinned).returncode == 0
+    warm_node(tmp_path, withholding, model, key=False)
     # a forging peer: the same model (packing is reproducible: the same digest), signed with its
     # own key — valid signatures, by a key this node does not trust
     forger = registry_factory.start()
