@@ -400,3 +400,4 @@ def test_a_requester_that_hangs_up_mid_blob_costs_no_traceback_and_no_slot(
     peer.proc.terminate()
     _, err = peer.proc.communicate(timeout=10)
     assert "Traceback" not in err and "Error" not in err, err
+    assert peer.proc.returncode == 143 and "cache serve: stopped (interrupted by SIGTERM)" in err, err

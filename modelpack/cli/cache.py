@@ -470,6 +470,7 @@ def cache_serve(
         server.serve_forever()
     except TransferInterrupted as exc:  # SIGTERM/SIGHUP is how a server is stopped: not an error
         click.echo(f"cache serve: stopped ({str(exc).split(';')[0]})", err=True)
+        raise SystemExit(exc.exit_code) from None  # 128 + signal, as every command exits on one
 
 
 __all__ = ["SECONDS", "cache_dir_option", "cache_group", "cache_pull", "events_option", "open_cache"]
