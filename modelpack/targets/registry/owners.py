@@ -18,15 +18,10 @@ rendezvous order is asked), so owners do not move while a peer is briefly unreac
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 
 from modelpack.oci.descriptor import Descriptor
-
-
-def _rank(digest: str, peers: list[str]) -> list[str]:
-    """``peers`` in ``digest``'s rendezvous order (``peers.rendezvous`` with the digest as key)."""
-    return sorted(peers, key=lambda p: hashlib.sha256(f"{digest}\0{p}".encode()).digest(), reverse=True)
+from modelpack.targets.registry.peers import rendezvous
 
 
 def balanced_owners(peers: Iterable[str], blobs: Iterable[Descriptor]) -> dict[str, str]:
@@ -39,7 +34,7 @@ def balanced_owners(peers: Iterable[str], blobs: Iterable[Descriptor]) -> dict[s
     load = dict.fromkeys(names, 0)
     owners: dict[str, str] = {}
     for digest, size in sorted(unique.items(), key=lambda item: (-item[1], item[0])):
-        ranked = _rank(digest, names)
+        ranked = rendezvous(names, digest)
         owner = next((p for p in ranked if load[p] + size <= share), None)
         if owner is None:
             owner = min(ranked, key=lambda p: load[p])  # min keeps the first of equals: rendezvous order
