@@ -22,6 +22,7 @@ environment are still honoured, explicitly, for non-loopback registries.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -155,6 +156,15 @@ class RegistryClient:
         self.retries = 0  # requests retried after a transport failure or a "not now" status
         self.outage = OutageClock()  # --retry-for is one budget for everything this client does
         self._retries_lock = threading.Lock()
+
+    def with_retry_for(self, retry_for: float | None) -> RegistryClient:
+        """This client — its session and connection pool, credentials, tokens and scheme — under
+        another ``--retry-for`` (its own outage clock): a short budget for a call that has
+        somewhere else to go, without a second pool or a second token exchange."""
+        other = copy.copy(self)
+        other.retry_for = retry_for
+        other.outage = OutageClock()
+        return other
 
     def budget(self) -> RetryBudget:
         """A fresh retry budget for one operation, drawing on the client's one ``--retry-for``."""

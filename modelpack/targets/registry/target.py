@@ -90,7 +90,6 @@ class RegistryTarget:
         self._origin_unreachable: RegistryConnectionError | None = None
         #: the origin's referrers with a short retry budget, when mirrors can answer instead
         self._origin_referrers: ManifestStore | None = None
-        self._origin_quick: RegistryClient | None = None
 
     @property
     def chunk_size(self) -> int:
@@ -149,16 +148,7 @@ class RegistryTarget:
                 # referrers are asked of the origin first: with mirrors to fall back to, an origin
                 # that cannot be reached gets a short budget, not the whole --retry-for
                 budget = DEFAULT_RETRY_FOR if opts.retry_for is None else opts.retry_for
-                quick = RegistryClient(
-                    ref.location,
-                    plain_http=opts.plain_http,
-                    ca_file=opts.ca_file,
-                    insecure_skip_verify=opts.insecure_skip_verify,
-                    credentials=creds,
-                    retry_for=min(budget, ORIGIN_FALLTHROUGH_S),
-                    timeout=opts.timeout,
-                )
-                target._origin_quick = quick
+                quick = client.with_retry_for(min(budget, ORIGIN_FALLTHROUGH_S))
                 target._origin_referrers = ManifestStore(RepositoryAPI(quick, ref.repository))
         return target
 
@@ -433,8 +423,6 @@ class RegistryTarget:
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()
-        if self._origin_quick is not None:
-            self._origin_quick.close()
         self.client.close()
 
 
