@@ -86,6 +86,18 @@ def warm_node(tmp_path: Path, node: Path, model: SignedModel, *, key: bool = Tru
     assert got.returncode == 0, got.stderr
 
 
+def signed_peer(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path, serve: Any, repo: str, *, key: bool = True
+) -> tuple[Any, SignedModel, Any]:
+    """(origin, model, peer): ``checkpoint`` pushed signed to a fresh origin, pulled into node A's
+    cache (``warm_node``) and served by node A's ``cache serve``; the origin still up."""
+    origin = registry_factory.start()
+    model = push_signed(origin, checkpoint, tmp_path, repo)
+    node_a = tmp_path / "node-a"
+    warm_node(tmp_path, node_a, model, key=key)
+    return origin, model, serve(node_a)
+
+
 class Served:
     def __init__(self, proc: subprocess.Popen[str], url: str) -> None:
         self.proc = proc

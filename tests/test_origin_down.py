@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.kserve_support import Pod, kserve_env, pod_volumes, run_initializer
-from tests.origin_down_support import events, push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
+from tests.origin_down_support import events, push_signed, run, serve, signed_peer, warm_node  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,11 +45,7 @@ def test_a_chunk_verified_streamed_load_succeeds_from_a_peer_with_the_origin_dow
     tmp_path: Path,
     serve: Any,  # noqa: F811
 ) -> None:
-    origin = registry_factory.start()
-    model = push_signed(origin, checkpoint, tmp_path, "down/load")
-    node_a = tmp_path / "node-a"
-    warm_node(tmp_path, node_a, model)
-    peer = serve(node_a)
+    origin, model, peer = signed_peer(registry_factory, checkpoint, tmp_path, serve, "down/load")
     origin.kill()
     log = tmp_path / "load-events.jsonl"
     started = time.monotonic()

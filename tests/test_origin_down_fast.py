@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.origin_down_support import push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
+from tests.origin_down_support import run, serve, signed_peer  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,11 +31,7 @@ def test_origin_down_a_pinned_pull_under_a_policy_uses_the_peer_well_within_the_
     tmp_path: Path,
     serve: Any,  # noqa: F811
 ) -> None:
-    origin = registry_factory.start()
-    model = push_signed(origin, checkpoint, tmp_path, "down/fast")
-    node_a = tmp_path / "node-a"
-    warm_node(tmp_path, node_a, model)
-    peer = serve(node_a)
+    origin, model, peer = signed_peer(registry_factory, checkpoint, tmp_path, serve, "down/fast")
     origin.kill()  # connection refused from now on
     policy = tmp_path / "policy.yaml"
     policy.write_text(model.key_policy(f"{model.host}/down/*"))

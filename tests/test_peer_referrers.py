@@ -23,7 +23,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.fixtures.loopback import LoopbackServer
-from tests.origin_down_support import events, push_signed, run, serve, warm_node  # noqa: F401 (the fixture)
+from tests.origin_down_support import events, push_signed, run, serve, signed_peer, warm_node  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,11 +41,7 @@ def test_a_signed_pinned_pull_succeeds_from_a_peer_with_the_origin_down(
     tmp_path: Path,
     serve: Any,  # noqa: F811
 ) -> None:
-    origin = registry_factory.start()
-    model = push_signed(origin, checkpoint, tmp_path, "peers/signed")
-    node_a = tmp_path / "node-a"
-    warm_node(tmp_path, node_a, model)
-    peer = serve(node_a)
+    origin, model, peer = signed_peer(registry_factory, checkpoint, tmp_path, serve, "peers/signed")
 
     # the peer answers the referrers API with what node A verified: all three kinds, filterable
     status, headers, body = _get(f"{peer.url}/v2/{model.repo}/referrers/{model.digest}")
@@ -104,12 +100,10 @@ def test_a_peer_withholding_signatures_is_a_refusal_naming_the_digest_not_a_hang
     tmp_path: Path,
     serve: Any,  # noqa: F811
 ) -> None:
-    origin = registry_factory.start()
-    model = push_signed(origin, checkpoint, tmp_path, "peers/withheld")
     # node A pulled without a key: it holds the model, but verified (and so keeps) no signature
-    node_a = tmp_path / "node-a"
-    warm_node(tmp_path, node_a, model, key=False)
-    peer = serve(node_a)
+    origin, model, peer = signed_peer(
+        registry_factory, checkpoint, tmp_path, serve, "peers/withheld", key=False
+    )
     origin.kill()
     started = time.monotonic()
     b = run(
