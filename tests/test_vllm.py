@@ -164,7 +164,12 @@ def test_streamed_from_the_registry_serves_the_same(model: Model, tp1: dict[str,
     evs = _events(model, "tp1-streamed")
     stages = {e.get("stage") for e in evs}
     assert {"t0", "t2", "t3", "t4", "t5"} <= stages
-    assert next(e for e in evs if e["event"] == "serving.weights_loaded")["state"] == "streamed"
+    done = next(e for e in evs if e["event"] == "serving.weights_loaded")
+    assert done["state"] == "streamed"
+    # vLLM's own Llama load_weights, dry-run: every weight byte was read straight into its parameter
+    # (stacked q/k/v and gate/up included), none into a fresh tensor for vLLM to copy
+    assert done["direct_tensors"] == done["tensors"] and done["direct_bytes"] == done["model_bytes"] > 0
+    assert not [e for e in evs if e["event"] == "serving.copy_path"]
 
 
 def test_wrong_pinned_digest_is_refused_before_serving(model: Model, tp1: dict[str, dict[str, Any]]) -> None:

@@ -23,7 +23,7 @@ unread parts of a large allocation are untouched pages).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Unpack
 
 import torch
@@ -35,21 +35,29 @@ from modelpack.loader.plan import TensorRead, shard_bounds
 
 class RowSliceDestinations(Mapping[str, torch.Tensor]):
     """The loader's ``out=`` mapping: for each sharded ``dim0`` tensor, rows ``[b, e)`` of a fresh
-    full-shape tensor, allocated when the loader first asks for it (that is, per file)."""
+    full-shape tensor, allocated when the loader first asks for it (that is, per file); and the
+    engine's own parameter memory for the tensors ``into`` placed there."""
 
-    def __init__(self) -> None:
+    def __init__(self, into: Callable[[ReadPlan], Mapping[str, torch.Tensor]] | None = None) -> None:
         self._plan: ReadPlan | None = None
         self._reads: dict[str, TensorRead] = {}
+        self._into = into
+        self.direct: Mapping[str, torch.Tensor] = {}
         self.full: dict[str, torch.Tensor] = {}
 
     def set_plan(self, plan: ReadPlan) -> None:
         self._plan = plan
         self._reads = {t.name: t for t in plan.tensors if t.rule is ShardRule.DIM0 and t.sharded}
+        if self._into is not None:
+            self.direct = self._into(plan)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._reads
+        return name in self.direct or name in self._reads
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        direct = self.direct.get(name)
+        if direct is not None:
+            return direct
         t = self._reads[name]
         full = self.full.get(name)
         if full is None:
@@ -62,10 +70,10 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
         return full[b:e]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._reads)
+        return iter({**dict.fromkeys(self.direct), **dict.fromkeys(self._reads)})
 
     def __len__(self) -> int:
-        return len(self._reads)
+        return len(set(self.direct) | set(self._reads))
 
     def take(self, name: str) -> torch.Tensor | None:
         """The full tensor behind a handed-over slice; forgotten here so its memory can go."""
@@ -74,17 +82,24 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
 
 
 def iter_full_shape(
-    source: Any, request: LoadRequest | None = None, /, **fields: Unpack[LoadFields]
+    source: Any,
+    request: LoadRequest | None = None,
+    /,
+    into: Callable[[ReadPlan], Mapping[str, torch.Tensor]] | None = None,
+    **fields: Unpack[LoadFields],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_tensors`` for the request's rank, yielding checkpoint-shaped CPU tensors.
 
     Only the rank's slice of each sharded tensor holds data. The request (or its fields as
     keywords) says what to load, as for ``iter_tensors``; ``out`` and the device are this
     function's own, and a caller ``on_plan`` runs after the destinations learned the plan.
+    ``into(plan)``, called before any data is read, names whole tensors to read straight into
+    memory the caller owns (the engine's parameters, ``param_destinations.py``); they are yielded
+    as those tensors.
     """
     req = LoadRequest.of(request, fields)
     tp_size, tp_rank = req.tp_size, req.tp_rank
-    dests = RowSliceDestinations()
+    dests = RowSliceDestinations(into)
     caller_on_plan = req.on_plan
     reads: dict[str, TensorRead] = {}
     uneven = ["refuse"]
@@ -119,3 +134,4 @@ def iter_full_shape(
     finally:
         it.close()
         dests.full.clear()
+        dests.direct = {}

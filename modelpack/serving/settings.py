@@ -17,6 +17,9 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``plain_http``, ``ca_file``   registry connection settings (loopback registries need neither)
 ``allow_extra_files`` ``true``: ``--model`` may hold files the pinned artifact does not list
                       (default false: such a file refuses the start before vLLM reads its config)
+``into_parameters``   ``false``: read every tensor into fresh memory for vLLM to copy, instead of
+                      (default true) reading whole tensors straight into the parameter memory a
+                      dry run of the model's ``load_weights`` finds for them (param_destinations.py)
 ``trust``             ``snapshot`` (default) or ``runtime``: ``--model`` is an image volume whose
                       digest the container runtime verified (pinned in the pod spec); the loader
                       then reads it as a plain directory and records the pin only in its events
@@ -60,7 +63,15 @@ _STR_KEYS = (
     "layout",
 )
 KNOWN_KEYS = frozenset(
-    {*_STR_KEYS, "trusted_keys", "shard_rules", "plain_http", "assets", "allow_extra_files"}
+    {
+        *_STR_KEYS,
+        "trusted_keys",
+        "shard_rules",
+        "plain_http",
+        "assets",
+        "allow_extra_files",
+        "into_parameters",
+    }
 )
 TRUST_MODES = ("snapshot", "runtime")
 ASSET_KEYS = frozenset({"kind", "ref", "policy", "trusted_keys", "allow_unsigned"})
@@ -144,6 +155,7 @@ class ServingSettings:
     assets: AssetSettings | None = None
     allow_extra_files: bool = False
     layout: str = "canonical"
+    into_parameters: bool = True
 
     @property
     def pinned_digest(self) -> str | None:
@@ -178,8 +190,8 @@ class ServingSettings:
             raise ServingConfigError(
                 "--model-loader-extra-config: shard_rules must map regexes to replicate, dim0 or dim1"
             )
-        for flag in ("plain_http", "allow_extra_files"):
-            if not isinstance(doc.get(flag, False), bool):
+        for flag, default in (("plain_http", False), ("allow_extra_files", False), ("into_parameters", True)):
+            if not isinstance(doc.get(flag, default), bool):
                 raise ServingConfigError(f"--model-loader-extra-config: {flag} must be true or false")
         trust = doc.get("trust", "snapshot")
         if trust not in TRUST_MODES:
@@ -229,6 +241,7 @@ class ServingSettings:
             assets=assets,
             allow_extra_files=bool(doc.get("allow_extra_files", False)),
             layout=layout,
+            into_parameters=bool(doc.get("into_parameters", True)),
         )
 
     @property

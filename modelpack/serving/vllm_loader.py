@@ -64,8 +64,11 @@ class ModelpackModelLoader(BaseModelLoader):
                 _load_sharded_state(model, rank, model_config.model)
                 rank.events.emit("serving.weights_loaded", **rank.summary())
                 return
-            # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names
-            loaded = cast(Any, model).load_weights(rank.tensors())
+            # every vLLM model class has load_weights(iterable of (name, tensor)) -> loaded names;
+            # unquantized, whole tensors are read straight into the parameters it copies them to
+            # (found by a dry run of that load_weights before any byte is read)
+            tensors = rank.tensors(model if model_config.quantization is None else None)
+            loaded = cast(Any, model).load_weights(tensors)
         except BaseException as exc:
             rank.events.emit(
                 "serving.failed",

@@ -11,6 +11,7 @@ fails its start instead of serving.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -27,6 +28,7 @@ from modelpack.mount.variants import resolve_variant
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
 from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
+from modelpack.serving.param_destinations import ParameterDestinations
 from modelpack.serving.settings import ServingSettings
 from modelpack.serving.shard_rules import vllm_shard_rules
 from modelpack.serving.variant_settings import selector_from_environ
@@ -53,12 +55,40 @@ class RankLoad:
     _keys: list[Any] = field(default_factory=list)
     # a source pinning an index of variants: the selector the loader picks the entry with
     variant: Any = None
+    # tensors read straight into the engine's parameters (param_destinations.py), and why not all
+    direct: ParameterDestinations | None = None
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint-named, checkpoint-shaped CPU tensors; only this rank's slices hold data."""
+    def tensors(self, model: torch.nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint-named, checkpoint-shaped CPU tensors; only this rank's slices hold data.
+
+        With ``model`` (unquantized, its ``load_weights`` about to consume these), whole tensors
+        that would be read into fresh memory are read straight into the parameter regions the
+        model's own ``load_weights`` copies them to, found by a dry run on the plan. That dry run
+        runs here, with the plan and the first tensor, so not inside the real ``load_weights``.
+        """
+        it = self._tensors(model)
+        if model is None:
+            return it
+        first = next(it, None)
+        return itertools.chain([] if first is None else [first], it)
+
+    def _tensors(self, model: torch.nn.Module | None) -> Iterator[tuple[str, torch.Tensor]]:
 
         def on_plan(plan: ReadPlan) -> None:
             self.plan = plan
+
+        def into(plan: ReadPlan) -> dict[str, torch.Tensor]:
+            assert model is not None
+            self.direct = ParameterDestinations.trace(model, plan)
+            if self.direct.reason:
+                self.events.emit(
+                    "serving.copy_path",
+                    start_id=self.start_id,
+                    tp_rank=self.tp_rank,
+                    tensors=len(plan.tensors) - len(self.direct.tensors),
+                    reason=self.direct.reason,
+                )
+            return self.direct.tensors
 
         s = self.settings
         sharded = s.layout == "sharded_state"
@@ -84,7 +114,9 @@ class RankLoad:
         if sharded:  # this rank's own files, whole: vLLM's parameter names and per-rank shapes
             yield from iter_tensors(self.source, request)
             return
-        yield from iter_full_shape(self.source, request)
+        # a hit hands vLLM views of the mapped blobs (one copy, vLLM's): nothing to place
+        direct = model is not None and self.state != "hit" and self.settings.into_parameters
+        yield from iter_full_shape(self.source, request, into=into if direct else None)
 
     def summary(self) -> dict[str, Any]:
         """Per-rank bytes for the ``serving.weights_loaded`` event (and the TP test)."""
@@ -103,6 +135,9 @@ class RankLoad:
             "model_bytes": plan.total_bytes if plan else None,
             "replicated_bytes": plan.replicated_bytes if plan else None,
             "tensors": self.stats.tensors,
+            # bytes read straight into the engine's parameters (no fresh tensor, no second copy)
+            "direct_tensors": len(self.direct.tensors) if self.direct else 0,
+            "direct_bytes": self.direct.nbytes if self.direct else 0,
             "rules": self.rules_reason,
             "duration_ms": round(self.stats.seconds * 1000, 3),
         }
