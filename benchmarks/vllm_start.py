@@ -241,6 +241,14 @@ def _weights(
         # plain_http: the loopback registry speaks HTTP, as curl's transfer rows are told; without
         # it the client probes HTTPS first (an SSL context and a refused handshake, ~20 ms)
         Mode("streamed, whole layers", str(cfg_whole), "modelpack", {"source": pinned, "plain_http": True}),
+        # the same chunk-verified stream read into fresh tensors that vLLM copies (the path before
+        # reads went straight into the parameters): what that placement is worth, same run
+        Mode(
+            "streamed, chunk table, copy path",
+            str(cfg_chunks),
+            "modelpack",
+            {"source": signed_ref, "trusted_keys": [pub], "plain_http": True, "into_parameters": False},
+        ),
     ]
     if args.weights_modes:
         keep = {m.strip() for m in args.weights_modes.split(";")} | {"default"}
