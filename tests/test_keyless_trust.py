@@ -212,6 +212,35 @@ def test_missing_trusted_root_refuses_with_its_path(
     assert code == 1 and "trusted_root.json" in str(out) and "cannot read" in str(out), out
 
 
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"{not json", "not a Sigstore trusted root"),
+        (
+            b'{"mediaType": "application/vnd.dev.sigstore.trustedroot+json;version=0.1", "tlogs": 5}',
+            "not a Sigstore",
+        ),
+        (b'{"a": "' + b"x" * (1024 * 1024) + b'"}', "larger than"),
+    ],
+    ids=["not-json", "wrong-shape", "oversized"],
+)
+def test_a_malformed_trusted_root_refuses_naming_it_and_never_falls_back(
+    registry: RegistryServer,
+    checkpoint: Path,
+    sigstore: LocalSigstore,
+    tmp_path: Path,
+    content: bytes,
+    needle: str,
+) -> None:
+    ref, desc = _push(registry, checkpoint, "keyless/bad-root")
+    _sign(sigstore, ref, desc)
+    policy = _policy(tmp_path, None, f"subject: {WORKFLOW}")
+    (tmp_path / "trusted_root.json").write_bytes(content)
+    code, out = _verify(ref, policy)
+    assert code == 1 and "trusted_root.json" in str(out) and needle in str(out), out
+    assert "Traceback" not in str(out)
+
+
 EXAMPLE_POLICY = Path(__file__).resolve().parent.parent / "examples" / "policy.yaml"
 
 
