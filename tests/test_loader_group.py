@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.fixtures.loopback import free_port
 from tests.loader_helpers import pack_layout
 
 CHUNK = 64 * 1024
@@ -60,12 +60,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from modelpack.signing.chunks import compute_chunk_table
@@ -89,7 +83,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _run_ranks(
     model: dict[str, Any], world: int, mode: str, layouts: dict[int, Path] | None = None
 ) -> list[dict[str, Any]]:
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     root = Path(__file__).resolve().parent.parent
     procs = []
     for r in range(world):
