@@ -32,7 +32,9 @@ swings most between starts), each timed apart; RSS growth across ``load_model`` 
 after − ``VmRSS`` before) of the engine process, the 1-minute load average when it began, and for
 modelpack the bytes read straight into vLLM's parameters (``direct_bytes``: a dry run of the model's
 ``load_weights`` placed them, ``modelpack/serving/param_destinations.py``; 0 for a hit, which hands
-out views of the mapped blobs instead).
+out views of the mapped blobs instead); in the JSON, the objects vLLM's ``gc.collect`` walks after
+``load_model`` (``gc_objects``) and the modules loaded. ``streamed, chunk table, copy path`` is the
+chunk-verified stream with ``into_parameters: false``: fresh tensors that vLLM copies, same run.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def timed(self, *a, **k):
     timing["load_model_s"] = time.perf_counter() - t
     timing["rss_after"] = status("VmRSS")
     timing["hwm_after"] = status("VmHWM")
+    import gc as _gc, sys as _sys
+    timing["gc_objects"] = len(_gc.get_objects())  # what vLLM's gc.collect walks
+    timing["modules"] = len(_sys.modules)
     return r
 cpu_model_runner.CPUModelRunner.load_model = timed
 # inside load_model: vLLM's own two gc.collect() calls (the same work whatever the loader, and the
@@ -248,6 +253,9 @@ def weights_phase(
             row["peak_growth_mib"] = round(
                 statistics.median(d["hwm_after"] - d["rss_before"] for d in docs) / 2**20, 1
             )
+        for count in ("gc_objects", "modules"):
+            if count in docs[0]:
+                row[f"{count}_median"] = int(statistics.median(d[count] for d in docs))
         if "direct_bytes" in docs[0]:
             row["direct_mib"] = round(min(d["direct_bytes"] for d in docs) / 2**20, 1)
         out[name] = row
