@@ -270,6 +270,21 @@ class ThroughATemporary(VllmShapedLlama):
         return super().load_weights(staged())
 
 
+class ZeroesThenCopies(VllmShapedLlama):
+    """Zeroes each norm and then copies into it: a write over exactly the copy's own region."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+
+        def zeroed() -> Iterator[tuple[str, torch.Tensor]]:
+            for n, w in weights:
+                if "norm" in n:
+                    params[n].data.zero_()
+                yield n, w
+
+        return super().load_weights(zeroed())
+
+
 class ReadsValues(VllmShapedLlama):
     """Looks at a value while loading (a scale, a checksum): the dry run has no data to give."""
 
@@ -291,8 +306,16 @@ class ReadsValues(VllmShapedLlama):
         (ZeroesFirst, {".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."}, "copy path"),
         (ThroughATemporary, {".o_proj."}, "copy path"),
         (ReadsValues, "all", "dry run of load_weights stopped"),
+        (ZeroesThenCopies, {"norm"}, "copy path"),
     ],
-    ids=["dtype-conversion", "one-tensor-two-places", "overlapping-write", "temporary", "reads-values"],
+    ids=[
+        "dtype-conversion",
+        "one-tensor-two-places",
+        "overlapping-write",
+        "temporary",
+        "reads-values",
+        "same-region-write",
+    ],
 )
 def test_what_the_dry_run_cannot_vouch_for_takes_the_copy_path(
     signed: tuple[Layout, Any],
@@ -320,6 +343,24 @@ def test_what_the_dry_run_cannot_vouch_for_takes_the_copy_path(
         assert set(dests.tensors) == names - copied  # every other tensor still placed
         for name, t in handed:
             assert _inside_a_parameter(model, t) == (name in dests.tensors), name
+
+
+class NonBlocking(VllmShapedLlama):
+    """vLLM's loaders may pass ``non_blocking``: still a plain copy of the whole tensor."""
+
+    def _gate_up(self, param: torch.Tensor, w: torch.Tensor, shard: int) -> None:
+        param.data.narrow(0, shard * self.i, self.i).copy_(w, True)
+
+
+def test_a_non_blocking_copy_is_placed_like_any_other(signed: tuple[Layout, Any], ckpt: Path) -> None:
+    layout, key = signed
+    want = NonBlocking()
+    want.load_weights(reference_tensors(ckpt).items())
+    model = NonBlocking()
+    dests, _, stats = _load(model, layout.ref, trusted_keys=[key.public])
+    _assert_same(model, {n: p.detach() for n, p in want.named_parameters()})
+    assert stats.plan is not None and dests.reason == ""
+    assert set(dests.tensors) == {t.name for t in stats.plan.tensors}
 
 
 def test_into_parameters_is_a_setting_that_must_be_a_boolean() -> None:

@@ -73,8 +73,8 @@ class _DryRun(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         metas = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_meta]
-        if func is _COPY and len(args) == 2 and not args[0].is_meta and args[1].is_meta:
-            dst, src = args
+        if func is _COPY and not args[0].is_meta and args[1].is_meta:  # copy_(dst, src[, non_blocking])
+            dst, src = args[0], args[1]
             name = self._origin(src)
             if name is None:
                 raise _NotDirect(f"a copy from a meta tensor that is no checkpoint tensor ({func})")
@@ -119,7 +119,7 @@ class ParameterDestinations:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(t.nbytes for t in self.tensors.values())
 
     @classmethod
     def trace(cls, model: torch.nn.Module, plan: ReadPlan) -> ParameterDestinations:
@@ -173,7 +173,7 @@ class ParameterDestinations:
 
 def _overlapping(writes: list[tuple[int, int, str | None]]) -> set[str]:
     """Names of the exact copies whose region another write overlaps (one sweep by start)."""
-    spans = sorted(w for w in writes if w[0] < w[1])
+    spans = sorted((w for w in writes if w[0] < w[1]), key=lambda w: (w[0], w[1]))  # never by name
     fenced: set[str] = set()
     reach = -1  # the furthest end of the spans before this one
     for i, (start, end, name) in enumerate(spans):
