@@ -73,9 +73,8 @@ def timed(self, *a, **k):
     timing["load_model_s"] = time.perf_counter() - t
     timing["rss_after"] = status("VmRSS")
     timing["hwm_after"] = status("VmHWM")
-    import gc as _gc, sys as _sys
-    timing["gc_objects"] = len(_gc.get_objects())  # what vLLM's gc.collect walks
-    timing["modules"] = len(_sys.modules)
+    timing["gc_objects"] = len(gc.get_objects())  # what vLLM's gc.collect walks (gc: imported below)
+    timing["modules"] = len(sys.modules)
     return r
 cpu_model_runner.CPUModelRunner.load_model = timed
 # inside load_model: vLLM's own two gc.collect() calls (the same work whatever the loader, and the
