@@ -363,6 +363,26 @@ def test_a_non_blocking_copy_is_placed_like_any_other(signed: tuple[Layout, Any]
     assert set(dests.tensors) == {t.name for t in stats.plan.tensors}
 
 
+def test_a_checkpoint_that_does_not_fit_the_model_fails_as_it_would_without_placement(
+    signed: tuple[Layout, Any],
+) -> None:
+    """The plan's names and shapes are the pusher's (pinned or signed, still hostile input): a dry
+    run the model refuses places nothing, and the real load raises the model's own error."""
+    import dataclasses
+
+    layout, key = signed
+    model = VllmShapedLlama(dataclasses.replace(SPEC, hidden=SPEC.hidden * 2))
+    found: list[ParameterDestinations] = []
+
+    def into(plan: ReadPlan) -> dict[str, torch.Tensor]:
+        found.append(ParameterDestinations.trace(model, plan))
+        return found[0].tensors
+
+    with pytest.raises((AssertionError, RuntimeError)):  # the model's shape check, or copy_'s
+        model.load_weights(iter_full_shape(layout.ref, into=into, trusted_keys=[key.public]))
+    assert found[0].tensors == {} and "dry run of load_weights failed" in found[0].reason
+
+
 def test_into_parameters_is_a_setting_that_must_be_a_boolean() -> None:
     pinned = "127.0.0.1:5000/m/llama@sha256:" + "ab" * 32
     assert ServingSettings.from_extra_config({"source": pinned}, {}).into_parameters is True
