@@ -12,7 +12,6 @@ untouched (it loads into fresh tensors and swaps them in at the end).
 from __future__ import annotations
 
 import dataclasses
-import os
 import uuid
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from modelpack.mediatypes.variants import LAYOUT_CANONICAL, LAYOUT_SHARDED_STATE
 from modelpack.errors import LoaderError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.packing.safetensors_format import SafetensorsHeader
+from modelpack.settings import resolve_start_id
 
 
 def _event_log(events: EventsLike) -> EventLog:
@@ -199,7 +199,7 @@ def iter_tensors(
     st = stats if stats is not None else LoadStats()
     # one start = one id across the node cache's and the loader's events (the k8s recipes set
     # MODELPACK_START_ID to the pod UID in both containers)
-    st.start_id = req.start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex
+    st.start_id = resolve_start_id(req.start_id) or uuid.uuid4().hex
     log = _event_log(req.events)
     try:
         prep = prepare(

@@ -45,6 +45,7 @@ from modelpack.mount.store import Store
 from modelpack.mount.trust import TrustRecords
 from modelpack.mount.variants import IndexRecords, VariantResolver
 
+from modelpack import settings
 from modelpack.errors import NotFoundError
 from modelpack.events import EventLog
 from modelpack.oci.digest import Digest
@@ -57,9 +58,9 @@ __all__ = ["CacheEntry", "GCResult", "NodeCache", "PullResult", "VerifyReport", 
 
 
 def default_cache_dir() -> str:
-    env = os.environ.get("MODELPACK_CACHE")
-    if env:
-        return env
+    explicit = settings.CACHE.get()
+    if explicit:
+        return explicit
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = xdg if xdg else os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "modelpack")

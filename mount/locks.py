@@ -37,6 +37,7 @@ from typing import Generic, TypeVar
 
 from modelpack.mount.modes import open_private
 
+from modelpack import settings
 from modelpack.boundedjson import loads_object
 from modelpack.errors import DocumentError, LockTimeoutError
 
@@ -44,7 +45,6 @@ T = TypeVar("T")
 
 DEFAULT_STALE_AFTER_S = 60.0
 DEFAULT_LOCK_TIMEOUT_S = 120.0
-LOCK_TIMEOUT_ENV = "MODELPACK_LOCK_TIMEOUT"
 HEARTBEAT_EVERY_S = 1.0
 _POLL_S = 0.02
 _MAX_POLL_S = 0.2
@@ -52,11 +52,7 @@ _MAX_POLL_S = 0.2
 
 def default_lock_timeout() -> float:
     """``$MODELPACK_LOCK_TIMEOUT`` seconds when it is a positive number, else 120."""
-    try:
-        value = float(os.environ.get(LOCK_TIMEOUT_ENV, ""))
-    except ValueError:
-        return DEFAULT_LOCK_TIMEOUT_S
-    return value if value > 0 else DEFAULT_LOCK_TIMEOUT_S
+    return settings.LOCK_TIMEOUT.get() or DEFAULT_LOCK_TIMEOUT_S
 
 
 class SingleFlight(Generic[T]):
@@ -344,7 +340,7 @@ def flock_bounded(fd: int, operation: int, path: str, timeout: float, what: str)
         if now >= deadline:
             raise LockTimeoutError(
                 f"{path} ({what}): held by {_holder_info(path)}; gave up after {timeout:g}s "
-                f"(set ${LOCK_TIMEOUT_ENV} to wait longer for a holder that is legitimately busy)"
+                f"(set ${settings.LOCK_TIMEOUT.name} to wait longer for a holder that is legitimately busy)"
             )
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, _MAX_POLL_S)

@@ -49,6 +49,7 @@ from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.progress import Progress
+from modelpack.settings import resolve_start_id
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
@@ -90,7 +91,7 @@ class Puller:
         ref = parse_reference(reference) if isinstance(reference, str) else reference
         ref_text = str(ref)
         # one start_id groups a model start's events across processes (init container → loader)
-        sid = start_id or os.environ.get("MODELPACK_START_ID") or uuid.uuid4().hex[:16]
+        sid = resolve_start_id(start_id) or uuid.uuid4().hex[:16]
         timings: dict[str, float] = {}
 
         def ev(name: str, **fields: Any) -> None:
@@ -450,10 +451,10 @@ class Puller:
 def _with_events(options: TargetOptions | None, log: EventLog) -> TargetOptions:
     """The pull's options with its event log for the target's source events (which source served
     each manifest, referrer listing and blob), unless the caller gave one."""
-    opts = options if options is not None else TargetOptions()
-    if "events" in opts.extra:
+    opts = options if options is not None else TargetOptions.from_environ()
+    if opts.events is not None:
         return opts
-    return dataclasses.replace(opts, extra={**opts.extra, "events": log})
+    return dataclasses.replace(opts, events=log)
 
 
 def _unique_blobs(manifest: Manifest) -> list[Descriptor]:

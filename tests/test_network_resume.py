@@ -26,7 +26,8 @@ from modelpack.errors import RegistryConnectionError
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
-from modelpack.targets.retry import RetryBudget, parse_duration
+from modelpack.settings import parse_duration
+from modelpack.targets.retry import RetryBudget
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.faultproxy import Fault, FaultProxy, blob_get, manifest_get, request
 from tests.fixtures.registry import RegistryFactory, RegistryServer

@@ -136,7 +136,7 @@ def push_adapter(
     dst = parse_reference(destination) if isinstance(destination, str) else destination
     if dst.digest:
         raise InvalidReferenceError(f"{dst}: push to a tag, not a digest (the digest is computed)")
-    topts = (target_options or TargetOptions()).bound_to(dst)
+    topts = (target_options or TargetOptions.from_environ()).bound_to(dst)
     key = _signing_key(sign_key, sign_passphrase)
     tag = dst.tag or "latest"
     target = open_target(dst, topts, for_write=True)
@@ -236,7 +236,7 @@ def select_adapters(
         chosen = [_selected(base_ref, found) for found in listing.adapters]
     for text in adapters:
         ref = parse_reference(text)
-        src = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
+        src = open_readable(ref, (target_options or TargetOptions.from_environ()).bound_to(ref))
         desc = src.resolve(ref.identifier)
         manifest = fetch_verified_manifest(src, desc, "adapter manifest")
         name = check_adapter_for_base(manifest, str(ref), str(desc.digest), str(base_desc.digest))
@@ -318,7 +318,7 @@ def pull_with_adapters(
     if (dest_dir is None) == (cache is None):
         raise PullError("pull with adapters: give a destination directory or a node cache, not both")
     ref = parse_reference(reference) if isinstance(reference, str) else reference
-    topts = (target_options or TargetOptions()).bound_to(ref)
+    topts = (target_options or TargetOptions.from_environ()).bound_to(ref)
     target = open_readable(ref, topts)
     desc = target.resolve(ref.identifier)
     base_manifest = fetch_verified_manifest(target, desc, "base manifest")
@@ -379,7 +379,7 @@ def list_adapters(
 ) -> tuple[list[FoundAdapter], list[str]]:
     """The verified adapters of the base at ``reference``, and the listed entries skipped (why)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
-    target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
+    target = open_readable(ref, (target_options or TargetOptions.from_environ()).bound_to(ref))
     desc = target.resolve(ref.identifier)
     listing = find_adapters(target, desc)
     return listing.adapters, listing.skipped

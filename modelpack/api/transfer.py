@@ -78,7 +78,9 @@ def push(
     dst = parse_reference(destination) if isinstance(destination, str) else destination
     if dst.digest:
         raise InvalidReferenceError(f"{dst}: push to a tag, not a digest (the digest is computed)")
-    target_options = (target_options or TargetOptions()).bound_to(dst)  # credentials: the destination's
+    target_options = (target_options or TargetOptions.from_environ()).bound_to(
+        dst
+    )  # credentials: the destination's
     key = _signing_key(sign_key, sign_passphrase)
     tag = dst.tag or "latest"
     files: int | None = None
@@ -200,7 +202,9 @@ def cp(
     dst_ref = parse_reference(destination) if isinstance(destination, str) else destination
     if dst_ref.digest:
         raise InvalidReferenceError(f"{dst_ref}: copy to a tag (or a bare repository), not a digest")
-    target_options = (target_options or TargetOptions()).bound_to(dst_ref)  # credentials: the destination's
+    target_options = (target_options or TargetOptions.from_environ()).bound_to(
+        dst_ref
+    )  # credentials: the destination's
     src = open_readable(src_ref, target_options)
     dst = open_target(dst_ref, target_options, for_write=True)
     tag = dst_ref.tag or src_ref.tag
@@ -211,7 +215,7 @@ def tag(reference: str | Reference, new_tag: str, *, target_options: TargetOptio
     """Point ``new_tag`` at what ``reference`` names, in the same repository; returns the digest."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     validate_tag(new_tag)
-    target = open_target(ref, (target_options or TargetOptions()).bound_to(ref), for_write=True)
+    target = open_target(ref, (target_options or TargetOptions.from_environ()).bound_to(ref), for_write=True)
     desc = target.resolve(ref.identifier)
     target.tag(desc, new_tag)
     return str(desc.digest)
@@ -242,7 +246,7 @@ def pull(
     free space, or by ``max_bytes``.
     """
     ref = parse_reference(reference) if isinstance(reference, str) else reference
-    target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
+    target = open_readable(ref, (target_options or TargetOptions.from_environ()).bound_to(ref))
     return pull_to_directory(
         target,
         ref.identifier,
@@ -275,7 +279,7 @@ def login(registry: str, username: str, password: str, *, target_options: Target
     from modelpack.targets.registry.client import RegistryClient
 
     host = _host(registry)
-    opts = target_options or TargetOptions()
+    opts = target_options or TargetOptions.from_environ()
     creds = Credentials(username, password, source="login")
     client = RegistryClient(
         host,

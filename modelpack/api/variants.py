@@ -125,7 +125,7 @@ def create_index(
     if not variants:
         raise VariantIndexError(f"{dst_ref}: an index needs at least one variant")
     key = _load_key(sign_key, sign_passphrase)
-    topts = (target_options or TargetOptions()).bound_to(dst_ref)
+    topts = (target_options or TargetOptions.from_environ()).bound_to(dst_ref)
     dst = open_target(dst_ref, topts, for_write=True)
     entries = []
     for i, text in enumerate(variants):
@@ -154,7 +154,7 @@ def push_variant(
     dst_ref = _tag_reference(reference)
     key = _load_key(sign_key, sign_passphrase)
     overrides = parse_variant_options(variant)
-    topts = (target_options or TargetOptions()).bound_to(dst_ref)
+    topts = (target_options or TargetOptions.from_environ()).bound_to(dst_ref)
     dst = open_target(dst_ref, topts, for_write=True)
     current = _current_index(dst, dst_ref)
     if os.path.isdir(source):

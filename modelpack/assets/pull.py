@@ -49,6 +49,7 @@ from modelpack.mount import NodeCache
 from modelpack.mount.assets import writable_view
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference, parse_reference
+from modelpack.settings import resolve_start_id
 from modelpack.signing.policy import RepositoryPolicy
 from modelpack.signing.verify import PolicyOrKeys, resolve_policy, verify_artifact
 from modelpack.targets.base import ReadableTarget
@@ -56,7 +57,6 @@ from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.untar import ExpansionBudget
 
 STATES = ("hit", "none", "refused")
-START_ID_ENV = "MODELPACK_START_ID"  # one start's id across processes (init container → engine)
 #: signature statuses: the asset verified under the policy; refused by it; no policy given (so no
 #: asset used); unsigned accepted because the caller asked (``allow_unsigned``); "" when no
 #: candidate reached the signature check
@@ -332,7 +332,7 @@ def pull_asset_from(
     Without ``policy`` every pull is refused unless ``allow_unsigned``."""
     t0 = time.monotonic()
     events = events or NullEventLog()
-    start_id = start_id or os.environ.get(START_ID_ENV) or None
+    start_id = resolve_start_id(start_id)
     get_kind(kind)
     path = os.path.abspath(os.fspath(dest))
     existing = _check_destination(path)

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from modelpack.assets.environment import fingerprint_from_prepared, running_fingerprint
 from modelpack.assets.fingerprint import EnvironmentFingerprint
-from modelpack.assets.pull import START_ID_ENV, AssetPullResult, pull_asset_from
+from modelpack.assets.pull import AssetPullResult, pull_asset_from
 from modelpack.assets.push import FingerprintSource, load_fingerprint
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.mount import NodeCache
 from modelpack.oci.reference import Reference, parse_reference
+from modelpack.settings import resolve_start_id
 from modelpack.signing.verify import PolicyOrKeys
 from modelpack.targets.opener import TargetOptions, open_readable
 
@@ -68,7 +69,7 @@ def fetch_before_compile(
     root) the asset is kept next to the node's model snapshots and ``dest`` is a writable copy.
     """
     events = events or NullEventLog()
-    start_id = start_id or os.environ.get(START_ID_ENV) or None
+    start_id = resolve_start_id(start_id)
     t0 = time.monotonic()
     ref = parse_reference(model_ref) if isinstance(model_ref, str) else model_ref
     running: EnvironmentFingerprint | None = None
@@ -164,7 +165,7 @@ def compile_stage(
     how many FX graphs came from the cache. The yielded dict receives ``duration_ms`` afterwards;
     ``fields`` (``tp_rank`` …) go into every event."""
     events = events or NullEventLog()
-    start_id = start_id or os.environ.get(START_ID_ENV) or None
+    start_id = resolve_start_id(start_id)
     before = _inductor_counters()
     info: dict[str, Any] = {}
     events.emit(

@@ -7,6 +7,7 @@ pull imports none of this.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import click
@@ -46,7 +47,7 @@ def push_adapter_cmd(
     popts = pack_options_from(kwargs, progress)
     topts = build_target_options(kwargs, registry=destination)
     if chunk_size:
-        topts.extra["chunk_size"] = chunk_size
+        topts = dataclasses.replace(topts, chunk_size=chunk_size)
     key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
     result = push_adapter(
         source, destination, base, pack_options=popts, target_options=topts, jobs=jobs, sign_key=key

@@ -68,8 +68,8 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
         return source, None
     if ref.scheme != "registry":
         return source, None
-    if events and "events" not in opts.extra:
-        opts.extra = {**opts.extra, "events": EventLog(events)}
+    if events and opts.events is None:
+        opts.events = EventLog(events)  # the loader's own reads (target_options) report too
     target = open_readable(ref, opts)
     return (target, str(ref.digest) if ref.digest else ref.tag), target
 

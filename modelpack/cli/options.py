@@ -267,7 +267,7 @@ class DurationType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, (int, float)):
             return float(value)
-        from modelpack.targets.retry import parse_duration
+        from modelpack.settings import parse_duration
 
         try:
             return parse_duration(str(value))

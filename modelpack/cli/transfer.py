@@ -7,6 +7,7 @@ options (signing on push) extend the library call, not the command. ``pull`` has
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -41,9 +42,7 @@ def chunk_size_option(fn: Any) -> Any:
 
 
 def _with_chunk_size(topts: TargetOptions, chunk_size: int | None) -> TargetOptions:
-    if chunk_size:
-        topts.extra["chunk_size"] = chunk_size
-    return topts
+    return dataclasses.replace(topts, chunk_size=chunk_size) if chunk_size else topts
 
 
 @click.command("push")

@@ -59,6 +59,9 @@ from modelpack.errors.base import (
     SafetensorsError as SafetensorsError,
 )
 from modelpack.errors.base import (
+    SettingsError as SettingsError,
+)
+from modelpack.errors.base import (
     ShardedStateError as ShardedStateError,
 )
 from modelpack.errors.base import (

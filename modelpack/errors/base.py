@@ -127,6 +127,18 @@ class UnsafePathError(ModelpackError, ValueError):
     """A path from an untrusted manifest or checkpoint would escape its directory."""
 
 
+class SettingsError(ModelpackError, ValueError):
+    """An environment setting (``MODELPACK_*``) that cannot be used: malformed, or empty where
+    emptiness would switch a protection off. ``name`` is the variable; a secret's value is never
+    part of the message. Exit code 2, like any other setting a command cannot start with."""
+
+    exit_code = 2
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"${name}: {reason}")
+        self.name = name
+
+
 class ConfigError(ModelpackError, ValueError):
     """A model config that breaks the ModelPack schema; ``path`` is the JSON path at fault."""
 

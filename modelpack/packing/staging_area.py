@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 
-STAGING_ENV = "MODELPACK_STAGING_DIR"
+from modelpack import settings
+
 PREFIX = ".modelpack-"
 #: the kinds of staging directory packing makes (only these are ever swept)
 KINDS = ("reshard", "image", "asset")  # asset: modelpack.assets' packed compile caches
@@ -37,7 +38,7 @@ def staging_root(parent: str | None = None) -> str:
     """The directory staging directories are made in (created 0700 when it is the default)."""
     if parent:
         return parent
-    explicit = os.environ.get(STAGING_ENV)
+    explicit = settings.STAGING_DIR.get()
     root = explicit or os.path.join(tempfile.gettempdir(), f"modelpack-staging-{os.geteuid()}")
     os.makedirs(root, mode=0o700, exist_ok=True)
     return root
@@ -99,4 +100,4 @@ def sweep_staging(root: str) -> list[str]:
     return removed
 
 
-__all__ = ["STAGING_ENV", "make_staging_dir", "remove_staging_dir", "staging_root", "sweep_staging"]
+__all__ = ["make_staging_dir", "remove_staging_dir", "staging_root", "sweep_staging"]

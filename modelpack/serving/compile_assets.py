@@ -126,8 +126,6 @@ def fetch_compile_cache(
     """Materialise this load's ``vllm`` asset where vLLM reads its compile cache (see the module
     docstring). Never raises for a registry, trust, fingerprint or file-system problem; raises
     ``ServingError`` when the compile-cache directory is one another user could have written."""
-    from modelpack.targets.opener import TargetOptions
-
     s = rank.settings
     assert s.assets is not None
     events, start_id, kind = rank.events, rank.start_id, s.assets.kind
@@ -191,7 +189,7 @@ def fetch_compile_cache(
                 fingerprint=running,
                 policy=policy,
                 allow_unsigned=s.assets.allow_unsigned,
-                target_options=TargetOptions(plain_http=s.plain_http, ca_file=s.ca_file),
+                target_options=s.target_options(),
                 events=events,
                 start_id=start_id,
                 apply_environment=False,

@@ -119,7 +119,7 @@ def adapters_for_pod(
     served: list[ServedAdapter] = []
     for text in adapters:
         ref = parse_reference(text)
-        target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
+        target = open_readable(ref, (target_options or TargetOptions.from_environ()).bound_to(ref))
         desc = target.resolve(ref.identifier)
         manifest = fetch_verified_manifest(target, desc, "adapter manifest")
         name = check_adapter_for_base(manifest, text, str(desc.digest), str(base_ref.digest))

@@ -200,13 +200,13 @@ def _source_files(settings: ServingSettings) -> tuple[str, list[ListedFile]]:
     """(where, files) of the pinned manifest of ``source``, its policy checked first."""
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.fetch import fetch_manifest
-    from modelpack.targets.opener import TargetOptions, open_readable
+    from modelpack.targets.opener import open_readable
 
     assert settings.source is not None
     ref = parse_reference(settings.source)
     pinned = settings.pinned_digest
     assert pinned is not None
-    target = open_readable(ref, TargetOptions(plain_http=settings.plain_http, ca_file=settings.ca_file))
+    target = open_readable(ref, settings.target_options())
     policy = None
     if settings.policy:
         from modelpack.signing.policy import TrustPolicy
@@ -270,7 +270,7 @@ def check_before_vllm_reads(
         if settings.events:
             EventLog(settings.events).emit(
                 "serving.refused",
-                start_id=settings.start_id or env.get("MODELPACK_START_ID"),
+                start_id=settings.start_id,
                 stage="config",
                 model=model_dir,
                 reference=settings.source,

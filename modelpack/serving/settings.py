@@ -13,6 +13,10 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``fingerprint``       a recorded fingerprint (file path or ``sha256:`` digest) the load must match
 ``events``            JSON-lines event log (default: ``$MODELPACK_EVENTS``); t2–t5 and refusals
 ``start_id``          groups this start's events (default: ``$MODELPACK_START_ID``)
+
+The registry connection (timeout, retry budget, mirrors) comes from the environment as for every
+other entry point (``TargetOptions.from_environ``, docs/configuration.md); ``plain_http`` and
+``ca_file`` below are this start's own.
 ``shard_rules``       ``{regex: replicate|dim0|dim1}`` tried before the vLLM-derived rules
 ``plain_http``, ``ca_file``   registry connection settings (loopback registries need neither)
 ``allow_extra_files`` ``true``: ``--model`` may hold files the pinned artifact does not list
@@ -41,15 +45,18 @@ loading something else. Keys (all optional except that the weights must be pinne
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack import settings as env_settings
 from modelpack.errors import ServingConfigError
 from modelpack.mediatypes.variants import LAYOUTS
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
+from modelpack.targets.options import TargetOptions
 
 _STR_KEYS = (
     "source",
@@ -156,6 +163,17 @@ class ServingSettings:
     allow_extra_files: bool = False
     layout: str = "canonical"
     into_parameters: bool = True
+    #: the connection settings the environment gives (timeout, retry budget, mirrors, S3…), read
+    #: by ``from_extra_config`` from the environ it was given; ``target_options`` adds this
+    #: start's own ``plain_http`` and ``ca_file``
+    environment_options: TargetOptions = field(
+        default_factory=TargetOptions.from_environ, repr=False, compare=False
+    )
+
+    def target_options(self) -> TargetOptions:
+        """The options every registry read of this start uses: the environment's
+        (``TargetOptions.from_environ``), with this start's ``plain_http`` and ``ca_file``."""
+        return dataclasses.replace(self.environment_options, plain_http=self.plain_http, ca_file=self.ca_file)
 
     @property
     def pinned_digest(self) -> str | None:
@@ -232,8 +250,8 @@ class ServingSettings:
             trusted_keys=tuple(keys),
             policy=doc.get("policy") or None,
             fingerprint=doc.get("fingerprint") or None,
-            events=doc.get("events") or env.get("MODELPACK_EVENTS") or None,
-            start_id=doc.get("start_id") or env.get("MODELPACK_START_ID") or None,
+            events=doc.get("events") or env_settings.EVENTS.get(env),
+            start_id=env_settings.resolve_start_id(doc.get("start_id"), env),
             shard_rules=dict(rules),
             plain_http=bool(doc.get("plain_http", False)),
             ca_file=doc.get("ca_file") or None,
@@ -242,6 +260,7 @@ class ServingSettings:
             allow_extra_files=bool(doc.get("allow_extra_files", False)),
             layout=layout,
             into_parameters=bool(doc.get("into_parameters", True)),
+            environment_options=TargetOptions.from_environ(env),
         )
 
     @property

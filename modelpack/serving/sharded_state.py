@@ -120,7 +120,7 @@ def check_layout_before_start(
         if settings.events:
             EventLog(settings.events).emit(
                 "serving.refused",
-                start_id=settings.start_id or env.get("MODELPACK_START_ID"),
+                start_id=settings.start_id,
                 stage="config",
                 reference=model_dir,
                 digest=found.digest,

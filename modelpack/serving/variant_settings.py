@@ -19,10 +19,9 @@ the settings they read it from:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 
-from modelpack.errors import VariantIndexError
+from modelpack import settings
 from modelpack.oci.variant_selection import VariantSelector
 
 
@@ -44,19 +43,12 @@ def selector_from_environ(
 ) -> VariantSelector:
     """The selector these settings describe; ``tp_size``/``engine`` (what the engine itself says)
     override the environment's."""
-    env = os.environ if env is None else env
-    pairs = [p.strip() for p in env.get("MODELPACK_VARIANT", "").split(",") if p.strip()]
-    tp_text = env.get("MODELPACK_TP_SIZE", "").strip()
-    if tp_size is None and tp_text:
-        if not tp_text.isdigit() or int(tp_text) < 1:
-            raise VariantIndexError(f"$MODELPACK_TP_SIZE={tp_text[:20]!r}: expected a positive integer")
-        tp_size = int(tp_text)
-    accelerator: str | Callable[[], str] = (
-        env.get("MODELPACK_ACCELERATOR", "").strip() or detected_accelerator()
-    )
+    if tp_size is None:
+        tp_size = settings.TP_SIZE.get(env)
+    accelerator: str | Callable[[], str] = settings.ACCELERATOR.get(env) or detected_accelerator()
     return VariantSelector.from_options(
-        pairs,
+        list(settings.VARIANT.get(env)),
         accelerator=accelerator,
         tp_size=tp_size,
-        engine=engine or env.get("MODELPACK_ENGINE", "").strip() or None,
+        engine=engine or settings.ENGINE.get(env),
     )

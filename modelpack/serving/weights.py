@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from modelpack.errors import ModelpackError
+from modelpack import settings as env_settings
+from modelpack.errors import ModelpackError, SettingsError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
 from modelpack.mount.variants import resolve_variant
@@ -158,12 +159,11 @@ def process_start_time(pid: int | None = None) -> float:
 
 def start_time(environ: Mapping[str, str] | None = None) -> float:
     """t0 of this start: ``$MODELPACK_T0`` (pod creation, or the first vLLM process), else now."""
-    env = os.environ if environ is None else environ
-    raw = env.get("MODELPACK_T0")
     try:
-        return float(raw) if raw else time.time()
-    except ValueError:
-        return time.time()
+        t0 = env_settings.T0.get(environ)
+    except SettingsError:
+        t0 = None  # a bad t0 only skews the timeline: never refuse a start for it
+    return time.time() if t0 is None else t0
 
 
 def open_rank_load(
@@ -181,15 +181,15 @@ def open_rank_load(
     Writes t0 (``serving.start``) first, so even a refused start shows in ``modelpack timeline``.
     """
     env = os.environ if environ is None else environ
-    sid_default = env.get("MODELPACK_START_ID") or uuid.uuid4().hex
+    sid_default = env_settings.resolve_start_id(None, env) or uuid.uuid4().hex
     events: EventLog = NullEventLog()
     start_id = sid_default
     try:
         settings = ServingSettings.from_extra_config(extra_config, env)
     except ModelpackError as exc:
         # no settings means no event path from them; $MODELPACK_EVENTS still records the refusal
-        if env.get("MODELPACK_EVENTS"):
-            EventLog(env["MODELPACK_EVENTS"]).emit(
+        if refusal_log := env_settings.EVENTS.get(env):
+            EventLog(refusal_log).emit(
                 "serving.refused", start_id=start_id, tp_rank=tp_rank, reason=f"{type(exc).__name__}: {exc}"
             )
         raise
@@ -285,7 +285,7 @@ def _remote_source(
     same entry from the same pin (``LoaderOptions.variant``)."""
     from modelpack.errors import ExpectedDigestError
     from modelpack.targets.fetch import fetch_manifest
-    from modelpack.targets.opener import TargetOptions, open_readable
+    from modelpack.targets.opener import open_readable
 
     assert settings.source is not None
     ref = parse_reference(settings.source)
@@ -293,7 +293,7 @@ def _remote_source(
     assert pinned is not None  # settings refuse an unpinned source
     if ref.digest and str(ref.digest) != pinned:
         raise ExpectedDigestError(pinned, str(ref.digest), source=settings.source)
-    options = TargetOptions(plain_http=settings.plain_http, ca_file=settings.ca_file)
+    options = settings.target_options()
     target = (target_factory or open_readable)(ref, options)
     policy = None
     if settings.policy:

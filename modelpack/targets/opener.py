@@ -13,7 +13,7 @@ def open_target(
 ) -> Target:
     """Open the target that holds ``ref`` (registry repository, layout directory, S3 layout)."""
     ref = parse_reference(ref) if isinstance(ref, str) else ref
-    options = options or TargetOptions()
+    options = options or TargetOptions.from_environ()
     if ref.scheme == "oci":
         from modelpack.targets.layout import OCILayoutTarget
 

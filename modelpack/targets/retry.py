@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import threading
 import time
 
@@ -32,17 +31,6 @@ from modelpack import stopping
 DEFAULT_RETRY_FOR = 60.0
 FIRST_DELAY_S = 0.2
 MAX_DELAY_S = 8.0
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``30s``, ``2m``, ``1.5h``, ``500ms`` → seconds; ``0`` turns retries off."""
-    m = _DURATION_RE.match(text)
-    if not m:
-        raise ValueError(f"{text!r} is not a duration (examples: 30s, 2m, 1h, 0)")
-    return float(m.group(1)) * _UNIT_S[(m.group(2) or "s").lower()]
 
 
 class OutageClock:

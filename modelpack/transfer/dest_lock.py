@@ -19,10 +19,10 @@ import os
 import time
 from collections.abc import Iterator
 
+from modelpack import settings
 from modelpack.errors import LockTimeoutError
 from modelpack.files import write_error
 
-LOCK_TIMEOUT_ENV = "MODELPACK_LOCK_TIMEOUT"
 #: another pull of a large model into the same directory may take minutes
 DEFAULT_DEST_LOCK_TIMEOUT_S = 600.0
 _POLL_S = 0.05
@@ -30,11 +30,7 @@ _POLL_S = 0.05
 
 def lock_timeout() -> float:
     """``$MODELPACK_LOCK_TIMEOUT`` seconds when it is a positive number, else 600."""
-    try:
-        value = float(os.environ.get(LOCK_TIMEOUT_ENV, ""))
-    except ValueError:
-        return DEFAULT_DEST_LOCK_TIMEOUT_S
-    return value if value > 0 else DEFAULT_DEST_LOCK_TIMEOUT_S
+    return settings.LOCK_TIMEOUT.get() or DEFAULT_DEST_LOCK_TIMEOUT_S
 
 
 @contextlib.contextmanager
@@ -57,7 +53,7 @@ def destination_locked(dest: str, timeout: float | None = None) -> Iterator[None
             if time.monotonic() >= deadline:
                 raise LockTimeoutError(
                     f"{dest}: another pull into this directory held it for {wait:.0f} s; "
-                    f"wait for it to finish (or set {LOCK_TIMEOUT_ENV} to wait longer)"
+                    f"wait for it to finish (or set {settings.LOCK_TIMEOUT.name} to wait longer)"
                 )
             time.sleep(_POLL_S)
         yield

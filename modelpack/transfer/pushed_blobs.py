@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Iterable
 
+from modelpack import settings
 from modelpack.boundedjson import loads_object
 from modelpack.errors import DocumentError
 from modelpack.files import atomic_write_bytes
@@ -33,10 +34,10 @@ MAX_CANDIDATES = 3
 
 
 def record_path() -> str:
-    explicit = os.environ.get("MODELPACK_PUSH_RECORD")
+    explicit = settings.PUSH_RECORD.get()
     if explicit:
         return explicit
-    root = os.environ.get("MODELPACK_UPLOAD_STATE_DIR")
+    root = settings.UPLOAD_STATE_DIR.get()
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(cache, "modelpack", "uploads")

@@ -93,9 +93,7 @@ class StorageInitializer:
     ) -> None:
         self.settings = settings
         self.say = say
-        self.target_options = TargetOptions(
-            plain_http=settings.plain_http, ca_file=settings.ca_file, timeout=timeout, retry_for=retry_for
-        )
+        self.target_options = settings.target_options(timeout=timeout, retry_for=retry_for)
         self.policy: Any = _load_policy(settings)
         # an index of variants: the entry for this node ($MODELPACK_VARIANT, _TP_SIZE, _ENGINE, _ACCELERATOR)
         self.variant = selector_from_environ()
@@ -109,9 +107,6 @@ class StorageInitializer:
         )
 
     def run(self, pairs: Sequence[tuple[StorageUri, str]]) -> list[PairResult]:
-        if self.settings.docker_config_dir:
-            # the credential lookup reads $DOCKER_CONFIG/config.json (bound to its hosts)
-            os.environ["DOCKER_CONFIG"] = self.settings.docker_config_dir
         results = []
         for i, (uri, dest) in enumerate(pairs, 1):
             label = f"[{i}/{len(pairs)}] {uri.text} → {dest}"

@@ -11,20 +11,21 @@ to speak plain HTTP to a registry that is not on loopback), ``MODELPACK_CA_FILE`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
+from modelpack import settings
 from modelpack.errors import StorageInitializerError
+from modelpack.settings import Setting
+from modelpack.targets.options import TargetOptions
 
 KSERVE_DOCKER_CONFIG = "KSERVE_OCI_DOCKER_CONFIG"
 KSERVE_CA_MOUNT = "CA_BUNDLE_VOLUME_MOUNT_POINT"
 KSERVE_CA_FILE_NAME = "cabundle.crt"
-DEFAULT_JOBS = 4
-DEFAULT_PROGRESS_INTERVAL_S = 10.0
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+DEFAULT_JOBS = settings.JOBS.default
+DEFAULT_PROGRESS_INTERVAL_S = settings.PROGRESS_INTERVAL.default
 
 
 @dataclass(frozen=True)
@@ -44,72 +45,67 @@ class InitializerSettings:
     #: how a node-cache snapshot's files reach DEST: auto (reflink, hard link, copy) | reflink | copy
     link: str = "auto"
 
+    #: the connection settings the environment gives (timeout, retry budget, mirrors…), read by
+    #: ``from_environ`` from the environ it was given; ``target_options`` adds the initializer's own
+    environment_options: TargetOptions = field(
+        default_factory=TargetOptions.from_environ, repr=False, compare=False
+    )
+
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> InitializerSettings:
-        """Read and check every setting; a bad one is a ``StorageInitializerError`` naming the variable."""
+        """Read and check every setting; a bad one is an error naming the variable. An empty
+        ``MODELPACK_POLICY`` or ``MODELPACK_POLICY_YAML`` is refused: it never means "no policy"."""
         env = os.environ if env is None else env
         return cls(
-            cache_dir=env.get("MODELPACK_CACHE") or None,
-            policy_path=_existing_file(env, "MODELPACK_POLICY"),
+            cache_dir=settings.CACHE.get(env) or None,
+            policy_path=_existing_file(env, settings.POLICY),
             policy_yaml=_policy_text(env),
-            plain_http=_flag(env, "MODELPACK_PLAIN_HTTP"),
+            plain_http=settings.PLAIN_HTTP.get(env),
             ca_file=_ca_file(env),
             docker_config_dir=_docker_config_dir(env),
-            events_path=env.get("MODELPACK_EVENTS") or None,
-            jobs=_number(env, "MODELPACK_JOBS", DEFAULT_JOBS, int, minimum=1),
-            progress_interval=_number(
-                env, "MODELPACK_PROGRESS_INTERVAL", DEFAULT_PROGRESS_INTERVAL_S, float, minimum=0
-            ),
-            link=_choice(env, "MODELPACK_LINK", ("auto", "reflink", "copy")),
+            events_path=settings.EVENTS.get(env) or None,
+            jobs=settings.JOBS.get(env),
+            progress_interval=settings.PROGRESS_INTERVAL.get(env),
+            link=settings.LINK.get(env),
+            environment_options=TargetOptions.from_environ(env),
+        )
+
+    def target_options(
+        self, *, timeout: float | None = None, retry_for: float | None = None
+    ) -> TargetOptions:
+        """The environment's options with the initializer's own: plain HTTP, CA bundle, the pull
+        secret's directory (for the credential lookup of these targets only, never the process's
+        ``DOCKER_CONFIG``), and ``--timeout``/``--retry-for`` when the command line gave them."""
+        base = self.environment_options
+        return dataclasses.replace(
+            base,
+            plain_http=self.plain_http,
+            ca_file=self.ca_file,
+            docker_config_dir=self.docker_config_dir,
+            timeout=base.timeout if timeout is None else timeout,
+            retry_for=base.retry_for if retry_for is None else retry_for,
         )
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    value = env.get(name, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise StorageInitializerError(f"${name}={env[name]!r}: expected true or false")
-
-
-def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
-    value = env.get(name, "").strip() or choices[0]
-    if value not in choices:
-        raise StorageInitializerError(f"${name}={value!r}: expected one of {', '.join(choices)}")
-    return value
-
-
-def _number(env: Mapping[str, str], name: str, default: float, kind: type[float], *, minimum: float) -> Any:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise StorageInitializerError(f"${name}={text!r}: expected a number") from None
-    if value < minimum:
-        raise StorageInitializerError(f"${name}={text!r}: must be at least {minimum:g}")
-    return value
-
-
-def _existing_file(env: Mapping[str, str], name: str) -> str | None:
-    path = env.get(name) or None
+def _existing_file(env: Mapping[str, str], setting: Setting[str | None]) -> str | None:
+    path = setting.get(env)
     if path is not None and not os.path.isfile(path):
         # fail closed: a policy that is named but not mounted never means "no policy"
-        raise StorageInitializerError(f"${name}={path}: no such file (is its Secret or ConfigMap mounted?)")
+        raise StorageInitializerError(
+            f"${setting.name}={path}: no such file (is its Secret or ConfigMap mounted?)"
+        )
     return path
 
 
 def _policy_text(env: Mapping[str, str]) -> str | None:
-    text = env.get("MODELPACK_POLICY_YAML") or None
-    if text is not None and env.get("MODELPACK_POLICY"):
+    text = settings.POLICY_YAML.get(env)
+    if text is not None and settings.POLICY.is_set(env):
         raise StorageInitializerError("set $MODELPACK_POLICY or $MODELPACK_POLICY_YAML, not both")
     return text
 
 
 def _ca_file(env: Mapping[str, str]) -> str | None:
-    explicit = _existing_file(env, "MODELPACK_CA_FILE")
+    explicit = _existing_file(env, settings.CA_FILE)
     if explicit:
         return explicit
     mount = env.get(KSERVE_CA_MOUNT)

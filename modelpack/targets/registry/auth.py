@@ -43,7 +43,7 @@ from typing import Any
 import requests
 import urllib3
 
-from modelpack import boundedjson
+from modelpack import boundedjson, settings
 from modelpack.errors import AuthenticationError, DocumentError, RegistryConnectionError, RegistryError
 from modelpack.files import atomic_write_bytes
 from modelpack.targets.options import TargetOptions
@@ -58,11 +58,11 @@ from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry.auth")
 
-ENV_USERNAME = "MODELPACK_REGISTRY_USERNAME"
-ENV_PASSWORD = "MODELPACK_REGISTRY_PASSWORD"
-ENV_HOST = "MODELPACK_REGISTRY_HOST"
+ENV_USERNAME = settings.REGISTRY_USERNAME.name
+ENV_PASSWORD = settings.REGISTRY_PASSWORD.name
+ENV_HOST = settings.REGISTRY_HOST.name
 #: token services on another host that a registry's credentials may go to (``REGISTRY=HOST`` …)
-ENV_TOKEN_HOSTS = "MODELPACK_TOKEN_HOSTS"
+ENV_TOKEN_HOSTS = settings.TOKEN_HOSTS.name
 MAX_TOKEN_RESPONSE = 1024 * 1024
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9._~+/=-]+$")
 DOCKER_HUB_AUTH_KEYS = ("https://index.docker.io/v1/", "index.docker.io", "docker.io")
@@ -83,20 +83,22 @@ class Credentials:
         return "Basic " + base64.b64encode(raw).decode()
 
 
-def docker_config_dir() -> str:
-    return os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
+def docker_config_dir(explicit: str | None = None) -> str:
+    """``explicit`` (``TargetOptions.docker_config_dir``: one target's pull secret), else
+    ``$DOCKER_CONFIG``, else ``~/.docker``."""
+    return explicit or os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
 
 
-def docker_config_path() -> str:
-    return os.path.join(docker_config_dir(), "config.json")
+def docker_config_path(explicit_dir: str | None = None) -> str:
+    return os.path.join(docker_config_dir(explicit_dir), "config.json")
 
 
 def _docker_config_key(host: str) -> str:
     return "https://index.docker.io/v1/" if host in ("docker.io", "index.docker.io") else host
 
 
-def _from_docker_config(host: str) -> Credentials | None:
-    path = docker_config_path()
+def _from_docker_config(host: str, config_dir: str | None = None) -> Credentials | None:
+    path = docker_config_path(config_dir)
     if not os.path.exists(path):
         return None
     try:
@@ -121,7 +123,7 @@ def _from_docker_config(host: str) -> Credentials | None:
 def resolve_credentials(host: str, options: TargetOptions | None = None) -> Credentials | None:
     """The credentials that belong to ``host``: command line → environment → docker config.json;
     None means anonymous. Credentials bound to another host are never returned."""
-    opts = options or TargetOptions()
+    opts = options or TargetOptions.from_environ()
     registry = canonical_host(host)
     for bound, (user, password) in (opts.registry_credentials or {}).items():
         if canonical_host(bound) == registry:
@@ -139,19 +141,19 @@ def resolve_credentials(host: str, options: TargetOptions | None = None) -> Cred
             )
         if canonical_host(opts.credentials_host) == registry:
             return Credentials(opts.username, opts.password, source="command line")
-    env_user, env_password = os.environ.get(ENV_USERNAME), os.environ.get(ENV_PASSWORD)
+    env_user, env_password = settings.REGISTRY_USERNAME.get(), settings.REGISTRY_PASSWORD.get()
     if env_user and env_password is not None:
-        env_host = os.environ.get(ENV_HOST) or opts.credentials_host
+        env_host = settings.REGISTRY_HOST.get() or opts.credentials_host
         if env_host and canonical_host(env_host) == registry:
             return Credentials(env_user, env_password, source="environment")
-    return _from_docker_config(host)
+    return _from_docker_config(host, opts.docker_config_dir)
 
 
 def unbound_environment_hint(host: str) -> str:
     """Why environment credentials were not used for ``host`` (empty when they were not set)."""
-    if not os.environ.get(ENV_USERNAME):
+    if not settings.REGISTRY_USERNAME.get():
         return ""
-    named = os.environ.get(ENV_HOST)
+    named = settings.REGISTRY_HOST.get()
     if named:
         return f"; {ENV_USERNAME} belongs to {named} ({ENV_HOST}), not to {host}"
     return f"; {ENV_USERNAME} is set but names no registry: set {ENV_HOST}={host}"
@@ -291,9 +293,7 @@ class Authenticator:
                 f"refusing to send credentials to a plain-HTTP token realm {realm}", target=self.host
             )
         creds = self._credentials
-        if creds is not None and not token_host_allowed(
-            self.host, realm, os.environ.get(ENV_TOKEN_HOSTS, "")
-        ):
+        if creds is not None and not token_host_allowed(self.host, realm, settings.TOKEN_HOSTS.get()):
             raise AuthenticationError(
                 f"the registry sends token requests to another host ({host_name(realm)}); credentials "
                 f"from the {creds.source or 'caller'} belong to {canonical_host(self.host)} and are "

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from modelpack.errors import MirrorConfigError
+from modelpack.targets.options import MirrorThresholds
 from modelpack.targets.registry.blob_reads import Floor
 from modelpack.targets.registry.hosts import canonical_host
 from modelpack.targets.registry.peers import PREFIX, expand_peer_urls
@@ -126,44 +127,35 @@ def _parse_hosts_toml(raw: bytes, path: str) -> list[MirrorEndpoint]:
     return out
 
 
-def mirror_limits(extra: Mapping[str, Any] | None = None) -> tuple[float, Floor | None]:
-    """(stall seconds, throughput floor) from ``TargetOptions.extra`` (``mirror_stall_s``,
-    ``mirror_min_rate``, ``mirror_rate_window_s``), else ``MODELPACK_MIRROR_STALL``,
-    ``MODELPACK_MIRROR_MIN_RATE`` (bytes/s; 0 turns the floor off), ``MODELPACK_MIRROR_RATE_WINDOW``."""
-    extra = extra or {}
-
-    def value(key: str, env: str, default: float) -> float:
-        raw = extra.get(key)
-        if raw is None:
-            raw = os.environ.get(env) or None
-        try:
-            got = float(raw) if raw is not None else default
-        except ValueError:
-            raise MirrorConfigError(f"{env} must be a number, got {raw!r}", target=env) from None
-        if got < 0 or got != got:
-            raise MirrorConfigError(f"{env} must not be negative, got {raw!r}", target=env)
-        return got
-
-    stall = value("mirror_stall_s", "MODELPACK_MIRROR_STALL", MIRROR_STALL_S) or MIRROR_STALL_S
-    rate = value("mirror_min_rate", "MODELPACK_MIRROR_MIN_RATE", MIRROR_MIN_RATE)
-    window = value("mirror_rate_window_s", "MODELPACK_MIRROR_RATE_WINDOW", MIRROR_RATE_WINDOW_S)
+def mirror_limits(thresholds: MirrorThresholds | None = None) -> tuple[float, Floor | None]:
+    """(stall seconds, throughput floor) from ``TargetOptions.mirror_thresholds`` (filled from
+    ``MODELPACK_MIRROR_STALL``, ``MODELPACK_MIRROR_MIN_RATE`` (bytes/s; 0 turns the floor off) and
+    ``MODELPACK_MIRROR_RATE_WINDOW`` by ``TargetOptions.from_environ``); None fields: the defaults."""
+    t = thresholds or MirrorThresholds()
+    for name, value in (("stall_s", t.stall_s), ("min_rate", t.min_rate), ("rate_window_s", t.rate_window_s)):
+        if value is not None and not value >= 0:  # NaN too
+            raise MirrorConfigError(
+                f"mirror threshold {name} must not be negative, got {value!r}", target=name
+            )
+    stall = t.stall_s or MIRROR_STALL_S
+    rate = MIRROR_MIN_RATE if t.min_rate is None else t.min_rate
+    window = MIRROR_RATE_WINDOW_S if t.rate_window_s is None else t.rate_window_s
     return stall, (Floor(rate, window) if rate > 0 and window > 0 else None)
 
 
 def configured_mirrors(
     registry: str, mirrors: list[str] | None, hosts_dir: str | None
 ) -> list[MirrorEndpoint]:
-    """``--mirror``/``MODELPACK_MIRRORS`` first, then the hosts.toml of ``registry``; a mirror that
-    is the registry itself is dropped (it would be asked twice)."""
+    """``mirrors`` (``--mirror``, else ``MODELPACK_MIRRORS`` through ``TargetOptions.from_environ``)
+    first, then the hosts.toml of ``registry`` in ``hosts_dir`` (default ``/etc/containerd/certs.d``);
+    a mirror that is the registry itself is dropped (it would be asked twice)."""
     urls = list(mirrors or [])
-    if not urls:
-        urls = [u for u in os.environ.get("MODELPACK_MIRRORS", "").replace(",", " ").split() if u]
     found = [
         parse_mirror_url(u, origin="--mirror", peer=url.startswith(PREFIX))
         for url in urls
         for u in expand_peer_urls([url])
     ]
-    directory = hosts_dir or os.environ.get("MODELPACK_HOSTS_DIR") or DEFAULT_HOSTS_DIR
+    directory = hosts_dir or DEFAULT_HOSTS_DIR
     found += hosts_toml_mirrors(directory, registry)
     own = canonical_host(registry)
     seen: set[str] = set()

@@ -19,11 +19,11 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import logging
-import os
 import socket
 import threading
 from urllib.parse import urlsplit
 
+from modelpack import settings
 from modelpack.errors import MirrorConfigError
 
 log = logging.getLogger("modelpack.targets.registry")
@@ -37,14 +37,11 @@ PREFIX = "dns+"
 
 def blob_order() -> bool:
     """``MODELPACK_PEER_ORDER=blob``: peers ranked per blob (owner first), not per node."""
-    value = os.environ.get("MODELPACK_PEER_ORDER", "node").strip().lower()
-    if value not in ("node", "blob"):
-        raise MirrorConfigError(f"MODELPACK_PEER_ORDER must be node or blob, got {value!r}", target="env")
-    return value == "blob"
+    return settings.PEER_ORDER.get() == "blob"
 
 
 def node_id() -> str:
-    return os.environ.get("MODELPACK_NODE_NAME") or socket.gethostname()
+    return settings.NODE_NAME.get() or socket.gethostname()
 
 
 def rendezvous(addresses: list[str], node: str) -> list[str]:
@@ -94,7 +91,7 @@ def expand_peer_urls(urls: list[str], *, node: str | None = None) -> list[str]:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise MirrorConfigError(f"peers {url!r}: bad port", target="--mirror") from None
-        own = "" if blob_order() else os.environ.get("MODELPACK_NODE_IP", "")
+        own = "" if blob_order() else settings.NODE_IP.get()
         addresses = [a for a in resolve_all(parts.hostname, port) if a != own]
         limit = MAX_BLOB_ORDER_PEERS if blob_order() else MAX_PEERS
         for addr in rendezvous(addresses, node or node_id())[:limit]:

@@ -60,7 +60,7 @@ def origin_url(client: Any) -> str:
 
 
 def emit(events: Any, name: str, *, source: str, kind: str, **fields: Any) -> None:
-    """One source event, when an event log was given (``TargetOptions.extra['events']``)."""
+    """One source event, when an event log was given (``TargetOptions.events``)."""
     if events is not None:
         events.emit(name, source=source, source_kind=kind, **fields)
 

@@ -85,7 +85,7 @@ class RegistryTarget:
         #: blob reads through mirrors first (``modelpack.targets.registry.mirrors``), when configured
         self.mirrors: MirroredBlobs | None = None
         self._mirror_manifests: list[tuple[str, ManifestStore]] = []
-        #: the JSON event log the source events go to (``TargetOptions.extra['events']``)
+        #: the JSON event log the source events go to (``TargetOptions.events``)
         self.events: Any = None
         self._origin_unreachable: RegistryConnectionError | None = None
         #: the origin's referrers with a short retry budget, when mirrors can answer instead
@@ -104,10 +104,10 @@ class RegistryTarget:
         cls, ref: Reference, options: Any = None, *, for_write: bool = False
     ) -> RegistryTarget:
         """Open ``ref``'s repository. ``options`` is a ``TargetOptions`` (connection, credentials;
-        ``extra`` may set ``chunk_size``, ``monolithic_max``, ``upload_state_dir``)."""
+        ``chunk_size``, mirrors and their thresholds, the event log)."""
         if ref.scheme != "registry":
             raise RegistryError(f"{ref} is not a registry reference")
-        opts = options if isinstance(options, TargetOptions) else TargetOptions()
+        opts = options if isinstance(options, TargetOptions) else TargetOptions.from_environ()
         creds = resolve_credentials(ref.location, opts)
         client = RegistryClient(
             ref.location,
@@ -118,31 +118,29 @@ class RegistryTarget:
             retry_for=opts.retry_for,
             timeout=opts.timeout,
         )
-        extra = dict(getattr(opts, "extra", None) or {})
-        chunk_size = int(extra.get("chunk_size") or DEFAULT_CHUNK_SIZE)
+        chunk_size = opts.chunk_size or DEFAULT_CHUNK_SIZE
         if chunk_size <= 0:
             raise UploadError(f"chunk size must be positive, got {chunk_size}")
         target = cls(
             client,
             ref.repository,
-            for_write=for_write or bool(extra.get("for_write", False)),
+            for_write=for_write,
             chunk_size=chunk_size,
             # an explicit chunk size also lowers the single-PUT limit: larger blobs are chunked
-            monolithic_max=int(extra.get("monolithic_max") or min(DEFAULT_MONOLITHIC_MAX, chunk_size)),
-            upload_state_dir=extra.get("upload_state_dir"),
+            monolithic_max=min(DEFAULT_MONOLITHIC_MAX, chunk_size),
         )
-        target.events = extra.get("events")
+        target.events = opts.events
         if not for_write:
             endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
             if endpoints:
-                stall, floor = mirror_limits(extra)
+                stall, floor = mirror_limits(opts.mirror_thresholds)
                 target.mirrors = MirroredBlobs(
                     target._repo,
                     endpoints,
                     retry_for=opts.retry_for,
                     stall_s=stall,
                     floor=floor,
-                    events=extra.get("events"),
+                    events=opts.events,
                 )
                 target._mirror_manifests = [(m.name, ManifestStore(m.repo)) for m in target.mirrors.mirrors]
                 # referrers are asked of the origin first: with mirrors to fall back to, an origin

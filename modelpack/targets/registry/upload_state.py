@@ -16,16 +16,16 @@ import json
 import os
 from collections.abc import Iterator
 
-from modelpack import boundedjson
+from modelpack import boundedjson, settings
 from modelpack.errors import DocumentError
 from modelpack.files import atomic_write_bytes
 from modelpack.oci.digest import Digest
 
 
 def upload_state_root() -> str:
-    env = os.environ.get("MODELPACK_UPLOAD_STATE_DIR")
-    if env:
-        return env
+    explicit = settings.UPLOAD_STATE_DIR.get()
+    if explicit:
+        return explicit
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "modelpack", "uploads")
 

@@ -20,6 +20,7 @@ import threading
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from modelpack import settings
 from modelpack.errors import ModelpackError, NotFoundError, S3Error
 
 _USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@\"'<>]*@")
@@ -29,8 +30,9 @@ _UNSUPPORTED_CODES = {"NotImplemented"}
 
 
 def endpoint_from_env() -> str | None:
+    """``MODELPACK_S3_ENDPOINT``, else the AWS SDK's own endpoint variables."""
     return (
-        os.environ.get("MODELPACK_S3_ENDPOINT")
+        settings.S3_ENDPOINT.get()
         or os.environ.get("AWS_ENDPOINT_URL_S3")
         or os.environ.get("AWS_ENDPOINT_URL")
         or None

@@ -1,14 +1,15 @@
 """Transfer tuning for S3 targets: part size, multipart threshold, concurrency, conditional writes.
 
-Settings come from ``TargetOptions.extra`` first and the environment second, so one process can
-tune a single target without changing what every other command sees.
+Settings come from ``TargetOptions.s3`` (an ``S3Tuning``), which ``TargetOptions.from_environ``
+fills from ``MODELPACK_S3_*``; a caller may tune a single target without changing what every
+other command sees.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Any
+
+from modelpack.targets.options import S3Tuning
 
 MIB = 1024 * 1024
 DEFAULT_PART_SIZE = 16 * MIB
@@ -38,23 +39,18 @@ class S3Settings:
         return self.part_size if self.multipart_threshold is None else self.multipart_threshold
 
     @classmethod
-    def from_options(cls, extra: dict[str, Any] | None = None) -> S3Settings:
-        """From ``TargetOptions.extra`` (``s3_part_size``, ``s3_concurrency``, …), else the env."""
-        extra = extra or {}
-
-        def pick(key: str, env: str) -> Any:
-            if extra.get(key) is not None:
-                return extra[key]
-            return os.environ.get(env) or None
-
+    def from_options(cls, tuning: S3Tuning | None = None) -> S3Settings:
+        """From ``TargetOptions.s3`` (filled from ``MODELPACK_S3_*`` by ``TargetOptions.from_environ``);
+        a field left None keeps its default."""
+        t = tuning or S3Tuning()
         s = cls()
-        if (v := pick("s3_part_size", "MODELPACK_S3_PART_SIZE")) is not None:
-            s.part_size = int(v)
-        if (v := pick("s3_multipart_threshold", "MODELPACK_S3_MULTIPART_THRESHOLD")) is not None:
-            s.multipart_threshold = int(v)
-        if (v := pick("s3_concurrency", "MODELPACK_S3_CONCURRENCY")) is not None:
-            s.concurrency = int(v)
-        if (v := pick("s3_conditional_writes", "MODELPACK_S3_CONDITIONAL_WRITES")) is not None:
-            s.conditional_writes = str(v)
+        if t.part_size is not None:
+            s.part_size = t.part_size
+        if t.multipart_threshold is not None:
+            s.multipart_threshold = t.multipart_threshold
+        if t.concurrency is not None:
+            s.concurrency = t.concurrency
+        if t.conditional_writes is not None:
+            s.conditional_writes = t.conditional_writes
         s.__post_init__()
         return s

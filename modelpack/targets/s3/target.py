@@ -97,13 +97,13 @@ class S3Target:
 
     @classmethod
     def from_reference(cls, ref: Reference, options: TargetOptions | None = None) -> S3Target:
-        options = options or TargetOptions()
+        options = options or TargetOptions.from_environ()
         return cls(
             ref.bucket,
             ref.prefix,
             endpoint=options.s3_endpoint,
             region=options.s3_region,
-            settings=S3Settings.from_options(options.extra),
+            settings=S3Settings.from_options(options.s3),
         )
 
     # ----------------------------------------------------------------- keys & helpers

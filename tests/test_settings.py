@@ -1,0 +1,132 @@
+"""Every ``MODELPACK_*`` setting is read in one module, and every entry point builds its
+connection options from it: the vLLM load format, the KServe initializer and the CLI obey the
+same environment, an empty protective setting fails closed, and no entry point mutates the
+process environment."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modelpack.errors import ModelpackError
+from tests.fixtures.registry import RegistryServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class SilentServer:
+    """A loopback TCP server that accepts every connection and never answers a byte."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@pytest.fixture
+def silent() -> Iterator[SilentServer]:
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def test_the_vllm_load_format_obeys_modelpack_timeout(silent: SilentServer, tmp_path: Path) -> None:
+    """A registry that accepts and never answers: with MODELPACK_TIMEOUT=2 and MODELPACK_RETRY_FOR=0
+    in the environment the load format's start is refused within seconds, as the CLI's would be."""
+    from modelpack.serving.weights import open_rank_load
+
+    source = f"127.0.0.1:{silent.port}/models/m@sha256:{'a' * 64}"
+    env = {"MODELPACK_TIMEOUT": "2", "MODELPACK_RETRY_FOR": "0", "MODELPACK_HOSTS_DIR": str(tmp_path / "none")}
+    outcome: dict[str, object] = {}
+
+    def start() -> None:
+        t0 = time.monotonic()
+        try:
+            open_rank_load({"source": source, "plain_http": True}, str(tmp_path), {}, 1, 0, environ=env)
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert "seconds" in outcome, "the start still waits on a silent registry after 30 s (MODELPACK_TIMEOUT=2)"
+    assert isinstance(outcome.get("error"), ModelpackError), outcome
+    assert float(outcome["seconds"]) < 15, outcome  # type: ignore[arg-type]
+
+
+def _docker_config(directory: Path, host: str, user: str, password: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    (directory / "config.json").write_text(json.dumps({"auths": {host: {"auth": auth}}}))
+
+
+def test_the_initializer_finds_its_pull_secret_without_touching_the_process_environment(
+    basic_registry: RegistryServer, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KServe's pull secret reaches the credential lookup for that registry, and os.environ (the
+    DOCKER_CONFIG another thread or library reads) is left exactly as it was."""
+    from modelpack.api import transfer
+    from modelpack.serving.kserve.initializer import StorageInitializer, parse_pairs
+    from modelpack.serving.kserve.settings import InitializerSettings
+    from modelpack.targets.options import TargetOptions
+
+    ref = basic_registry.ref("kserve/model", "v1")
+    pushed = transfer.push(
+        str(checkpoint),
+        ref,
+        target_options=TargetOptions(
+            username=basic_registry.username, password=basic_registry.password, credentials_host=basic_registry.host
+        ),
+        progress="off",
+    )
+    secret = tmp_path / "pull-secret"
+    _docker_config(secret, basic_registry.host, basic_registry.username or "", basic_registry.password or "")
+    elsewhere = tmp_path / "the-process-docker-config"
+    elsewhere.mkdir()
+    monkeypatch.setenv("DOCKER_CONFIG", str(elsewhere))
+    before = dict(os.environ)
+
+    settings = InitializerSettings.from_environ({"KSERVE_OCI_DOCKER_CONFIG": str(secret / "config.json")})
+    lines: list[str] = []
+    dest = tmp_path / "dest"
+    results = StorageInitializer(settings, say=lines.append).run(parse_pairs([f"modelpack://{ref}", str(dest)]))
+
+    assert dict(os.environ) == before
+    assert results[0].digest == pushed.digest
+    assert any(p.is_file() for p in dest.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["MODELPACK_POLICY", "MODELPACK_POLICY_YAML"])
+def test_an_empty_policy_setting_in_the_initializer_fails_closed(name: str) -> None:
+    """``MODELPACK_POLICY=`` (a ConfigMap key that rendered empty) is refused, naming the variable,
+    instead of meaning "no policy"."""
+    from modelpack.serving.kserve.settings import InitializerSettings
+
+    with pytest.raises(ModelpackError, match=name):
+        InitializerSettings.from_environ({name: ""})
