@@ -19,10 +19,11 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from modelpack import settings
 from modelpack.errors import KeyLoadError
 from modelpack.files import atomic_write_bytes
 
-PASSPHRASE_ENV = "MODELPACK_SIGNING_PASSPHRASE"
+PASSPHRASE_ENV = settings.SIGNING_PASSPHRASE.name
 MAX_KEY_BYTES = 64 * 1024
 
 
@@ -136,7 +137,7 @@ def load_private_key(
     """Load a PKCS#8 (or SEC1) PEM private key from a path, ``env:NAME`` or PEM bytes."""
     data, source = _read_source(spec)
     if passphrase is None:
-        passphrase = os.environ.get(PASSPHRASE_ENV) or None
+        passphrase = settings.SIGNING_PASSPHRASE.get() or None
     if isinstance(passphrase, str):
         passphrase = passphrase.encode()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -61,7 +62,11 @@ def test_the_vllm_load_format_obeys_modelpack_timeout(silent: SilentServer, tmp_
     from modelpack.serving.weights import open_rank_load
 
     source = f"127.0.0.1:{silent.port}/models/m@sha256:{'a' * 64}"
-    env = {"MODELPACK_TIMEOUT": "2", "MODELPACK_RETRY_FOR": "0", "MODELPACK_HOSTS_DIR": str(tmp_path / "none")}
+    env = {
+        "MODELPACK_TIMEOUT": "2",
+        "MODELPACK_RETRY_FOR": "0",
+        "MODELPACK_HOSTS_DIR": str(tmp_path / "none"),
+    }
     outcome: dict[str, object] = {}
 
     def start() -> None:
@@ -101,7 +106,9 @@ def test_the_initializer_finds_its_pull_secret_without_touching_the_process_envi
         str(checkpoint),
         ref,
         target_options=TargetOptions(
-            username=basic_registry.username, password=basic_registry.password, credentials_host=basic_registry.host
+            username=basic_registry.username,
+            password=basic_registry.password,
+            credentials_host=basic_registry.host,
         ),
         progress="off",
     )
@@ -115,7 +122,9 @@ def test_the_initializer_finds_its_pull_secret_without_touching_the_process_envi
     settings = InitializerSettings.from_environ({"KSERVE_OCI_DOCKER_CONFIG": str(secret / "config.json")})
     lines: list[str] = []
     dest = tmp_path / "dest"
-    results = StorageInitializer(settings, say=lines.append).run(parse_pairs([f"modelpack://{ref}", str(dest)]))
+    results = StorageInitializer(settings, say=lines.append).run(
+        parse_pairs([f"modelpack://{ref}", str(dest)])
+    )
 
     assert dict(os.environ) == before
     assert results[0].digest == pushed.digest
@@ -130,3 +139,84 @@ def test_an_empty_policy_setting_in_the_initializer_fails_closed(name: str) -> N
 
     with pytest.raises(ModelpackError, match=name):
         InitializerSettings.from_environ({name: ""})
+
+
+# --------------------------------------------------------------------------- one place
+SOURCE_DIRS = ("modelpack", "mediatypes", "signing", "mount", "loader")
+_READ = re.compile(r"environ|getenv|\benv\.get\(|\benv\[|envvar=")
+_NAME = re.compile(r"""["']MODELPACK_[A-Z0-9_]+["']""")
+
+
+def _sources() -> Iterator[Path]:
+    for top in SOURCE_DIRS:
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def _constants_holding_a_name(text: str) -> set[str]:
+    """Module constants assigned a ``"MODELPACK_…"`` literal (``LOCK_TIMEOUT_ENV = "MODELPACK_…"``)."""
+    return set(re.findall(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::[^=]+)?=\s*[\"']MODELPACK_", text, re.M))
+
+
+def test_no_module_but_the_settings_module_reads_a_modelpack_variable_from_the_environment() -> None:
+    """A ``MODELPACK_*`` name is read from the environment only in modelpack/settings.py: every
+    other module asks a ``Setting`` (a literal name or a constant holding one next to an
+    environ/getenv/env.get/env[ read, or a click ``envvar=``, is a second place deciding that
+    setting; a click option names its variable as ``settings.X.name``)."""
+    offenders = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "modelpack/settings.py":
+            continue
+        text = path.read_text(encoding="utf-8")
+        constants = _constants_holding_a_name(text)
+        held = re.compile(r"\b(" + "|".join(map(re.escape, constants)) + r")\b") if constants else None
+        lines = text.splitlines()
+        for number, line in enumerate(lines, 1):
+            # a call split over lines: the read on this line or the one before, the name on this one
+            if not (_READ.search(line) or (number > 1 and _READ.search(lines[number - 2]))):
+                continue
+            if _NAME.search(line) or (held is not None and held.search(line)):
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+_FACTORIES = {"modelpack/targets/options.py"}
+
+
+def test_target_options_are_built_only_by_their_factory() -> None:
+    """No entry point builds a ``TargetOptions(...)`` from scratch: each starts from
+    ``TargetOptions.from_environ`` (then ``dataclasses.replace``), so an environment setting one
+    entry point obeys is obeyed by all of them."""
+    call = re.compile(r"\bTargetOptions\(")
+    offenders = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in _FACTORIES:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if call.search(code) and "class TargetOptions" not in code:
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+#: the one write outside the settings module: ``fetch_before_compile(apply_environment=True)``
+#: points torch's own compile-cache variables (``TORCHINDUCTOR_CACHE_DIR``) at a fetched asset,
+#: for a caller that asks for it (the vLLM load format passes ``apply_environment=False``)
+_TORCH_CACHE_OPT_IN = "modelpack/assets/startup.py"
+
+
+def test_no_entry_point_writes_the_process_environment() -> None:
+    """Settings and credentials travel in options, never through ``os.environ[...] = …``; the one
+    write of a setting (the vLLM plugin's t0 and start id for the worker processes vLLM spawns)
+    lives in the settings module."""
+    write = re.compile(r"os\.environ\[[^\]]+\]\s*=|os\.environ\.(setdefault|update|pop)\(|os\.putenv\(")
+    offenders = []
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ("modelpack/settings.py", _TORCH_CACHE_OPT_IN):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if write.search(line):
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert offenders == []

@@ -139,7 +139,6 @@ class MainGroup(LazyGroup):
 @click.option(
     "--timeout",
     type=TIMEOUT,
-    envvar="MODELPACK_TIMEOUT",
     default=None,
     metavar="SECONDS",
     help="How long one registry request may wait for an answer (connect at most 30 s, each read, "

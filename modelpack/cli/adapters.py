@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from modelpack import settings
 from modelpack.cli.options import (
     build_target_options,
     emit_json,
@@ -164,7 +165,7 @@ def print_adapters(doc: dict[str, Any]) -> None:
 @click.option(
     "--cache",
     "cache_dir",
-    envvar="MODELPACK_CACHE",
+    envvar=settings.CACHE.name,
     default=None,
     metavar="DIR",
     help="Node cache directory (default: $MODELPACK_CACHE, else $XDG_CACHE_HOME/modelpack, else ~/.cache/modelpack).",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from modelpack import settings as env_settings
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
@@ -29,7 +30,7 @@ def cache_dir_option(fn: Any) -> Any:
     return click.option(
         "--cache",
         "cache_dir",
-        envvar="MODELPACK_CACHE",
+        envvar=env_settings.CACHE.name,
         default=None,
         metavar="DIR",
         help="Node cache directory (default: $MODELPACK_CACHE, else $XDG_CACHE_HOME/modelpack, "
@@ -431,7 +432,6 @@ def cache_serve(
     MODELPACK_PEER_ORDER=blob so every node asks each blob's owner peer first, and the owner
     fetches it once and streams it on (docs/distribution.md).
     """
-    import os
 
     from modelpack.errors import TransferInterrupted
     from modelpack.mount.serve import CacheServer, ServeSettings
@@ -443,7 +443,7 @@ def cache_serve(
         raise click.BadParameter(
             f"{listen!r}: expected HOST:PORT, e.g. 127.0.0.1:5050", param_hint="--listen"
         )
-    token = os.environ.get("MODELPACK_SERVE_TOKEN") or None
+    token = env_settings.SERVE_TOKEN.get() or None
     if token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read(4096).strip() or None

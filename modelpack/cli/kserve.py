@@ -26,7 +26,6 @@ def _say(line: str) -> None:
 @click.option(
     "--retry-for",
     type=DURATION,
-    envvar="MODELPACK_RETRY_FOR",
     default=None,
     help="Keep retrying through a registry outage this long (30s, 2m). Else MODELPACK_RETRY_FOR; default 60s.",
 )

@@ -10,6 +10,7 @@ decide what a command trusts (keys, policies, keyless identities, passphrases) a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import json
@@ -79,7 +80,9 @@ def debug_requested() -> bool:
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.find_root().params.get("debug"):
         return True
-    return os.environ.get("MODELPACK_DEBUG", "") not in ("", "0")
+    from modelpack.settings import DEBUG
+
+    return DEBUG.get()
 
 
 def _say(line: str) -> None:
@@ -294,7 +297,8 @@ TIMEOUT = TimeoutType()
 
 
 def global_timeout() -> float | None:
-    """``modelpack --timeout SECONDS`` (or ``MODELPACK_TIMEOUT``) of the running command."""
+    """``modelpack --timeout SECONDS`` of the running command (None: not given, so
+    ``MODELPACK_TIMEOUT`` through ``TargetOptions.from_environ``, else the default)."""
     ctx = click.get_current_context(silent=True)
     value = ctx.find_root().params.get("timeout") if ctx is not None else None
     return float(value) if value is not None else None
@@ -319,10 +323,9 @@ def target_options(fn: F) -> F:
         click.option(
             "--retry-for",
             type=DURATION,
-            envvar="MODELPACK_RETRY_FOR",
             default=None,
             help="Keep retrying through a network or registry outage this long (30s, 2m; 0: never). "
-            "Cut downloads resume from the byte reached. Default 60s.",
+            "Cut downloads resume from the byte reached. Else MODELPACK_RETRY_FOR; default 60s.",
         ),
         click.option(
             "--mirror",
@@ -338,12 +341,11 @@ def target_options(fn: F) -> F:
         click.option(
             "--hosts-dir",
             type=click.Path(file_okay=False),
-            envvar="MODELPACK_HOSTS_DIR",
             default=None,
             help="containerd-style mirror config: DIR/<host[:port]>/hosts.toml "
-            "[default: /etc/containerd/certs.d].",
+            "(else MODELPACK_HOSTS_DIR) [default: /etc/containerd/certs.d].",
         ),
-        click.option("--s3-endpoint", envvar="MODELPACK_S3_ENDPOINT", help="S3-compatible endpoint URL."),
+        click.option("--s3-endpoint", help="S3-compatible endpoint URL (else MODELPACK_S3_ENDPOINT)."),
         click.option("--s3-region", envvar="AWS_REGION", help="S3 region."),
     ]
     for opt in reversed(opts):
@@ -352,7 +354,9 @@ def target_options(fn: F) -> F:
 
 
 def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None) -> TargetOptions:
-    """Pop the connection flags out of a command's kwargs into a TargetOptions.
+    """Pop the connection flags out of a command's kwargs into a TargetOptions: the
+    environment's (``TargetOptions.from_environ``, docs/configuration.md) with every flag given
+    on the command line in its place.
 
     ``--username``/``--password-stdin`` (and the environment's credentials) are bound to one
     registry host: ``registry`` (a reference or host) when the command says which, else the one
@@ -366,17 +370,21 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
         password = sys.stdin.readline().rstrip("\n")
     username = kwargs.pop("username", None)
     host = _registry_host(registry) if registry else _command_registry_host(bool(username))
-    return TargetOptions(
+    env = TargetOptions.from_environ()
+    retry_for = kwargs.pop("retry_for", None)
+    timeout = global_timeout()
+    return dataclasses.replace(
+        env,
         plain_http=kwargs.pop("plain_http", False),
         ca_file=kwargs.pop("ca_file", None),
         username=username,
         password=password,
         credentials_host=host,
-        retry_for=kwargs.pop("retry_for", None),
-        timeout=global_timeout(),
-        mirrors=list(kwargs.pop("mirrors", None) or ()),
-        hosts_dir=kwargs.pop("hosts_dir", None),
-        s3_endpoint=kwargs.pop("s3_endpoint", None),
+        retry_for=env.retry_for if retry_for is None else retry_for,
+        timeout=env.timeout if timeout is None else timeout,
+        mirrors=list(kwargs.pop("mirrors", None) or ()) or env.mirrors,
+        hosts_dir=kwargs.pop("hosts_dir", None) or env.hosts_dir,
+        s3_endpoint=kwargs.pop("s3_endpoint", None) or env.s3_endpoint,
         s3_region=kwargs.pop("s3_region", None),
     )
 

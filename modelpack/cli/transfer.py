@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from modelpack import settings
 from modelpack.api import transfer
 from modelpack.cli.options import (
     SIZE,
@@ -196,13 +197,13 @@ def cp_credentials_options(fn: Any) -> Any:
         click.option(
             "--src-creds",
             metavar="USER[:PASSWORD]",
-            envvar="MODELPACK_SRC_CREDS",
+            envvar=settings.SRC_CREDS.name,
             help="Credentials for the SOURCE registry only (no PASSWORD: read a line of stdin).",
         ),
         click.option(
             "--dest-creds",
             metavar="USER[:PASSWORD]",
-            envvar="MODELPACK_DEST_CREDS",
+            envvar=settings.DEST_CREDS.name,
             help="Credentials for the DESTINATION registry only (same as -u/--password-stdin).",
         ),
     ]

@@ -132,7 +132,9 @@ def read_passphrase(from_stdin: bool) -> str | None:
     if from_stdin:
         line = sys.stdin.readline().rstrip("\n")
         return line or None
-    return os.environ.get("MODELPACK_SIGNING_PASSPHRASE") or None
+    from modelpack.settings import SIGNING_PASSPHRASE
+
+    return SIGNING_PASSPHRASE.get() or None
 
 
 def push_sign_options(fn: F) -> F:
