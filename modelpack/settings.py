@@ -295,7 +295,7 @@ PEER_ORDER = _setting(
     "node",
     "``blob``: each blob is asked first of its owner peer (``cache serve --fill``); ``node``: peers "
     "ranked per node.",
-    kind="node|blob",
+    kind="node, blob",
     group=_MIRROR,
 )
 NODE_NAME = _setting(
@@ -345,7 +345,7 @@ S3_CONDITIONAL_WRITES = _setting(
     choice("auto", "on", "off"),
     None,
     "Use ``If-None-Match`` writes: auto (probe), on, off; default auto.",
-    kind="auto|on|off",
+    kind="auto, on, off",
     group=_S3,
 )
 
@@ -471,8 +471,8 @@ POLICY = _setting(
     "MODELPACK_POLICY",
     text,
     None,
-    "Storage initializer: path of the trust policy every reference must satisfy (a refusal exits 1). "
-    "Protective: set but empty is refused.",
+    "Storage initializer: path of the trust policy every reference must satisfy (a refusal exits 1); "
+    "set but empty is refused.",
     kind="path",
     group=_SERVE,
     protective=True,
@@ -482,7 +482,7 @@ POLICY_YAML = _setting(
     text,
     None,
     "Storage initializer: the trust policy's YAML text (e.g. from a ConfigMap key); not with "
-    "``MODELPACK_POLICY``. Protective: set but empty is refused.",
+    "``MODELPACK_POLICY``; set but empty is refused.",
     kind="YAML",
     group=_SERVE,
     protective=True,
@@ -508,7 +508,7 @@ LINK = _setting(
     choice("auto", "reflink", "copy"),
     "auto",
     "Storage initializer: how node-cache files reach DEST (auto: reflink, hard link, copy).",
-    kind="auto|reflink|copy",
+    kind="auto, reflink, copy",
     group=_SERVE,
 )
 VARIANT = _setting(
@@ -606,8 +606,9 @@ def markdown() -> str:
         "",
         "Every `MODELPACK_*` environment variable modelpack reads. A command-line flag, where there",
         "is one, overrides its variable. A malformed value is refused with an error naming the",
-        "variable. An empty value means the default, except for a *protective* setting (one whose",
-        "absence turns a protection off), where an empty value is refused.",
+        "variable. An empty value means the default, except for a **protective** setting (one whose",
+        "absence turns a protection off), where an empty value is refused. A **secret** value is",
+        "never printed, not even in an error.",
         "",
     ]
     groups: dict[str, list[Setting[object]]] = {}
@@ -617,8 +618,9 @@ def markdown() -> str:
         lines += [f"## {group}", "", "| Variable | Value | Default | Meaning |", "|---|---|---|---|"]
         for s in settings:
             default = "—" if s.default in (None, (), "") else f"`{_shown(s.default)}`"
-            flags = " **Secret.**" if s.secret else ""
-            lines.append(f"| `{s.name}` | {s.kind} | {default} | {s.doc.replace('|', '/')}{flags} |")
+            flags = (" **Secret.**" if s.secret else "") + (" **Protective.**" if s.protective else "")
+            doc = s.doc.replace("``", "`").replace("|", "/")
+            lines.append(f"| `{s.name}` | {s.kind} | {default} | {doc}{flags} |")
         lines.append("")
     return "\n".join(lines)
 

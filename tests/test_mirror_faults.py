@@ -168,7 +168,7 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
     assert liar.served > 0  # the mirror was asked, and lied
 
     events = tmp_path / "ev.jsonl"
-    opts = TargetOptions(mirrors=[liar.url], extra={"events": EventLog(str(events))})
+    opts = TargetOptions(mirrors=[liar.url], events=EventLog(str(events)))
     got = load_state_dict(source, trusted_keys=[key.public], target_options=opts)
     want = reference_tensors(checkpoint)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

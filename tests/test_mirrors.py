@@ -27,6 +27,7 @@ from modelpack.events import EventLog, read_events
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
+from modelpack.targets.options import MirrorThresholds
 from modelpack.targets.registry.mirrors import configured_mirrors, hosts_toml_mirrors
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.faultproxy import Fault, FaultProxy, blob_get
@@ -67,9 +68,12 @@ def _setup(
     return sorted(manifest.layers, key=lambda d: -d.size)
 
 
-def _options(tmp_path: Path, *mirrors: str, **extra: Any) -> tuple[TargetOptions, Path]:
+def _options(tmp_path: Path, *mirrors: str, **thresholds: float) -> tuple[TargetOptions, Path]:
     events = tmp_path / "events.jsonl"
-    return TargetOptions(mirrors=list(mirrors), extra={"events": EventLog(str(events)), **extra}), events
+    opts = TargetOptions(
+        mirrors=list(mirrors), events=EventLog(str(events)), mirror_thresholds=MirrorThresholds(**thresholds)
+    )
+    return opts, events
 
 
 def _same_files(pulled: Path, checkpoint: Path, names: list[str]) -> None:
@@ -232,7 +236,7 @@ def test_mirror_stalling_is_abandoned_within_its_short_budget(
     mirror.add(Fault(match=blob_get(str(big.digest)), stall=20, times=None))
     started = time.monotonic()
     _res, events = _pull_via(
-        tmp_path, origin, f"http://{mirror.host}", "mirrors/stall", checkpoint, mirror_stall_s=0.5
+        tmp_path, origin, f"http://{mirror.host}", "mirrors/stall", checkpoint, stall_s=0.5
     )
     took = time.monotonic() - started
     assert dict(origin.blob_bytes) == {str(big.digest): big.size}
@@ -335,7 +339,7 @@ def test_mirror_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert [m.host for m in hosts_toml_mirrors(str(d), "other.example")] == ["fallback:5000"]
 
     monkeypatch.setenv("MODELPACK_MIRRORS", "http://env1:5000, env2.example")
-    got = configured_mirrors("reg.example:5000", None, str(d))
+    got = configured_mirrors("reg.example:5000", TargetOptions.from_environ().mirrors, str(d))
     assert [m.host for m in got] == ["env1:5000", "env2.example", "m1.example", "m2.example:81"]
     # --mirror replaces the environment's list; the registry itself is never its own mirror
     got = configured_mirrors("reg.example:5000", ["https://reg.example:5000", "http://f:1"], str(d))

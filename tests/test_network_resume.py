@@ -24,9 +24,9 @@ from modelpack.api import transfer
 from modelpack.cli import main
 from modelpack.errors import RegistryConnectionError
 from modelpack.oci.reference import parse_reference
+from modelpack.settings import parse_duration
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
-from modelpack.settings import parse_duration
 from modelpack.targets.retry import RetryBudget
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.faultproxy import Fault, FaultProxy, blob_get, manifest_get, request
@@ -127,7 +127,7 @@ def test_push_continues_after_refused_patch_put_and_post(
     proxy.add(Fault(match=request("PUT", r"/blobs/uploads/.*digest="), refuse=True, times=2))
     proxy.add(Fault(match=request("POST", r"/blobs/uploads/$"), refuse=True, times=1))
     mark = registry.log_mark()
-    opts = TargetOptions(extra={"chunk_size": 256 * 1024})
+    opts = TargetOptions(chunk_size=256 * 1024)
     pushed = transfer.push(
         str(ckpt), f"{proxy.host}/resume/push:v1", target_options=opts, jobs=1, progress="off"
     )
@@ -185,7 +185,7 @@ def test_pull_rides_out_a_registry_restart(registry_factory: RegistryFactory, tm
 def test_push_rides_out_a_registry_restart(registry_factory: RegistryFactory, tmp_path: Path) -> None:
     server = registry_factory.start()
     ckpt = _bigger_checkpoint(tmp_path)
-    opts = TargetOptions(extra={"chunk_size": 256 * 1024})
+    opts = TargetOptions(chunk_size=256 * 1024)
     outcome: list[BaseException | None] = []
 
     def push() -> None:

@@ -16,10 +16,11 @@ from modelpack.packing.packer import PackOptions
 from modelpack.packing.s3_checkpoint import build_s3_artifact
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions
+from modelpack.targets.options import S3Tuning
 from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
-OPTS = TargetOptions(extra={"s3_part_size": 64 * 1024})
+OPTS = TargetOptions(s3=S3Tuning(part_size=64 * 1024))
 
 
 def _upload_checkpoint(s3: S3Server, checkpoint: Path, bucket: str, prefix: str = "ckpts/ckpt") -> None:

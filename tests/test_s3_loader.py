@@ -15,11 +15,12 @@ from modelpack.errors import ChunkDigestMismatch
 from modelpack.packing.safetensors_format import parse_header_bytes
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
+from modelpack.targets.options import S3Tuning
 from tests.fixtures.s3 import S3Server
 from tests.loader_helpers import expected_shard, reference_tensors
 
 CHUNK = 64 * 1024
-OPTS = TargetOptions(extra={"s3_part_size": 64 * 1024})
+OPTS = TargetOptions(s3=S3Tuning(part_size=64 * 1024))
 
 
 def test_ranks_stream_their_shards_from_s3(s3: S3Server, checkpoint: Path) -> None:

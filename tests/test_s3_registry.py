@@ -8,10 +8,11 @@ from typing import Any
 from modelpack import api
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.options import S3Tuning
 from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
-OPTS = TargetOptions(extra={"s3_part_size": 64 * 1024})
+OPTS = TargetOptions(s3=S3Tuning(part_size=64 * 1024))
 
 
 def test_s3_to_registry_to_layout_is_byte_identical(

@@ -25,12 +25,13 @@ from modelpack.packing.packer import build_artifact
 from modelpack.targets.base import BlobSource, bytes_blob_source
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.targets.options import S3Tuning
 from modelpack.targets.s3 import S3Settings, S3Target
 from modelpack.transfer.copy import copy
 from tests.fixtures.s3 import S3Server
 
 PART = 64 * 1024
-OPTS = TargetOptions(extra={"s3_part_size": PART})
+OPTS = TargetOptions(s3=S3Tuning(part_size=PART))
 
 
 def _target(s3: S3Server, bucket: str, prefix: str = "models/m", **settings: Any) -> S3Target:

@@ -220,3 +220,122 @@ def test_no_entry_point_writes_the_process_environment() -> None:
             if write.search(line):
                 offenders.append(f"{rel}:{number}: {line.strip()}")
     assert offenders == []
+
+
+# --------------------------------------------------------------------------- the record
+def test_the_checked_in_configuration_doc_is_the_generated_one() -> None:
+    """docs/configuration.md is what ``python -m modelpack.settings --markdown`` prints, and it
+    names every setting the module declares."""
+    import subprocess
+    import sys
+
+    from modelpack import settings
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "modelpack.settings", "--markdown"], capture_output=True, text=True, check=True
+    )
+    assert proc.stdout == (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert all(f"`{name}`" in proc.stdout for name in settings.SETTINGS)
+
+
+MALFORMED = {
+    "MODELPACK_TIMEOUT": ["soon", "0", "-3"],
+    "MODELPACK_RETRY_FOR": ["forever", "2 weeks"],
+    "MODELPACK_PLAIN_HTTP": ["maybe"],
+    "MODELPACK_MIRROR_STALL": ["fast", "-1", "nan"],
+    "MODELPACK_MIRROR_MIN_RATE": ["lots"],
+    "MODELPACK_MIRROR_RATE_WINDOW": ["-2"],
+    "MODELPACK_PEER_ORDER": ["random"],
+    "MODELPACK_S3_PART_SIZE": ["16M", "0"],
+    "MODELPACK_S3_MULTIPART_THRESHOLD": ["-1"],
+    "MODELPACK_S3_CONCURRENCY": ["0", "many"],
+    "MODELPACK_S3_CONDITIONAL_WRITES": ["sometimes"],
+    "MODELPACK_LOCK_TIMEOUT": ["a while", "-5"],
+    "MODELPACK_JOBS": ["0", "four"],
+    "MODELPACK_PROGRESS_INTERVAL": ["-1", "often"],
+    "MODELPACK_LINK": ["symlink"],
+    "MODELPACK_TP_SIZE": ["0", "two"],
+    "MODELPACK_T0": ["yesterday"],
+}
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, vs in MALFORMED.items() for v in vs])
+def test_a_malformed_value_is_refused_naming_the_variable(name: str, value: str) -> None:
+    """Each parser refuses what it cannot read with a SettingsError naming the variable, never
+    a silent default."""
+    from modelpack.errors import SettingsError
+    from modelpack.settings import SETTINGS
+
+    with pytest.raises(SettingsError, match=name) as info:
+        SETTINGS[name].get({name: value})
+    assert info.value.name == name
+
+
+def test_every_setting_with_a_parser_that_can_refuse_is_covered_above() -> None:
+    """A new setting whose parser can refuse a value gets a malformed case in MALFORMED."""
+    from modelpack import settings
+
+    lenient = {settings.text, settings.word, settings.url_list, settings.pairs_list, settings.debug_flag}
+    refusing = {name for name, s in settings.SETTINGS.items() if s.parse not in lenient}
+    assert refusing == set(MALFORMED)
+
+
+def test_a_secret_value_is_never_part_of_the_error() -> None:
+    """A malformed secret is refused without echoing it."""
+    from modelpack.errors import SettingsError
+    from modelpack.settings import Setting, text
+
+    def strict(value: str) -> str:
+        raise ValueError(f"{value!r} is not a token")
+
+    secret = Setting("MODELPACK_X_TEST", strict, None, "test", "secret", "test", secret=True)
+    with pytest.raises(SettingsError) as info:
+        secret.get({"MODELPACK_X_TEST": "hunter2"})
+    assert "hunter2" not in str(info.value) and "MODELPACK_X_TEST" in str(info.value)
+    assert (
+        Setting("MODELPACK_Y_TEST", text, None, "t", "t", "t").get({"MODELPACK_Y_TEST": " a b "}) == " a b "
+    )
+
+
+def test_empty_means_default_but_an_empty_protective_setting_is_refused() -> None:
+    """``MODELPACK_TIMEOUT=`` is the default; ``MODELPACK_POLICY=`` is an error, as is any blank
+    protective value, because it would otherwise switch the protection off."""
+    from modelpack import settings
+    from modelpack.errors import SettingsError
+
+    assert settings.TIMEOUT.get({"MODELPACK_TIMEOUT": ""}) is None
+    assert settings.JOBS.get({"MODELPACK_JOBS": " "}) == 4
+    protective = [s for s in settings.SETTINGS.values() if s.protective]
+    assert {s.name for s in protective} == {"MODELPACK_POLICY", "MODELPACK_POLICY_YAML"}
+    for s in protective:
+        assert s.get({}) is None
+        with pytest.raises(SettingsError, match=s.name):
+            s.get({s.name: "  "})
+
+
+def test_target_options_from_environ_reads_the_given_mapping_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TargetOptions.from_environ(environ)`` takes every connection setting from the mapping it
+    is given, whatever the process environment says."""
+    from modelpack.targets.options import MirrorThresholds, S3Tuning, TargetOptions
+
+    monkeypatch.setenv("MODELPACK_TIMEOUT", "99")
+    opts = TargetOptions.from_environ(
+        {
+            "MODELPACK_TIMEOUT": "7",
+            "MODELPACK_RETRY_FOR": "2m",
+            "MODELPACK_MIRRORS": "http://a:1, http://b:2",
+            "MODELPACK_HOSTS_DIR": "/etc/hosts.d",
+            "MODELPACK_S3_PART_SIZE": "6291456",
+            "MODELPACK_S3_CONDITIONAL_WRITES": "OFF",
+            "MODELPACK_MIRROR_MIN_RATE": "0",
+        }
+    )
+    assert (opts.timeout, opts.retry_for, opts.mirrors, opts.hosts_dir) == (
+        7.0,
+        120.0,
+        ["http://a:1", "http://b:2"],
+        "/etc/hosts.d",
+    )
+    assert opts.s3 == S3Tuning(part_size=6291456, conditional_writes="off")
+    assert opts.mirror_thresholds == MirrorThresholds(min_rate=0.0)
+    assert TargetOptions.from_environ().timeout == 99.0

@@ -21,6 +21,7 @@ from modelpack.api import transfer
 from modelpack.events import EventLog, read_events
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable
+from modelpack.targets.options import MirrorThresholds
 from tests.fixtures.hostile_mirror import HostileMirror, push_and_read_back
 from tests.fixtures.loopback import free_port
 
@@ -45,7 +46,7 @@ def test_each_abandonment_names_the_source_and_why_and_each_blob_its_sources(
 ) -> None:
     origin = registry_factory.start()
     digest, manifest, blobs = push_and_read_back(origin, checkpoint, f"events/{mode}")
-    extra: dict[str, Any] = {}
+    thresholds = MirrorThresholds()
     if mode == "missing":
         url, expect = f"http://{registry_factory.start().host}", "not_found"
     elif mode == "refused":
@@ -55,9 +56,11 @@ def test_each_abandonment_names_the_source_and_why_and_each_blob_its_sources(
         hostile.append(m)
         url = m.url
         expect = {"zero": "digest_mismatch", "crawl": "floor", "silent": "stall"}[mode]
-        extra = {"mirror_min_rate": 65536, "mirror_rate_window_s": 1.0, "mirror_stall_s": 1.0}
+        thresholds = MirrorThresholds(min_rate=65536, rate_window_s=1.0, stall_s=1.0)
     log = tmp_path / "events.jsonl"
-    opts = TargetOptions(mirrors=[url], retry_for=1.0, extra={"events": EventLog(str(log)), **extra})
+    opts = TargetOptions(
+        mirrors=[url], retry_for=1.0, events=EventLog(str(log)), mirror_thresholds=thresholds
+    )
     res = transfer.pull(
         f"{origin.host}/events/{mode}@{digest}", str(tmp_path / "out"), target_options=opts, progress="off"
     )
@@ -99,7 +102,7 @@ def test_a_manifest_resolved_then_read_through_one_mirror_is_one_fetch_event(
     digest, _, _ = push_and_read_back(origin, checkpoint, "events/once")
     transfer.cp(origin.ref("events/once", "v1"), mirror.ref("events/once", "v1"), progress="off")
     log = tmp_path / "events.jsonl"
-    opts = TargetOptions(mirrors=[f"http://{mirror.host}"], extra={"events": EventLog(str(log))})
+    opts = TargetOptions(mirrors=[f"http://{mirror.host}"], events=EventLog(str(log)))
     target = open_readable(f"{origin.host}/events/once@{digest}", opts)
     desc = target.resolve(digest)
     raw, _ = target.fetch_manifest(digest)

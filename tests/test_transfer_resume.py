@@ -36,7 +36,7 @@ def _upload_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _target(registry: RegistryServer, repo: str, chunk: int) -> RegistryTarget:
-    opts = TargetOptions(extra={"chunk_size": chunk})
+    opts = TargetOptions(chunk_size=chunk)
     t = open_target(registry.ref(repo, None), opts, for_write=True)
     assert isinstance(t, RegistryTarget)
     return t
@@ -161,7 +161,7 @@ def test_push_killed_midway_resumes_without_resending_blobs(
 
     mark = registry.log_mark()
     result = transfer.push(
-        str(ckpt), ref, target_options=TargetOptions(extra={"chunk_size": 256 * 1024}), jobs=1, progress="off"
+        str(ckpt), ref, target_options=TargetOptions(chunk_size=256 * 1024), jobs=1, progress="off"
     )
     resent = set(_committed(registry, mark)) & before
     assert not resent, f"re-sent committed blobs: {resent}"
@@ -201,7 +201,7 @@ def test_push_survives_a_registry_restart_midway(registry_factory: RegistryFacto
     ckpt = tmp_path / "ckpt"
     write_checkpoint(str(ckpt), SyntheticSpec(hidden=512, intermediate=1376, layers=4, vocab=4096, shards=4))
     ref = registry.ref("restart/model", "v1")
-    opts = TargetOptions(extra={"chunk_size": 256 * 1024})
+    opts = TargetOptions(chunk_size=256 * 1024)
     outcome: list[BaseException | None] = []
 
     def push() -> None:

@@ -83,7 +83,7 @@ def test_a_session_lost_between_two_patches_restarts_that_blob(
             before=lambda: _losing_sessions(server, new_secret=how == "new-http-secret"),
         )
         proxy.add(restart)
-        opts = TargetOptions(extra={"chunk_size": CHUNK})
+        opts = TargetOptions(chunk_size=CHUNK)
         pushed = transfer.push(
             str(ckpt), f"{proxy.host}/lost/{how}:v1", target_options=opts, jobs=1, progress="off"
         )
@@ -105,7 +105,7 @@ def test_one_500_on_one_patch_is_retried_in_the_same_session(
         ckpt = _checkpoint(tmp_path, seed=6)
         proxy.add(Fault(match=request("PATCH", UPLOAD_PATH), skip=1, times=1, status=500))
         mark = registry.log_mark()
-        opts = TargetOptions(extra={"chunk_size": CHUNK})
+        opts = TargetOptions(chunk_size=CHUNK)
         pushed = transfer.push(
             str(ckpt), f"{proxy.host}/err500/m:v1", target_options=opts, jobs=1, progress="off"
         )
@@ -128,7 +128,7 @@ def test_a_429_retry_after_is_honoured_on_uploads(registry: RegistryServer, tmp_
                 match=request("PATCH", UPLOAD_PATH), skip=1, times=1, status=429, headers={"Retry-After": "2"}
             )
         )
-        opts = TargetOptions(extra={"chunk_size": CHUNK})
+        opts = TargetOptions(chunk_size=CHUNK)
         transfer.push(str(ckpt), f"{proxy.host}/slowdown/m:v1", target_options=opts, jobs=1, progress="off")
         answered = [i for i, (_, _, _, s) in enumerate(proxy.log) if s == 429]
         assert len(answered) == 1
