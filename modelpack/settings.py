@@ -191,6 +191,7 @@ def _setting(
     return s
 
 
+_NO_WORDS: tuple[str, ...] = ()
 _CONN = "Registry and bucket connections"
 _MIRROR = "Mirrors and peers"
 _S3 = "S3 tuning"
@@ -249,7 +250,7 @@ CA_FILE = _setting(
 MIRRORS = _setting(
     "MODELPACK_MIRRORS",
     url_list,
-    (),
+    _NO_WORDS,
     "Mirrors or peers asked for blobs before the origin, in order, space or comma separated "
     "(``--mirror`` replaces the list).",
     kind="URLs",
@@ -514,7 +515,7 @@ LINK = _setting(
 VARIANT = _setting(
     "MODELPACK_VARIANT",
     pairs_list,
-    (),
+    _NO_WORDS,
     "Serving: ``KEY=VALUE,…`` fields the index-of-variants entry must have.",
     kind="pairs",
     group=_SERVE,
