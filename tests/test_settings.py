@@ -339,3 +339,34 @@ def test_target_options_from_environ_reads_the_given_mapping_only(monkeypatch: p
     assert opts.s3 == S3Tuning(part_size=6291456, conditional_writes="off")
     assert opts.mirror_thresholds == MirrorThresholds(min_rate=0.0)
     assert TargetOptions.from_environ().timeout == 99.0
+
+
+def test_the_cli_starts_from_the_environment_and_its_flags_win() -> None:
+    """``build_target_options``: what the flags do not say comes from ``TargetOptions.from_environ``
+    (timeout, retry budget, mirrors, S3 tuning); a flag given replaces its variable."""
+    import click
+    from click.testing import CliRunner
+
+    from modelpack.cli.options import build_target_options, target_options
+    from modelpack.targets.options import TargetOptions
+
+    built: list[TargetOptions] = []
+
+    @click.command()
+    @target_options
+    def probe(**kwargs: object) -> None:
+        built.append(build_target_options(dict(kwargs)))
+
+    env = {
+        "MODELPACK_TIMEOUT": "7",
+        "MODELPACK_RETRY_FOR": "5s",
+        "MODELPACK_MIRRORS": "http://env-mirror:1",
+        "MODELPACK_S3_CONCURRENCY": "3",
+    }
+    result = CliRunner().invoke(probe, [], env=env)
+    assert result.exit_code == 0, result.output
+    assert (built[0].timeout, built[0].retry_for, built[0].mirrors) == (7.0, 5.0, ["http://env-mirror:1"])
+    assert built[0].s3.concurrency == 3
+    result = CliRunner().invoke(probe, ["--retry-for", "0", "--mirror", "http://flag-mirror:2"], env=env)
+    assert result.exit_code == 0, result.output
+    assert (built[1].retry_for, built[1].mirrors) == (0.0, ["http://flag-mirror:2"])
