@@ -1,4 +1,4 @@
-"""LoRA adapters as artifacts whose subject is their base: push, list, pull, refusals (issue 27 item 6).
+"""LoRA adapters as artifacts whose subject is their base: push, list, pull, refusals.
 
 Against the real docker-registry 2.8 (no referrers API: the adapters are found through the
 ``sha256-<hex>`` tag-schema fallback index that pushing a manifest with a subject maintains).

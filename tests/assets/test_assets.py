@@ -1,4 +1,4 @@
-"""Runtime assets (issue 15): real Inductor compile caches shipped as signed, fingerprinted referrers.
+"""Runtime assets: real Inductor compile caches shipped as signed, fingerprinted referrers.
 
 One cold ``torch.compile`` (Inductor's CPU backend, the machine's C++ compiler) fills a cache in
 a fresh process; ``modelpack assets push`` publishes it as a referrer of a model in a private

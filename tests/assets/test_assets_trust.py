@@ -1,4 +1,4 @@
-"""Runtime assets are code (issue 22, items 1–4): each test is an attack from the second hostile review.
+"""Runtime assets are code: each test is an attack from the second hostile review.
 
 A model and its ``inductor`` assets live in the session's distribution registry; the caches are
 small generated directories (the compile itself is tests/assets/test_assets.py's business). Every pull

@@ -1,4 +1,4 @@
-"""The CLI answers every failure with one line and a non-zero exit (issue 12, item 4).
+"""The CLI answers every failure with one line and a non-zero exit.
 
 A ``ModelpackError`` prints as ``error: …``; an ``OSError`` names its path; anything else prints
 one line plus "run with --debug for details", and the traceback appears only under ``--debug``.

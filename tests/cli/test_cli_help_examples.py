@@ -1,4 +1,4 @@
-"""Every command's ``--help`` carries a runnable example (issue 12, item 12).
+"""Every command's ``--help`` carries a runnable example.
 
 A person reads ``modelpack X --help`` before the docs; one real command line teaches the argument
 order and the reference forms faster than the option table. Each example line is also parsed

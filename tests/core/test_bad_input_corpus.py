@@ -1,4 +1,4 @@
-"""A corpus of bad inputs through the real CLI (issue 12, item 5).
+"""A corpus of bad inputs through the real CLI.
 
 Each case is something a new user types by mistake or an attacker crafts: a malformed reference,
 a missing directory, a file that is not a key, a hand-made layout whose manifest, config or

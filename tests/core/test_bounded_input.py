@@ -1,4 +1,4 @@
-"""Bounded parsing of everything read from outside (issue 12, items 2, 3 and 10).
+"""Bounded parsing of everything read from outside.
 
 Each case is a crafted document or file: a shape no file can hold, a 100k-deep document where a
 manifest, config, header or audit file should be, a file that only has a ``.safetensors`` name.

@@ -1,4 +1,4 @@
-"""Property-based tests of the parsers that read untrusted bytes (issue 12, item 5).
+"""Property-based tests of the parsers that read untrusted bytes.
 
 For any input, the safetensors header parser, the manifest/index/descriptor parser, the model
 config parser, boundedjson and the reference parser either return a value or raise the project's

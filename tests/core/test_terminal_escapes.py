@@ -1,4 +1,4 @@
-"""Issue 22 item 10: text from outside never reaches the terminal as control sequences.
+"""Text from outside never reaches the terminal as control sequences.
 
 The attacks: a model name, an annotation, a file path, a tag or a registry's error message
 carrying OSC 52 (a clipboard write), clear-screen, cursor moves, a carriage return, a newline

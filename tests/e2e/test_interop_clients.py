@@ -1,4 +1,4 @@
-"""Issue 13 item 3: independent clients read what modelpack writes, and modelpack reads theirs.
+"""Independent clients read what modelpack writes, and modelpack reads theirs.
 
 - ``modelpack-client`` (PyPI; runs from ``.venv-peers`` because its console script is also called
   ``modelpack``): it pulls what ``modelpack push`` wrote (it validates the config against the

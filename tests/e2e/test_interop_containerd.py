@@ -1,4 +1,4 @@
-"""Issue 13 item 3: containerd pulls and unpacks the image-shaped variant — what a Kubernetes image
+"""containerd pulls and unpacks the image-shaped variant — what a Kubernetes image
 volume on a containerd node mounts — and the unpacked snapshot holds the model files byte for byte.
 
 The test starts Debian's ``containerd`` itself, on its own root, state directory and socket, with

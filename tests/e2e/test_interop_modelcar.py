@@ -1,4 +1,4 @@
-"""Issue 13 item 2: modelpack reads what others write — KServe modelcar images, modctl's tar layers.
+"""modelpack reads what others write — KServe modelcar images, modctl's tar layers.
 
 A modelcar is a plain OCI (or Docker) image whose tar layers hold the model under ``models/``
 and carry no file-path annotations. Two are built here: one with the building blocks of the PyPI

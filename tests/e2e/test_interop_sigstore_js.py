@@ -1,4 +1,4 @@
-"""Issue 21 item 6: the bundles modelpack writes verify with sigstore-js, a verifier nobody here wrote.
+"""The bundles modelpack writes verify with sigstore-js, a verifier nobody here wrote.
 
 ``modelpack push --sign-key`` (a real process) publishes its three signed referrers to a real
 registry. This test fetches them the way any OCI client does (the referrers API, else the

@@ -1,4 +1,4 @@
-"""Issue 23 item 3: origin-down and offline starts, end to end with real processes.
+"""Origin-down and offline starts, end to end with real processes.
 
 Real parts: a real origin registry killed for the outage, ``modelpack push --sign-key`` (manifest
 signature, directory signature, signed chunk table), node caches filled by ``modelpack pull

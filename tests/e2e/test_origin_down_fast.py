@@ -1,4 +1,4 @@
-"""Issue 23 (h1 item 4): with the origin down, a pinned start under a policy goes to the peers at once.
+"""With the origin down, a pinned start under a policy goes to the peers at once.
 
 Found in the storm work: a pinned pull under a trust policy with the origin down (connection
 refused) and a peer holding the model and its signatures waited the whole ``--retry-for`` (60 s,

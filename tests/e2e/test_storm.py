@@ -1,4 +1,4 @@
-"""Issue 23 item 4: the storm harness itself — counters measured, everything it made removed.
+"""The storm harness itself — counters measured, everything it made removed.
 
 Runs ``benchmarks/storm.py`` for real (2 nodes, a tiny model, network namespaces, tc): the origin
 egress it reports must be what the origin's veth counted (about 2 models direct, about 1 with

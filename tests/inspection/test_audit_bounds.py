@@ -1,4 +1,4 @@
-"""Issue 22 item 12: ``audit`` streams tags, bounds pages and total tags, and says when it cut.
+"""``audit`` streams tags, bounds pages and total tags, and says when it cut.
 
 The attack: a registry answers ``tags/list`` with huge pages and an endless ``Link: rel=next``
 (the reported case: 400,000-tag pages reached 1.5 GiB RSS in 37 s), or with endless empty

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_load.py checks correctness before it measures, and says so in its JSON (issue 16).
+"""benchmarks/gpu_load.py checks correctness before it measures, and says so in its JSON.
 
 The script is what a CUDA machine runs when one is lent; here it runs with ``--device cpu``, the
 same code path except the copy ceiling (host memcpy instead of pinned H2D). A real generated

@@ -1,4 +1,4 @@
-"""Issue 16, item 1: chunk-verified streaming reads each needed byte once (bytes counted by the
+"""Chunk-verified streaming reads each needed byte once (bytes counted by the
 readers), and reports per-rank bytes by split kind in the load's event and ``load --json``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Verified streams read straight into the destination tensors (issue 25 item 1, ``loader/scatter.py``).
+"""Verified streams read straight into the destination tensors.
 
 A chunk-verified or whole-layer stream on the CPU used to receive each range into a fresh
 ``bytes``, copy it into a staging slot, hash it, and copy it again into the tensor. Now the

@@ -1,4 +1,4 @@
-"""Each byte once per node (issue 25 item 2): TP ranks in a gloo group share chunk-verified reads.
+"""Each byte once per node: TP ranks in a gloo group share chunk-verified reads.
 
 Real processes: one per rank, a real gloo group over loopback TCP, an OCI layout read by range with
 a chunk table. Every rank checks its tensors against ``safetensors``' own load of the checkpoint

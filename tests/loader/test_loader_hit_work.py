@@ -1,4 +1,4 @@
-"""What a cache hit does inside vLLM's ``load_model`` (issue 25 item 1): nothing but hand out views.
+"""What a cache hit does inside vLLM's ``load_model``: nothing but hand out views.
 
 vLLM's weights phase is timed around ``load_model``, which runs the ``modelpack`` format's
 ``load_weights``: ``open_rank_load`` (settings, the snapshot's checks) and the rank's tensors. On a

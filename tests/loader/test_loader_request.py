@@ -1,4 +1,4 @@
-"""One options object for the loader's public API (issue 25 item 3): ``LoadRequest`` / ``LoadFields``."""
+"""One options object for the loader's public API: ``LoadRequest`` / ``LoadFields``."""
 
 from __future__ import annotations
 

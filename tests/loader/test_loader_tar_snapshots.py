@@ -1,4 +1,4 @@
-"""Issue 13 (last item): node-cache snapshots built from tar layers load, every file hashed.
+"""Node-cache snapshots built from tar layers load, every file hashed.
 
 A KServe modelcar (oci-modelcar), the image-shaped variant modelpack writes (``--format image``),
 modctl's one-``tar``-layer-per-file artifacts and ModelPack artifacts with ``tar``/``tar+gzip``/

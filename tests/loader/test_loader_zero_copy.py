@@ -1,4 +1,4 @@
-"""Zero-copy cache hits (issue 25 item 1): store blobs trusted by inode are handed out as views.
+"""Zero-copy cache hits: store blobs trusted by inode are handed out as views.
 
 With ``LoaderOptions(views="shard" | "full")`` a node-cache hit on the CPU maps each weight file
 that snapshot binding trusts (the store's committed, read-only blob, same inode) and yields

@@ -1,4 +1,4 @@
-"""Issue 11, items 1–3: the loader serves only bytes it verified, whatever the source claims.
+"""The loader serves only bytes it verified, whatever the source claims.
 
 Each test starts from the attack: a registry hop that forges the safetensors header on the first
 ranged reads and serves honest bytes afterwards; a signed model whose chunk table was withheld;

@@ -1,4 +1,4 @@
-"""Issue 13 item 5: the distribution has a name of its own on PyPI, and every install hint uses it.
+"""The distribution has a name of its own on PyPI, and every install hint uses it.
 
 ``pip install modelpack`` installs an unrelated project (DeepView ModelPack) and
 ``modelpack-client`` installs a script called ``modelpack``: this project is ``modelpack-oci``,

@@ -1,4 +1,4 @@
-"""Issue 13 item 1: what modelpack writes is what the released ModelPack spec defines.
+"""What modelpack writes is what the released ModelPack spec defines.
 
 The model config is checked against upstream ``schema/config-schema.json`` of model-spec v0.0.7,
 vendored byte for byte (a test here fails if it is edited); no member the release does not

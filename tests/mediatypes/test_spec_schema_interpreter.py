@@ -1,4 +1,4 @@
-"""Issue 16 item 3: the written config is checked without importing jsonschema, and nothing is lost.
+"""The written config is checked without importing jsonschema, and nothing is lost.
 
 ``modelpack.mediatypes.spec_schema`` runs the vendored model-spec schema with a small Draft 4
 interpreter (importing jsonschema was a fifth of packing 1 GiB). These tests hold it to

@@ -1,4 +1,4 @@
-"""Issue 24, item 3: a full disk while the node cache commits a manifest leaks nothing and says where.
+"""A full disk while the node cache commits a manifest leaks nothing and says where.
 
 A real tmpfs holds the cache; every blob of the model is already committed (an earlier pull whose
 snapshot and manifest blob are gone), and the filesystem is then filled to the last byte, so the

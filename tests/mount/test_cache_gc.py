@@ -110,7 +110,7 @@ def test_gc_removes_orphans_of_a_crashed_pull_but_not_its_partials(tmp_path: Pat
     assert again.state == "cold" and all(r.ok for r in cache.verify())
 
 
-# ------------------------------------------------------------------ issue 21 item 7: linear GC
+# ------------------------------------------------------------------ linear GC
 TINY = {"hidden": 16, "intermediate": 32, "layers": 1, "heads": 2, "kv_heads": 1, "vocab": 32}
 
 

@@ -1,9 +1,9 @@
 """Node cache: sweeps, byte counters, the pull → reader hand-off, CLI details, expanded-size quota.
 
-Issue 17 items 3–4 (gc and ``.tmp-modelpack-*`` files in ``snapshots/``; ``--json`` counters of a
-resumed partial; ``gc --min-age``; ``pull --cache --hold``), issue 12 item 11 (``--progress``,
-``gc --dry-run`` bytes, ``cache ls --cache /typo``) and the cache side of issue 12 item 1 (a
-zstd bomb in an image-shaped layer counts against the quota by its expanded size).
+Covers gc and ``.tmp-modelpack-*`` files in ``snapshots/``; ``--json`` counters of a resumed
+partial; ``gc --min-age``; ``pull --cache --hold``; ``--progress``, ``gc --dry-run`` bytes,
+``cache ls --cache /typo``; and a zstd bomb in an image-shaped layer counting against the quota by
+its expanded size.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24, item 2: ``cache verify`` killed anywhere in its repair never lets a corrupt blob back in.
+"""``cache verify`` killed anywhere in its repair never lets a corrupt blob back in.
 
 A real ``modelpack cache verify`` process is killed with SIGKILL by strace's fault injection
 (``-e inject=SYSCALL:signal=KILL:when=K``: the signal is delivered on entry to the K-th call of

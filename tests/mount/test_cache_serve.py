@@ -1,4 +1,4 @@
-"""Issue 23 item 4 (build 1): ``modelpack cache serve`` — a node cache as a read-only OCI mirror.
+"""``modelpack cache serve`` — a node cache as a read-only OCI mirror.
 
 Real parts: a real origin registry (killed for the outage), real ``modelpack pull --cache`` and
 ``modelpack cache serve`` subprocesses, raw HTTP requests from the test playing a hostile peer.
@@ -341,7 +341,7 @@ def test_containerd_pulls_the_image_variant_from_a_peer_through_hosts_toml(
 def test_peers_from_a_dns_name_in_each_nodes_rendezvous_order(
     registry_factory: Any, checkpoint: Path, tmp_path: Path, serve: Any
 ) -> None:
-    """Issue 23 build 2: ``--mirror dns+http://NAME:PORT`` is every address NAME resolves to (a
+    """``--mirror dns+http://NAME:PORT`` is every address NAME resolves to (a
     headless Service), ordered per node by rendezvous hashing. Before, ``dns+http`` was refused."""
     from modelpack.targets.registry.peers import expand_peer_urls, rendezvous
 

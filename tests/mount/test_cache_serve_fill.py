@@ -1,4 +1,4 @@
-"""Issue 23 item 4: ``cache serve --fill`` — the owner peer fetches a missing blob once from the origin.
+"""``cache serve --fill`` — the owner peer fetches a missing blob once from the origin.
 
 Real parts: a real origin registry, real ``cache serve`` and ``modelpack pull --cache``
 subprocesses on loopback; the test plays the hostile requester with raw HTTP. What is attacked:

@@ -1,4 +1,4 @@
-"""Issue 23 (h1 item 2): blob owners with bounded load, the same on every node.
+"""Blob owners with bounded load, the same on every node.
 
 Rendezvous hashing alone gave one node of 16 four of the model's 16 shards (a quarter of the
 model to send to 15 nodes through one link) and six nodes none. The balanced assignment (blobs

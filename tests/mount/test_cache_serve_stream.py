@@ -1,4 +1,4 @@
-"""Issue 23 (h1 item 1): a fill streams to its waiting requesters as the origin's bytes land.
+"""A fill streams to its waiting requesters as the origin's bytes land.
 
 Before, a fill was store-and-forward: a requester of a blob the owner was filling got nothing
 until the owner held (and had verified) the whole blob, so its client's throughput window passed

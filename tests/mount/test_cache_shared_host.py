@@ -1,4 +1,4 @@
-"""The node cache on a shared host (issue 22 items 6–9, issue 24 items 6–7).
+"""The node cache on a shared host.
 
 Each test starts from an attack or a fault, run with the real CLI in subprocesses: a second uid
 (``nobody`` via ``setpriv``; the tests run as root) that owns the cache root or its parent, plants

@@ -291,7 +291,7 @@ def test_events_feed_the_timeline_per_state(
 
 def test_sweep_ages_leftovers_whose_mtime_is_in_the_future(tmp_path: Path) -> None:
     """The clock stepped back after a crash: a temp file or partial stamped "tomorrow" must age
-    from now on and go at its TTL, not be kept forever (issue 24 item 7's class, in the store)."""
+    from now on and go at its TTL, not be kept forever."""
     nc = NodeCache(str(tmp_path / "cache"))
     tomorrow = time.time() + 86400
     temp = Path(nc.store.ingest_dir) / f"{TEMP_PREFIX}left-behind"

@@ -1,4 +1,4 @@
-"""Issue 13 item 4: every Kubernetes object modelpack emits validates against the published
+"""Every Kubernetes object modelpack emits validates against the published
 Kubernetes OpenAPI schemas of 1.33 and of the newest release, in strict mode (unknown fields are
 errors), with ``kubernetes-validate`` — not only against the Python client's models, which accept
 whatever their version happens to know.

@@ -173,7 +173,7 @@ def _sh_argv(tmp_path: Path, script: str, env: dict[str, str]) -> list[list[str]
 
 
 def test_cache_path_reaches_the_init_container_literally(tmp_path: Path) -> None:
-    """Issue 22 item 11: a ``--cache-path`` holding ``$(MODELPACK_CACHE)`` was expanded by the
+    """A ``--cache-path`` holding ``$(MODELPACK_CACHE)`` was expanded by the
     kubelet before ``sh -c`` ran; every generated command, argument and env value is literal."""
     args = ["init-container", REF, "--cache-path", EVIL_CACHE, "--policy-secret", "trust"]
     args += ["--policy-key", "p$(HOME).yaml", "--vllm", "--json"]

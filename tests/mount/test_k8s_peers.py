@@ -1,4 +1,4 @@
-"""Issue 23 item 5: the pre-warm DaemonSet serves each node's cache to its peers.
+"""The pre-warm DaemonSet serves each node's cache to its peers.
 
 ``modelpack k8s prewarm … --serve-peers PORT`` adds a ``cache serve`` container (cache mounted
 read-only) to every pod, points the pod's pulls at the other nodes first through the headless
@@ -36,7 +36,7 @@ def test_prewarm_serve_peers_emits_a_headless_service_and_a_serving_container(tm
     assert service["spec"]["selector"] == ds["spec"]["template"]["metadata"]["labels"]
     prewarm, serve = model.spec.template.spec.containers
     assert serve.command[:3] == ["modelpack", "cache", "serve"] and serve.ports[0].container_port == 5050
-    # the server fills the pinned reference's blobs on a miss (issue 23): only this container
+    # the server fills the pinned reference's blobs on a miss: only this container
     # writes the cache, the root filesystems stay read-only
     assert serve.command[serve.command.index("--fill") + 1] == REF
     assert serve.volume_mounts[0].read_only is False

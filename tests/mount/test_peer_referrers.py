@@ -1,4 +1,4 @@
-"""Issue 23 item 3: signatures through peers — a signed, pinned start with the origin down.
+"""Signatures through peers — a signed, pinned start with the origin down.
 
 Real parts: a real origin registry (killed for the outage), ``modelpack push --sign-key`` (a
 manifest signature, a directory signature and a signed chunk table as referrers), real ``modelpack

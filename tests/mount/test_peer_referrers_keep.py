@@ -1,4 +1,4 @@
-"""Issue 23 item 3: what the node cache keeps of a model's signature referrers, and what it lists.
+"""What the node cache keeps of a model's signature referrers, and what it lists.
 
 Library level over a real OCI layout signed twice: by the key this node trusts (manifest
 signature, directory signature, chunk table) and by another key. Only what verified under the

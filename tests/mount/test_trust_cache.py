@@ -1,4 +1,4 @@
-"""The node cache against another local user (issue 11, items 4–6).
+"""The node cache against another local user.
 
 Each test starts from the attack: a second uid (``nobody``, via ``setpriv``; the tests run as
 root) that can read the cache plants a blob, a marker or a trust record, or holds ``flock`` on

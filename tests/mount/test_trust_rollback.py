@@ -1,4 +1,4 @@
-"""Issue 22 item 15: a tag moved from signed v2 back to signed v1 is a rollback, and is refused.
+"""A tag moved from signed v2 back to signed v1 is a rollback, and is refused.
 
 Each test starts from the attack: a real registry, a key that signed two versions of a model
 under one tag, and someone with push access who points the tag back at the older manifest (an

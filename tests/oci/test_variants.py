@@ -1,4 +1,4 @@
-"""Variants (issue 27 items 3-4): an OCI image index of ModelPack manifests, one entry per node.
+"""Variants: an OCI image index of ModelPack manifests, one entry per node.
 
 Two variants of one small generated model (bf16 and f32) are packed and pushed to a real registry
 (distribution 2.8); each test writes its own index with ``modelpack index create`` / ``push

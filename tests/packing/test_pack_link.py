@@ -1,4 +1,4 @@
-"""Issue 24, item 9: ``pack --link auto|reflink|copy`` exists, as docs/artifact.md says.
+"""``pack --link auto|reflink|copy`` exists, as docs/artifact.md says.
 
 Before, ``cli/pack.py`` popped a ``link`` option no decorator defined: ``pack --link copy``
 was a usage error ("No such option"), so a person told to use it to keep checkpoint files

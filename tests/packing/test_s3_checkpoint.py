@@ -143,7 +143,7 @@ def test_empty_prefix_unsafe_keys_and_reshard_are_refused(s3: S3Server, checkpoi
 def test_keys_with_dot_dotdot_or_empty_components_are_refused_by_name(
     s3: S3Server, checkpoint: Path, key: str
 ) -> None:
-    """Issue 22 item 13: such keys were silently skipped (``.``/``..`` start with a dot, like a
+    """Such keys were silently skipped (``.``/``..`` start with a dot, like a
     hidden file); a checkpoint whose listing holds one is refused, naming the key."""
     bucket = s3.make_bucket()
     _upload_checkpoint(s3, checkpoint, bucket)

@@ -1,4 +1,4 @@
-"""vLLM's ``sharded_state`` layout as a variant, without vLLM (issue 27 item 5).
+"""vLLM's ``sharded_state`` layout as a variant, without vLLM.
 
 A synthetic sharded_state checkpoint — ``model-rank-R-part-P.safetensors`` as vLLM's
 ``save_sharded_state`` names them, every rank's tensors different — is packed, pulled into a node

@@ -1,4 +1,4 @@
-"""vLLM (CPU) serves a base with its LoRA adapter from the node cache (issue 27 item 6).
+"""vLLM (CPU) serves a base with its LoRA adapter from the node cache.
 
 The tiny generated Llama of the vLLM tests is pushed as the base; a PEFT-format LoRA adapter
 (q_proj/v_proj, rank 8, non-zero B) is generated for it and pushed with ``--base``; both are

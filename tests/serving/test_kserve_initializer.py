@@ -1,4 +1,4 @@
-"""``modelpack storage-initializer`` run the way KServe runs it (issue 26 items 1 and 3).
+"""``modelpack storage-initializer`` run the way KServe runs it.
 
 Each test starts a real registry with htpasswd auth (TLS with a private CA where it says so),
 pushes a generated model, and runs the CLI as KServe's webhook and LocalModelNode agent start

@@ -1,7 +1,6 @@
 """Every layer kind ``modelpack pull`` writes, through ``storage-initializer`` as KServe runs it:
 raw ModelPack layers, ModelPack tar folders (``tar+zstd``), the image-shaped variant and a
-docker-built KServe modelcar (base image layer passed over), with and without the node cache
-(issue 26 item 1). The anonymous plain-HTTP registry needs ``MODELPACK_PLAIN_HTTP=true``."""
+docker-built KServe modelcar (base image layer passed over), with and without the node cache. The anonymous plain-HTTP registry needs ``MODELPACK_PLAIN_HTTP=true``."""
 
 from __future__ import annotations
 

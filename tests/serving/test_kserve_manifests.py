@@ -1,7 +1,7 @@
 """``modelpack k8s kserve …``: every object validates against KServe's own CRD schemas (vendored
 byte for byte, ``tests/fixtures/kserve-crds/PROVENANCE.yaml``) and, where it embeds core
 objects (containers, volumes, PV and PVC specs), against Kubernetes' published schemas in
-strict mode (issue 26 item 2).
+strict mode.
 
 Structural CRD schemas do not reject unknown fields, the API server prunes them silently: a
 misspelled field would vanish on ``kubectl apply``. ``_pruned`` finds every field of an object

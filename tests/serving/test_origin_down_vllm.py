@@ -1,4 +1,4 @@
-"""Issue 23 item 3: vLLM (CPU) starts with ``--load-format modelpack`` while the origin is down.
+"""vLLM (CPU) starts with ``--load-format modelpack`` while the origin is down.
 
 One vLLM process, two engine starts (TP=1), the origin registry killed before it starts:
 

@@ -1,4 +1,4 @@
-"""Streamed tensors read straight into the engine's parameters (issue 25 item 1), and the cases
+"""Streamed tensors read straight into the engine's parameters, and the cases
 where the dry run of ``load_weights`` must send a tensor down the copy path instead.
 
 The model is laid out the way vLLM lays out a Llama (q/k/v stacked in ``qkv_proj``, gate/up in

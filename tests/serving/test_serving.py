@@ -183,7 +183,7 @@ def test_model_dir_must_hold_the_pinned_artifacts_config(
 def test_model_dir_holds_nothing_the_artifact_does_not_list(
     packed_layout: tuple[Path, Any, str], tmp_path: Path
 ) -> None:
-    """Issue 22 item 14: vLLM reads what --model holds, listed in the manifest or not."""
+    """vLLM reads what --model holds, listed in the manifest or not."""
     import shutil
 
     ckpt, manifest, _ = packed_layout

@@ -1,4 +1,4 @@
-"""Variants in serving (issue 27 item 4): the KServe initializer and the vLLM load format select
+"""Variants in serving: the KServe initializer and the vLLM load format select
 the entry of an index with the same rules as ``pull`` and ``load``.
 
 The initializer runs the way KServe runs it (``tests/kserve_support.py``: uid 1000, read-only

@@ -1,4 +1,4 @@
-"""Issue 27 item 4: vLLM (CPU) started on an index of variants takes the entry for its engine.
+"""vLLM (CPU) started on an index of variants takes the entry for its engine.
 
 Two variants of a tiny Llama with different weights are pushed to a real registry; the index marks
 one ``engine=vllm`` and the other ``engine=sglang``. One vLLM process, two engine starts (TP=1):

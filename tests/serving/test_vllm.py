@@ -200,7 +200,7 @@ def _planted(model: Model, base: Path, name: str) -> Path:
 def test_the_model_directory_is_checked_before_vllm_reads_its_config(
     model: Model, tp1: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
-    """Issue 22 item 14. (1) ``config.json`` swapped for one whose ``auto_map`` names a planted
+    """(1) ``config.json`` swapped for one whose ``auto_map`` names a planted
     ``modeling_evil.py``, started with ``trust_remote_code``: refused before transformers imports
     it (the module would leave a file behind). (2) A planted chat template nobody signed: refused,
     naming it. (3) The same directory with ``allow_extra_files``: served, same tokens."""

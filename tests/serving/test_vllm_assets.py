@@ -1,4 +1,4 @@
-"""vLLM (CPU) with compilation enabled fetches its compile cache as a runtime asset (issue 15, item 3).
+"""vLLM (CPU) with compilation enabled fetches its compile cache as a runtime asset.
 
 The tiny float32 Llama of tests/serving/test_vllm.py is pushed to the test registry and streamed into
 vLLM through the ``modelpack`` load format with ``"assets": {}`` in the extra config. Two engine
@@ -358,7 +358,7 @@ def test_a_registry_problem_never_fails_the_start(loaded_rank: Any, tmp_path: Pa
 def test_an_unsigned_asset_never_reaches_vllm_without_a_trusted_signature(
     loaded_rank: Any, tmp_path: Path
 ) -> None:
-    """Issue 22 item 1: anyone with push access attaches an exact-match asset nobody signed."""
+    """Anyone with push access attaches an exact-match asset nobody signed."""
     from modelpack.assets import push_asset
 
     first = _fetch(loaded_rank("u-fp"), tmp_path / "root-fp")

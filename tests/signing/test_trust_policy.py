@@ -1,4 +1,4 @@
-"""Issue 11 item 9: trust-policy rules match canonical names, so another spelling of the same
+"""Trust-policy rules match canonical names, so another spelling of the same
 registry, repository or layout never falls through to a more permissive rule."""
 
 from __future__ import annotations

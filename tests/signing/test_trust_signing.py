@@ -1,4 +1,4 @@
-"""Issue 11 items 7, 8, 10, 11: each test starts from the attack or the mistake.
+"""Each test starts from the attack or the mistake.
 
 - 7: a push with an unusable signing key uploads nothing; a signing that fails after the upload
   leaves no tag pointing at the unsigned model (push by digest → sign → tag).

@@ -1,4 +1,4 @@
-"""Issue 13 item 6: a push into a new repository of a registry that already holds the blobs mounts
+"""A push into a new repository of a registry that already holds the blobs mounts
 them instead of uploading them again — from where the same user pushed them before (a per-user
 record), or from ``--mount-from REPO``. Counted from the registry's own access log: an upload ends
 with ``PUT …/blobs/uploads/…?digest=`` (201), a mount is ``POST …/blobs/uploads/?mount=…&from=…`` (201).

@@ -1,4 +1,4 @@
-"""Issue 11, items 12–13: credentials go only to the registry host they belong to, and S3 endpoint
+"""Credentials go only to the registry host they belong to, and S3 endpoint
 secrets never appear in a message.
 
 The attacks: ``modelpack cp SRC DST -u ci --password-stdin`` where SRC answers with a Basic
@@ -317,7 +317,7 @@ def test_docker_config_credentials_stay_on_their_registry_at_the_client(
     realm.seen.clear()
     with pytest.raises(AuthenticationError, match="another host"):
         client.request("GET", "/v2/", scopes=(), ok=(200,))
-    assert realm.seen == []  # issue 22 item 5: not a single request, let alone the password
+    assert realm.seen == []  # not a single request, let alone the password
     # the operator says that token service is the registry's own: then it gets them
     monkeypatch.setenv("MODELPACK_TOKEN_HOSTS", f"{bearer_registry.host}={realm.host}")
     client = RegistryClient(bearer_registry.host, credentials=creds, retry_for=0)
@@ -492,7 +492,7 @@ def _redirecting_registry(
 def test_a_redirect_target_never_collects_the_registry_password(
     registry_factory: RegistryFactory, checkpoint: Path, tmp_path: Path, mode: str, source: str
 ) -> None:
-    """Issue 22 item 5: the registry's password sits in docker's config.json; blob GETs 307 to
+    """The registry's password sits in docker's config.json; blob GETs 307 to
     another host. That host's 401 and Bearer realm on itself must not get the password: the
     challenge belongs to the host that sent it, and the pull either gets the blob without
     credentials or stops with a typed error naming that host."""
@@ -523,7 +523,7 @@ def test_a_redirect_target_never_collects_the_registry_password(
 def test_docker_config_credentials_never_go_to_a_realm_on_another_host(
     bearer_registry: Recorder, realm: Recorder, tmp_path: Path
 ) -> None:
-    """Issue 22 item 5: docker's config.json entries are bound to their registry host like
+    """Docker's config.json entries are bound to their registry host like
     command-line and environment credentials (Docker Hub's documented token host aside)."""
     _docker_login(tmp_path, bearer_registry.host, CI_USER, CI_PASSWORD)
     r = CliRunner().invoke(main, ["inspect", f"{bearer_registry.host}/m/x:v1", "--retry-for", "0"])

@@ -1,4 +1,4 @@
-"""Issue 23, items 1–2: a crawling mirror cannot stall a pull, SIGTERM stops a stalled transfer,
+"""A crawling mirror cannot stall a pull, SIGTERM stops a stalled transfer,
 and a lying mirror cannot deny a chunk-verified load.
 
 The origin is a real ``docker-registry``; the mirrors are the small hostile loopback servers of
@@ -186,7 +186,7 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
 def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_clearly(
     registry_factory: Any, checkpoint: Path, tmp_path: Path
 ) -> None:
-    """Issue 23 item 3: manifests by digest may come from a mirror (verified by digest); tags
+    """Manifests by digest may come from a mirror (verified by digest); tags
     resolve only at the origin. Before, every manifest read went to the origin."""
     origin = registry_factory.start()
     mirror = registry_factory.start()

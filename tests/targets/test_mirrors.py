@@ -1,4 +1,4 @@
-"""Issue 17, items 5–7: pulls through mirrors before the origin, abandoning a mirror per blob.
+"""Pulls through mirrors before the origin, abandoning a mirror per blob.
 
 The origin is the session registry behind a fault-free FaultProxy (its byte counters say what
 the origin served to the client); a mirror is a second real registry holding a copy (or Debian's

@@ -1,4 +1,4 @@
-"""Issue 17, items 1–2: a registry read or write that loses its connection resumes within the run.
+"""A registry read or write that loses its connection resumes within the run.
 
 Every case starts from the fault: a proxy that cuts a body mid-way (``FaultProxy(cut_after=…)``),
 refuses a PATCH, PUT or POST after reading it, or a registry killed and restarted in the middle of
@@ -253,7 +253,7 @@ def test_retry_budget_and_durations() -> None:
 def test_a_silent_connection_is_resumed_as_the_retry_settings_say(
     registry: RegistryServer, proxy: FaultProxy, checkpoint: Path, tmp_path: Path
 ) -> None:
-    """Issue 24 item 9: a blob GET whose connection goes silent (headers, then nothing for 30 s)
+    """A blob GET whose connection goes silent (headers, then nothing for 30 s)
     used to cost the 300 s socket read timeout before the Range resume; with ``--retry-for 4s``
     it is resumed after 2 s."""
     digest, layers = _pushed(registry, checkpoint, "resume/silent")

@@ -115,7 +115,7 @@ def test_token_auth_anonymous_pull_and_scope_upgrade(
     opts = TargetOptions(
         username=token_registry.username,
         password=token_registry.password,
-        credentials_host=token_registry.host,  # credentials belong to one registry (issue 11.12)
+        credentials_host=token_registry.host,  # credentials belong to one registry
     )
     target = open_target(token_registry.ref("token/model", None), opts)  # opened for reading
     assert isinstance(target, RegistryTarget)

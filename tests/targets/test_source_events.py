@@ -1,4 +1,4 @@
-"""Issue 23 item 3: events say which source served what, and why a source was left.
+"""Events say which source served what, and why a source was left.
 
 Real parts: a real origin registry, a real second registry as a mirror that lacks the model, a
 closed loopback port, and the hostile loopback mirror of ``tests/fixtures/hostile_mirror.py``

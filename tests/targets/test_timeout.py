@@ -1,4 +1,4 @@
-"""Issue 21 item 4: ``modelpack --timeout SECONDS`` (and ``MODELPACK_TIMEOUT``) is real.
+"""``modelpack --timeout SECONDS`` (and ``MODELPACK_TIMEOUT``) is real.
 
 The attack on the old text: an error said "--timeout sets the limit", no command had the flag,
 and a registry that accepts connections and never answers held every command for the 300 s

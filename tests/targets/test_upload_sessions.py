@@ -1,4 +1,4 @@
-"""Issue 24, items 1 and 9: a push rides out lost sessions, 500s and 429s; one retry budget per command.
+"""A push rides out lost sessions, 500s and 429s; one retry budget per command.
 
 Every case is a real registry (Debian's ``docker-registry``) behind the FaultProxy:
 

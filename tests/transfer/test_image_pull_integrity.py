@@ -1,5 +1,4 @@
-"""Image-shaped pulls (modelcars, ``push --format image``) prove every file before it appears
-(issue 25 item 4, issue 26 item 4).
+"""Image-shaped pulls (modelcars, ``push --format image``) prove every file before it appears.
 
 Pull into a directory extracts a tar layer into a staging directory inside DEST while the blob
 digest is computed over the same stream, and renames the files into place only once it matched;

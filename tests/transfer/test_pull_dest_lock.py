@@ -1,4 +1,4 @@
-"""Issue 24, item 8: concurrent pulls of different artifacts into one directory never exit 0 over a mix.
+"""Concurrent pulls of different artifacts into one directory never exit 0 over a mix.
 
 Twenty real ``modelpack pull`` processes, started together, pull one of two artifacts (same
 paths, different bytes) into one DEST_DIR, with and without ``--force``. Before the fix 7 of 20

@@ -1,4 +1,4 @@
-"""Pull into a directory loses nothing and leaves nothing behind (issue 12 items 4, 6, 8; issue 17 item 2).
+"""Pull into a directory loses nothing and leaves nothing behind.
 
 Against a real registry (and a fault-injecting hop in front of it): a differing local file is
 never overwritten without ``--force``; files the artifact does not contain are reported and

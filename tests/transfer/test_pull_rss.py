@@ -1,4 +1,4 @@
-"""Issue 16 item 2: ``modelpack pull REF DIR`` holds a bounded amount of memory, whatever the
+"""``modelpack pull REF DIR`` holds a bounded amount of memory, whatever the
 size of the model's files.
 
 The bound: the pull's peak RSS (``VmHWM`` of the ``modelpack pull`` process) is at most the
@@ -9,7 +9,7 @@ whole file in memory, or buffered more than 64 MiB of one, fails. Each child rec
 ``VmHWM`` from ``/proc/self/status`` at exit (atexit), so the number is exact and is the
 child's alone (not the test process's high-water mark, which a fork would inherit).
 
-Issue 25 item 4 / 26 item 4: an image-shaped pull (a modelcar: tar layers, files under
+An image-shaped pull (a modelcar: tar layers, files under
 ``models/``) of a ≥ 256 MiB model at the default 4 concurrent layers peaks at no more than
 64 MiB in all — the interpreter included, as ``kserve-storage`` is measured (47 MiB here). Its
 child is started through a small launcher, as ``test_audit_bounds`` does, so that nothing of

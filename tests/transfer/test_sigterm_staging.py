@@ -1,4 +1,4 @@
-"""Issue 24, item 4: SIGTERM cleans up like Ctrl-C in every command; SIGKILL leftovers are swept.
+"""SIGTERM cleans up like Ctrl-C in every command; SIGKILL leftovers are swept.
 
 A CI timeout and a pod stop send SIGTERM first. Before the fix, ``push --max-file-size``,
 ``push --format image`` and ``assets push`` killed so left their model-sized staging (22–30 MiB)

@@ -1,4 +1,4 @@
-"""Tar layers from a registry cannot expand without bound (issue 12, items 1, 7 and 11).
+"""Tar layers from a registry cannot expand without bound.
 
 What is written is counted and capped (declared member sizes, checked while writing), sparse
 members are refused in every encoding, header and trailer sizes are bounded, a corrupt layer is
