@@ -49,7 +49,7 @@ from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.progress import Progress
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
 
@@ -368,8 +368,9 @@ class Puller:
                 missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes
             )
         timings["download"] = to_ms(time.monotonic() - t)
-        by_source = getattr(target, "bytes_by_source", None)
-        result.bytes_by_source = dict(by_source()) if callable(by_source) else {}
+        result.bytes_by_source = (
+            dict(target.bytes_by_source()) if isinstance(target, SourceAccounting) else {}
+        )
         # downloaded + reused == total: a blob is either fetched (minus a resumed prefix, which is
         # reused) or was already there (committed by someone else meanwhile counts as reused)
         for b, r in zip(missing, results, strict=True):

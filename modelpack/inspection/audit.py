@@ -29,7 +29,7 @@ from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_c
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import Closable, ReadableTarget
 
 
 def format_signed_at(seconds: float | None) -> str | None:
@@ -291,9 +291,8 @@ def _listed_tags(target: ReadableTarget, audit: RepositoryAudit, max_tags: int) 
     except ListingCutError as exc:
         audit.cut = str(exc)
     finally:
-        close = getattr(listing, "close", None)
-        if close is not None:
-            close()  # a generator: no further page is fetched
+        if isinstance(listing, Closable):
+            listing.close()  # a generator: no further page is fetched
     return sorted(tags)
 
 

@@ -46,6 +46,7 @@ from modelpack.errors import (
     TransferInterrupted,
 )
 from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.targets.base import RangeCheck
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
@@ -71,9 +72,6 @@ DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
-
-#: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
-RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
 
 
 class _Mirror:
@@ -466,7 +464,6 @@ __all__ = [
     "MIRROR_STALL_S",
     "MirrorEndpoint",
     "MirroredBlobs",
-    "RangeCheck",
     "configured_mirrors",
     "hosts_toml_mirrors",
     "mirror_limits",

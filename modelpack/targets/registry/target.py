@@ -31,13 +31,13 @@ from modelpack.errors import (
 )
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
-from modelpack.targets.base import BlobSource
+from modelpack.targets.base import BlobSource, RangeCheck
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
-from modelpack.targets.registry.mirrors import MirroredBlobs, RangeCheck, configured_mirrors, mirror_limits
+from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
 from modelpack.targets.registry.peer_referrers import mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
