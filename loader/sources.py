@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.loader.snapshot_source import open_snapshot
 from modelpack.loader.target_source import open_target_source
@@ -20,6 +20,11 @@ from modelpack.errors import ModelpackError, SourceError
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 
+if TYPE_CHECKING:
+    from modelpack.signing.chunks import ChunkTable
+
+    from modelpack.targets.options import TargetOptions
+
 __all__ = ["ResolvedSource", "WeightFile", "open_snapshot", "open_target_source", "resolve_source"]
 
 
@@ -27,9 +32,9 @@ def resolve_source(
     source: Any,
     *,
     expected_digest: str | None = None,
-    chunk_table: Any = None,
+    chunk_table: ChunkTable | None = None,
     trusted_keys: Sequence[Any] | None = None,
-    target_options: Any = None,
+    target_options: TargetOptions | None = None,
     allow_unverified: bool = False,
     allow_missing_chunk_table: bool = False,
     direct: bool = False,

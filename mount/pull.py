@@ -36,7 +36,7 @@ from modelpack.mount.reports import PullResult, to_ms
 from modelpack.mount.rollback import PendingAcceptance, RollbackGuard
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords
+from modelpack.mount.trust import PolicySource, TrustRecords
 
 from modelpack.errors import (
     CacheError,
@@ -79,7 +79,7 @@ class Puller:
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -156,7 +156,7 @@ class Puller:
         return self.rollback.check(ref, digest, signed_at, ev)
 
     def _no_rollback_on_hit(
-        self, ref: Reference, digest: str, policy: Any, ev: Callable[..., None]
+        self, ref: Reference, digest: str, policy: PolicySource, ev: Callable[..., None]
     ) -> PendingAcceptance:
         """A hit under a policy: its signing time is in the trust record ``on_hit`` checked."""
         if self.rollback is None:
@@ -249,7 +249,7 @@ class Puller:
         ref_text: str,
         digest: Digest,
         target: ReadableTarget,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         sid: str,
         t0: float,

@@ -45,6 +45,7 @@ from modelpack.errors import (
     RegistryError,
     TransferInterrupted,
 )
+from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.targets.base import RangeCheck
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
@@ -96,7 +97,7 @@ class MirroredBlobs:
         retry_for: float | None = None,
         stall_s: float | None = None,
         floor: Floor | None = None,
-        events: Any = None,
+        events: EventLog | None = None,
         spool_dir: str | None = None,
     ) -> None:
         self.origin = origin
