@@ -21,8 +21,11 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 
 if TYPE_CHECKING:
+    from modelpack.mount.cache import NodeCache
     from modelpack.signing.chunks import ChunkTable
 
+    from modelpack.oci.reference import Reference
+    from modelpack.oci.variant_selection import VariantSelector
     from modelpack.targets.options import TargetOptions
 
 __all__ = ["ResolvedSource", "WeightFile", "open_snapshot", "open_target_source", "resolve_source"]
@@ -38,7 +41,7 @@ def resolve_source(
     allow_unverified: bool = False,
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
-    variant: Any = None,
+    variant: VariantSelector | None = None,
 ) -> ResolvedSource:
     """Turn any accepted ``source`` into files with a verification mode (see the module doc).
     ``variant`` selects the entry when a reference pins an index of variants."""
@@ -93,8 +96,8 @@ def resolve_source(
 
 
 def _open_cache_pair(
-    cache: Any,
-    reference: Any,
+    cache: NodeCache,
+    reference: str | Reference,
     *,
     expected_digest: str | None,
     direct: bool,
@@ -106,9 +109,8 @@ def _open_cache_pair(
     ctx = cache.open_snapshot(str(reference))
     info = ctx.__enter__()
     try:
-        path = getattr(info, "path", info)
         src = open_snapshot(
-            os.fspath(path),
+            info.path,
             expected_digest=expected_digest,
             allow_unverified=False,
             direct=direct,
@@ -117,5 +119,9 @@ def _open_cache_pair(
     except BaseException:
         ctx.__exit__(None, None, None)
         raise
-    src._cleanup.insert(0, lambda: ctx.__exit__(None, None, None))
+
+    def release() -> None:
+        ctx.__exit__(None, None, None)
+
+    src._cleanup.insert(0, release)
     return src
