@@ -76,11 +76,11 @@ class TrustRecords:
         doc = self.read(digest) or {"digest": digest, "key_ids": []}
         doc["key_ids"] = sorted(set(doc.get("key_ids", [])) | set(result.key_ids))
         doc["signed_at"] = _merge_signed_times(doc.get("signed_at"), result.signed_times)
-        for field_name, attr in (
-            ("directory_signature", "directory_signature"),
-            ("chunk_table", "chunk_table"),
+        for field_name, status in (
+            ("directory_signature", result.directory_signature),
+            ("chunk_table", result.chunk_table),
         ):
-            if getattr(result, attr, None) == "verified":
+            if status == "verified":
                 doc[field_name] = "verified"
         atomic_write_bytes(
             self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE

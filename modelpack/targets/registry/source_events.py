@@ -59,7 +59,7 @@ def source_url(host: str, plain_http: bool) -> str:
 def origin_url(client: RegistryClient) -> str:
     """The origin as ``scheme://host`` without probing it (a loopback origin whose scheme was
     never learned is shown as ``https``)."""
-    scheme = getattr(client, "_scheme", None) or ("http" if client.plain_http else "https")
+    scheme = client._scheme or ("http" if client.plain_http else "https")
     return f"{scheme}://{client.api_host}"
 
 
