@@ -336,6 +336,10 @@ class ResolvedVariant:
     reference: str  # the entry, digest-pinned in the index's repository
     selection: Selection
     index_signature: str = "not-checked"
+    index_digest: str = ""
+    #: the newest signing time of the index's verified signatures (None: not verified), for the
+    #: rollback check of a tag that names the index (``mount.resolve``)
+    index_signed_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -353,15 +357,17 @@ def resolve_variant(
     policy: Any = None,
     events: Any = None,
     target: ReadableTarget | None = None,
+    descriptor: Descriptor | None = None,
 ) -> ResolvedVariant | None:
     """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by
     digest (None: a plain manifest, use ``reference`` as it is). Under ``policy`` the index
     signature is verified here; the caller verifies the entry's own signature as for any model
     (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
-    digest and must be a ModelPack manifest whose bytes hash to the entry digest."""
+    digest and must be a ModelPack manifest whose bytes hash to the entry digest. ``descriptor``
+    is what ``reference`` already resolved to (no second request)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = target if target is not None else open_readable(ref, target_options)
-    desc = target.resolve(ref.identifier)
+    desc = descriptor if descriptor is not None else target.resolve(ref.identifier)
     if not is_index_media_type(desc.media_type) and not ref.digest:
         return None
     raw, media_type = target.fetch_manifest(str(desc.digest))
@@ -371,6 +377,7 @@ def resolve_variant(
         return None
     vi = variant_index(parsed)
     signature = "not-checked"
+    signed_at = None
     if policy is not None:
         from modelpack.signing import verify_artifact
 
@@ -378,9 +385,10 @@ def resolve_variant(
             target, ref, Descriptor(parsed.media_type, parsed.digest, len(raw)), policy, events=events
         )
         signature = str(result.status)
+        signed_at = result.signed_at
     selection = (selector or VariantSelector()).select(vi)
     entry = selection.chosen
     entry_raw, entry_type = target.fetch_manifest(str(entry.descriptor.digest))
     check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
     pinned = dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest)
-    return ResolvedVariant(str(pinned), selection, signature)
+    return ResolvedVariant(str(pinned), selection, signature, str(vi.digest), signed_at)

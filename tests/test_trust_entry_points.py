@@ -145,7 +145,9 @@ def python_pull(world: World, ref: str, policy: Path, cache: Path | None) -> Non
 
     dest = world.fresh("py")
     try:
-        modelpack.pull(ref, str(dest), target_options=PLAIN, policy=TrustPolicy.load(str(policy)), progress="off")
+        modelpack.pull(
+            ref, str(dest), target_options=PLAIN, policy=TrustPolicy.load(str(policy)), progress="off"
+        )
     finally:
         assert not dest.exists() or not any(dest.iterdir()), "files written before the refusal"
 
@@ -239,7 +241,9 @@ def test_a_tag_moved_back_to_an_older_signed_version_is_refused_by_every_way_in_
         way_in(world, ref, world.trusted, cache)
 
 
-def test_the_python_pull_resolves_a_variant_index_and_verifies_the_entry(world: World, tmp_path: Path) -> None:
+def test_the_python_pull_resolves_a_variant_index_and_verifies_the_entry(
+    world: World, tmp_path: Path
+) -> None:
     """``modelpack.pull(variant=…)`` takes the index entry the selector names, verified under the
     policy (index and entry), and says which entry it took."""
     from modelpack.api.variants import create_index
