@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.expansion import describe_room, expansion_refused, expansion_room
 from modelpack.mount.ingest import BlobIngest, check_space
@@ -53,6 +53,9 @@ from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
 
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
+
 
 @dataclass
 class Puller:
@@ -79,7 +82,7 @@ class Puller:
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -156,7 +159,7 @@ class Puller:
         return self.rollback.check(ref, digest, signed_at, ev)
 
     def _no_rollback_on_hit(
-        self, ref: Reference, digest: str, policy: Any, ev: Callable[..., None]
+        self, ref: Reference, digest: str, policy: PolicySource, ev: Callable[..., None]
     ) -> PendingAcceptance:
         """A hit under a policy: its signing time is in the trust record ``on_hit`` checked."""
         if self.rollback is None:
@@ -249,7 +252,7 @@ class Puller:
         ref_text: str,
         digest: Digest,
         target: ReadableTarget,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         sid: str,
         t0: float,

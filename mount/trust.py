@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from modelpack.mount.kept_referrers import RecordingTarget, keep
 from modelpack.mount.modes import FILE_MODE, read_trusted
@@ -31,10 +31,16 @@ from modelpack.oci.reference import Reference
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 
+if TYPE_CHECKING:
+    from modelpack.signing.verify import PolicyOrKeys
+
+    #: what the cache's pull takes as its policy: a policy or keys, or the path of a policy file
+    PolicySource: TypeAlias = PolicyOrKeys | str | os.PathLike[str]
+
 MAX_TRUST_BYTES = 64 * 1024
 
 
-def load_policy(policy: Any) -> Any:
+def load_policy(policy: PolicySource) -> PolicyOrKeys:
     """A ``TrustPolicy`` from a path; anything else (policy, keys) is passed through."""
     if isinstance(policy, (str, os.PathLike)):
         from modelpack.signing import TrustPolicy
@@ -96,7 +102,7 @@ class TrustRecords:
             return
         ev("cache.referrers_kept", digest=digest, referrers=kept)
 
-    def trusted_locally(self, digest: str, ref: Reference, policy: Any) -> bool:
+    def trusted_locally(self, digest: str, ref: Reference, policy: PolicyOrKeys) -> bool:
         """Whether an earlier verification of ``digest`` satisfies ``policy`` for ``ref``."""
         from modelpack.signing.verify import resolve_policy
 
@@ -111,7 +117,7 @@ class TrustRecords:
             return False
         return not (rp.require_chunk_table and rec.get("chunk_table") != "verified")
 
-    def signed_time(self, digest: str, ref: Reference, policy: Any) -> float | None:
+    def signed_time(self, digest: str, ref: Reference, policy: PolicySource) -> float | None:
         """The newest signing time recorded for ``digest`` by a key ``policy`` trusts for ``ref``
         (0: untimed or unsigned); None when the record predates signing times."""
         from modelpack.signing.signing_time import parse_signing_time
@@ -138,7 +144,7 @@ class TrustRecords:
         ref: Reference,
         target: ReadableTarget | None,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource,
         log: EventLog,
         ev: Callable[..., None],
         timings: dict[str, float],
@@ -162,7 +168,7 @@ class TrustRecords:
         target: ReadableTarget,
         ref: Reference,
         manifest: Manifest,
-        policy: Any,
+        policy: PolicySource,
         log: EventLog,
         ev: Callable[..., None],
         *,

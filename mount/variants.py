@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
 from modelpack.mount.refs import RefRecords
@@ -60,6 +60,10 @@ from modelpack.oci.variant_index import (
 from modelpack.oci.variant_selection import Selection, VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
+    from modelpack.signing.verify import PolicyOrKeys
 
 #: an index of 256 entries with their annotations stays far below this
 MAX_INDEX_RECORD_BYTES = 4 * 1024 * 1024 + 64 * 1024
@@ -159,7 +163,7 @@ class IndexPuller(Protocol):
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -219,7 +223,7 @@ class VariantResolver:
         ref: Reference,
         target: ReadableTarget | None,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         log: EventLog,
         ev: Callable[..., None],
     ) -> tuple[str, ReadableTarget | None, float | None]:
@@ -272,7 +276,7 @@ class VariantResolver:
         found: tuple[VariantIndex, str, ReadableTarget | None],
         ref: Reference,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         sid: str,
@@ -354,8 +358,8 @@ def resolve_variant(
     selector: VariantSelector | None = None,
     *,
     target_options: TargetOptions | None = None,
-    policy: Any = None,
-    events: Any = None,
+    policy: PolicyOrKeys | None = None,
+    events: EventLog | None = None,
     target: ReadableTarget | None = None,
     descriptor: Descriptor | None = None,
 ) -> ResolvedVariant | None:

@@ -222,10 +222,6 @@ def tag(reference: str | Reference, new_tag: str, *, target_options: TargetOptio
     return str(desc.digest)
 
 
-#: ``pull``'s keywords that are ``PullOptions`` fields, with their defaults
-_PULL_OPTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PullOptions)}
-
-
 def pull(
     reference: str | Reference,
     dest_dir: str,
@@ -262,26 +258,27 @@ def pull(
     free space, or by ``max_bytes``. The keywords ``include`` … ``keep_prefix`` are the fields of
     ``PullOptions``; pass either them or ``options``.
     """
-    given = {
-        "include": tuple(include),
-        "exclude": tuple(exclude),
-        "jobs": jobs,
-        "progress": progress,
-        "force": force,
-        "delete": delete,
-        "max_bytes": max_bytes,
-        "keep_prefix": keep_prefix,
-    }
-    changed = {k: v for k, v in given.items() if v != _PULL_OPTION_DEFAULTS[k]}
-    if options is not None and changed:
-        raise TypeError(f"pull(): give options= or {', '.join(sorted(changed))}, not both")
-    selector = variant if isinstance(variant, VariantSelector) or variant is None else None
-    if variant is not None and selector is None:
-        selector = VariantSelector.from_options(variant)  # type: ignore[arg-type]
+    keywords = PullOptions(
+        include=tuple(include),
+        exclude=tuple(exclude),
+        jobs=jobs,
+        progress=progress,
+        force=force,
+        delete=delete,
+        max_bytes=max_bytes,
+        keep_prefix=keep_prefix,
+    )
+    if options is not None and keywords != PullOptions():
+        given = [f.name for f in dataclasses.fields(PullOptions) if getattr(keywords, f.name) != f.default]
+        raise TypeError(f"pull(): give options= or {', '.join(given)}, not both")
+    if isinstance(variant, VariantSelector) or variant is None:
+        selector = variant
+    else:
+        selector = VariantSelector.from_options(variant)
     _, result = pull_trusted(
         reference,
         dest_dir,
-        options or PullOptions(**given),  # type: ignore[arg-type]
+        options or keywords,
         target_options=target_options,
         policy=policy,
         selector=selector,
