@@ -246,8 +246,9 @@ def test_the_python_pull_resolves_a_variant_index_and_verifies_the_entry(
 ) -> None:
     """``modelpack.pull(variant=…)`` takes the index entry the selector names, verified under the
     policy (index and entry), and says which entry it took."""
-    from modelpack.api.variants import create_index
     from modelpack.signing.policy import TrustPolicy
+
+    from modelpack.api.variants import create_index
 
     create_index(
         f"{world.host}/entry/index:v1",
