@@ -132,7 +132,7 @@ def resolve_trusted(
     if chosen is not None:
         if guard is not None:  # a tag of an index: no index signed before the newest accepted
             pending.append(guard.check(ref, chosen.index_digest, chosen.index_signed_at, ev))
-        desc = target.resolve(str(parse_reference(chosen.reference).digest))
+        desc = target.resolve(chosen.selection.digest)
     verification = None
     keys: Sequence[Any] = ()
     if pol is not None:
