@@ -94,6 +94,30 @@ def world(registry, tmp_path_factory: pytest.TempPathFactory) -> World:  # type:
     )
 
 
+def _signed_index(world: World, ref: str, precisions: tuple[str, str], signed_at: str) -> str:
+    """An index of the two signed versions at ``ref`` with these precisions, itself signed at
+    ``signed_at`` (its entries keep their own signatures and signing times)."""
+    from modelpack.api.variants import create_index
+
+    made = create_index(
+        ref,
+        [f"{world.host}/entry/model@{world.older}", f"{world.host}/entry/model@{world.newer}"],
+        overrides={0: {"precision": precisions[0]}, 1: {"precision": precisions[1]}},
+        target_options=PLAIN,
+        progress="off",
+    )
+    target = open_target(parse_reference(ref), PLAIN, for_write=True)
+    sign_artifact(
+        target,
+        target.resolve(made.digest),
+        str(world.key),
+        chunk_table=False,
+        directory_signature=False,
+        signed_at=signed_at,
+    )
+    return made.digest
+
+
 def _rolled_back_tag(world: World, cache: Path) -> str:
     """A tag the node cache ``cache`` accepted at the newer version, then moved back to the older
     one (what anyone with push access to the repository can do)."""
@@ -248,16 +272,7 @@ def test_the_python_pull_resolves_a_variant_index_and_verifies_the_entry(
     policy (index and entry), and says which entry it took."""
     from modelpack.signing.policy import TrustPolicy
 
-    from modelpack.api.variants import create_index
-
-    create_index(
-        f"{world.host}/entry/index:v1",
-        [f"{world.host}/entry/model@{world.older}", f"{world.host}/entry/model@{world.newer}"],
-        overrides={0: {"precision": "f32"}, 1: {"precision": "bf16"}},
-        target_options=PLAIN,
-        sign_key=str(world.key),
-        progress="off",
-    )
+    _signed_index(world, f"{world.host}/entry/index:v1", ("f32", "bf16"), NEWER)
     selector = VariantSelector.from_options(["precision=bf16"])
     result = modelpack.pull(
         f"{world.host}/entry/index:v1",
@@ -280,3 +295,54 @@ def test_the_python_pull_resolves_a_variant_index_and_verifies_the_entry(
             progress="off",
         )
     assert not (tmp_path / "n").exists() or not any((tmp_path / "n").iterdir())
+
+
+def test_a_filtered_pull_through_a_node_cache_raises_the_tags_bar(world: World) -> None:
+    """A KServe URI with a file filter, given a node cache, records the version it delivered in
+    the cache's tag history: moving the tag back afterwards is refused for every later pull."""
+    cache = world.fresh("cache")
+    tag = f"bar{world.counter[0]}"
+    ref = f"{world.host}/entry/model:{tag}"
+    modelpack.tag(f"{world.host}/entry/model@{world.newer}", tag, target_options=PLAIN)
+    dest = world.fresh("kserve-ok")
+    from modelpack.serving.kserve.initializer import StorageInitializer, parse_pairs
+    from modelpack.serving.kserve.settings import InitializerSettings
+
+    settings = InitializerSettings(cache_dir=str(cache), policy_path=str(world.trusted), plain_http=True)
+    StorageInitializer(settings, say=lambda _line: None).run(
+        parse_pairs([f"oci://{ref}?include=*.json", str(dest)])
+    )
+    assert (dest / "config.json").is_file() and not list(dest.glob("*.safetensors"))
+    modelpack.tag(f"{world.host}/entry/model@{world.older}", tag, target_options=PLAIN)
+    with pytest.raises(RollbackRefused):
+        kserve(world, ref, world.trusted, cache)
+    with pytest.raises(RollbackRefused):
+        cli_pull_cache(world, ref, world.trusted, cache)
+
+
+def test_a_tag_of_an_index_moved_back_is_refused_by_the_step_with_a_node_cache(world: World) -> None:
+    """The index's own signing time is checked against the tag's history: a tag moved back to
+    an index signed earlier is refused before an entry is selected, also outside the cache's
+    own pull."""
+    from modelpack.mount.resolve import resolve_trusted
+    from modelpack.signing.policy import TrustPolicy
+
+    digests = [
+        _signed_index(world, f"{world.host}/entry/index-rb:{name}", ("f16", other), at)
+        for name, other, at in (("older", "f32", OLDER), ("newer", "bf16", NEWER))
+    ]
+    assert digests[0] != digests[1]
+    ref = f"{world.host}/entry/index-rb:prod"
+    policy = TrustPolicy.load(str(world.trusted))
+    cache = NodeCache(str(world.fresh("cache")))
+    selector = VariantSelector.from_options(["precision=f16"])
+    modelpack.tag(f"{world.host}/entry/index-rb@{digests[1]}", "prod", target_options=PLAIN)
+    first = resolve_trusted(ref, policy=policy, selector=selector, target_options=PLAIN, cache=cache)
+    assert first.digest == world.older and first.variant is not None
+    first.accept()
+    modelpack.tag(f"{world.host}/entry/index-rb@{digests[0]}", "prod", target_options=PLAIN)
+    with pytest.raises(RollbackRefused):
+        resolve_trusted(ref, policy=policy, selector=selector, target_options=PLAIN, cache=cache)
+    # without a node cache there is no history to compare with: the older index is only verified
+    again = resolve_trusted(ref, policy=policy, selector=selector, target_options=PLAIN)
+    assert again.digest == world.older and again.verification is not None
