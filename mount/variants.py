@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
 from modelpack.mount.refs import RefRecords
 from modelpack.mount.reports import PullResult
@@ -379,20 +380,52 @@ def resolve_variant(
     parsed = parse_manifest_or_index(raw, media_type)
     if not isinstance(parsed, Index):
         return None
-    vi = variant_index(parsed)
+    return choose_entry(target, ref, variant_index(parsed), selector, policy=policy, events=events).resolved
+
+
+@dataclass(frozen=True)
+class ChosenEntry:
+    """An index's entry, chosen and checked: why (``resolved``) and its manifest's exact bytes."""
+
+    resolved: ResolvedVariant
+    manifest_raw: bytes
+    media_type: str
+
+
+def choose_entry(
+    target: ReadableTarget,
+    ref: Reference | None,
+    vi: VariantIndex,
+    selector: VariantSelector | None,
+    *,
+    policy: PolicyOrKeys | None,
+    events: EventLog | None = None,
+) -> ChosenEntry:
+    """The one selection of an index's entry (``resolve_variant``, the loader's pinned index):
+    under ``policy`` the index signature verified first (``SignatureRefused``), then the entry
+    ``selector`` picks (no node facts without one), whose manifest is fetched by digest and
+    must be a ModelPack manifest hashing to the entry digest (``VariantIndexError``).
+    ``ref`` (None: named by ``target`` alone) is what the policy matches and the pinned entry's
+    repository."""
     signature = "not-checked"
     signed_at = None
     if policy is not None:
         from modelpack.signing import verify_artifact
 
-        result = verify_artifact(
-            target, ref, Descriptor(parsed.media_type, parsed.digest, len(raw)), policy, events=events
+        index_desc = Descriptor(
+            vi.index.media_type or MEDIA_TYPE_OCI_INDEX, vi.index.digest, len(vi.index.raw)
         )
+        result = verify_artifact(target, ref, index_desc, policy, events=events)
         signature = str(result.status)
         signed_at = result.signed_at
     selection = (selector or VariantSelector()).select(vi)
     entry = selection.chosen
     entry_raw, entry_type = target.fetch_manifest(str(entry.descriptor.digest))
     check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
-    pinned = dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest)
-    return ResolvedVariant(str(pinned), selection, signature, str(vi.digest), signed_at)
+    pinned = (
+        str(dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest))
+        if ref is not None
+        else f"{target.name}@{entry.descriptor.digest}"
+    )
+    resolved = ResolvedVariant(pinned, selection, signature, str(vi.digest), signed_at)
+    return ChosenEntry(resolved, entry_raw, entry_type or entry.descriptor.media_type)
