@@ -17,8 +17,10 @@ since is simply a miss again.
 over on a non-hit whose digest names an index): the index's trust and rollback checks, the
 selection, then the entry pulled through the ``Puller`` by digest.
 
-``resolve_variant`` is the same selection for callers that do not use the cache (``pull`` into a
-directory, the KServe initializer without a node cache): the chosen entry, pinned by digest.
+``resolve_variant`` is the same selection for callers that do not use the cache (through
+``mount.resolve.resolve_trusted``: ``pull`` into a directory, ``modelpack.pull``, the KServe
+initializer, the vLLM load format): the chosen entry, pinned by digest. ``choose_entry`` is its
+core, also used by the loader for an index it was pinned to.
 
 Trust: under a policy the INDEX signature is verified (or found in the trust record of an
 earlier verification, as for manifests), and then the chosen ENTRY is pulled under the same
@@ -367,7 +369,7 @@ def resolve_variant(
     """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by
     digest (None: a plain manifest, use ``reference`` as it is). Under ``policy`` the index
     signature is verified here; the caller verifies the entry's own signature as for any model
-    (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
+    (``mount.resolve.resolve_trusted``). The entry's manifest is fetched by
     digest and must be a ModelPack manifest whose bytes hash to the entry digest. ``descriptor``
     is what ``reference`` already resolved to (no second request)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
