@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S, GarbageCollector
 from modelpack.mount.ingest import BlobIngest
@@ -52,6 +52,9 @@ from modelpack.oci.reference import Reference
 from modelpack.oci.variant_selection import VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
 
 __all__ = ["CacheEntry", "GCResult", "NodeCache", "PullResult", "VerifyReport", "default_cache_dir"]
 

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.expansion import describe_room, expansion_refused, expansion_room
 from modelpack.mount.ingest import BlobIngest, check_space
@@ -52,6 +52,9 @@ from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
 
 
 @dataclass

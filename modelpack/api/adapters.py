@@ -275,13 +275,15 @@ def apply_policy(
     is left out and reported in ``skipped`` (anyone who can push may list adapters, as with
     junk signatures: an unsigned one must neither be served nor block the signed ones)."""
     from modelpack.errors import SignatureRefused
-    from modelpack.signing.verify import verify_reference
+    from modelpack.mount.resolve import resolve_trusted
 
-    verify_reference(pinned, policy, topts)
+    resolve_trusted(pinned, policy=policy, target_options=topts)
     kept: list[SelectedAdapter] = []
     for a in chosen:
         try:
-            a.verification = verify_reference(a.reference, policy, topts)[2].to_json()
+            verification = resolve_trusted(a.reference, policy=policy, target_options=topts).verification
+            assert verification is not None  # a policy was given
+            a.verification = verification.to_json()
         except SignatureRefused as exc:
             if not a.listed:
                 raise

@@ -24,7 +24,7 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import bytes_blob_source
 from modelpack.targets.opener import TargetOptions, open_target
 from modelpack.targets.registry.target import RegistryTarget
-from modelpack.transfer.materialize import pull_to_directory
+from modelpack.transfer.materialize import PullOptions, pull_to_directory
 from tests.fixtures.registry import RegistryFactory, RegistryServer
 
 
@@ -224,7 +224,7 @@ def test_unknown_layer_format_is_refused_before_download(registry: RegistryServe
     target.push_blob(bytes_blob_source(layer, payload))
     target.push_manifest(m.raw, m.media_type, "v1")
     with pytest.raises(UnsupportedLayerError):
-        pull_to_directory(target, "v1", str(tmp_path / "d"), progress="off")
+        pull_to_directory(target, "v1", str(tmp_path / "d"), PullOptions(progress="off"))
     assert not (tmp_path / "d" / "w.bin").exists()
 
 
