@@ -16,10 +16,11 @@ import os
 import sys
 import tarfile
 import zlib
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from modelpack.errors import LayerFormatError, ManifestError, UnsafeTarError
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
+from modelpack.mediatypes import BlobFormat, Compression
 from modelpack.oci.digest import HASH_CHUNK
 
 #: a PAX extended header or a GNU long name/link: real ones hold a path (≤ 4 KiB) and a few fields
@@ -108,17 +109,30 @@ class LayerReader:
         return "sha256:" + self._h.hexdigest()
 
 
-def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
-    """Decompressing view of a layer blob, by media type (or bare format: tar, tar+gzip, tar+zstd)."""
-    if media_type.endswith("+zstd"):
-        import zstandard
+def _zstd_reader(stream: BinaryIO) -> Any:
+    import zstandard  # only when a zstd layer is opened
 
-        return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
-    if media_type.endswith(("+gzip", ".tar.gzip")):  # OCI, and Docker's rootfs.diff.tar.gzip
-        return gzip.GzipFile(fileobj=stream, mode="rb")
-    if media_type.endswith("tar") or media_type in (MEDIA_TYPE_IMAGE_LAYER_TAR,):
-        return stream
-    raise ManifestError(f"unsupported layer media type {media_type!r}")
+    return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
+
+
+def _gzip_reader(stream: BinaryIO) -> Any:
+    return gzip.GzipFile(fileobj=stream, mode="rb")
+
+
+#: a tar layer's compression → the decompressing reader over its blob (None: the blob is the tar)
+DECOMPRESSORS: dict[Compression | None, Callable[[BinaryIO], Any]] = {
+    None: lambda stream: stream,
+    Compression.GZIP: _gzip_reader,
+    Compression.ZSTD: _zstd_reader,
+}
+
+
+def open_layer_stream(stream: BinaryIO, blob_format: BlobFormat) -> Any:
+    """Decompressing view of a tar layer blob, by its format's compression (the vocabulary's
+    ``BlobFormat``, from the layer's media type)."""
+    if not blob_format.is_tar:
+        raise ManifestError(f"a {blob_format} layer is not a tar; nothing to extract")
+    return DECOMPRESSORS[blob_format.compression](stream)
 
 
 class BoundedTarInfo(tarfile.TarInfo):
@@ -168,6 +182,7 @@ def is_sparse(member: tarfile.TarInfo) -> bool:
 
 __all__ = [
     "COPY_CHUNK",
+    "DECOMPRESSORS",
     "MAX_HEADER_BYTES",
     "BoundedTarInfo",
     "LayerReader",
