@@ -242,7 +242,7 @@ def _extract(
     *,
     file_digests: bool,
 ) -> list[tuple[str, int, str | None]]:
-    reader = LayerReader(open_layer_stream(stream, blob_format), where, hashing=diff_id is not None)
+    reader = LayerReader(open_layer_stream(stream, blob_format, where), where, hashing=diff_id is not None)
     claims: ClaimedPaths | set[str] = existing if existing is not None else set()
     spend = budget if budget is not None else ExpansionBudget(max_bytes)
     out: list[tuple[str, int, str | None]] = []
