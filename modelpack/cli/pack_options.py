@@ -11,6 +11,7 @@ import click
 
 from modelpack.cli.options import SIZE
 from modelpack.mediatypes import LayerKind
+from modelpack.packing.image_format import WRITTEN_FORMATS
 from modelpack.packing.packer import OTHER_FILE_CHOICES, PackOptions
 
 
@@ -82,7 +83,7 @@ def format_options(fn: Any) -> Any:
     """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
     fn = click.option(
         "--compression",
-        type=click.Choice(["zstd"]),
+        type=click.Choice([str(f.compression) for f in WRITTEN_FORMATS if f.compression]),
         default=None,
         help="Compress the tar layers of --format image with zstd (+zstd layer media type).",
     )(fn)

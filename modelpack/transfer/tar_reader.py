@@ -17,7 +17,7 @@ import sys
 import tarfile
 import zlib
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from modelpack.errors import LayerFormatError, ManifestError, UnsafeTarError
 from modelpack.mediatypes import BlobFormat, Compression
@@ -146,7 +146,7 @@ def open_layer_stream(stream: BinaryIO, blob_format: BlobFormat, where: str = "l
         raise ManifestError(f"{where}: a {blob_format} layer is not a tar; nothing to extract")
     head = _read_head(stream, SNIFF_BYTES)
     found = Compression.sniff(head)
-    source = _Prefixed(head, stream)
+    source = cast(BinaryIO, _Prefixed(head, stream))  # the readers only call read()
     if blob_format.compression is None:
         if found is not None:
             raise LayerFormatError(
@@ -169,10 +169,10 @@ class _Prefixed:
         self._head = head
         self._stream = stream
 
-    def read(self, n: int | None = -1) -> bytes:
+    def read(self, n: int = -1, /) -> bytes:
         if not self._head:
-            return self._stream.read(-1 if n is None else n)
-        if n is None or n < 0:
+            return self._stream.read(n)
+        if n < 0:
             data, self._head = self._head + self._stream.read(), b""
             return data
         data, self._head = self._head[:n], self._head[n:]
