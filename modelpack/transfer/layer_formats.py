@@ -7,8 +7,8 @@ all decide from here, for a manifest's config media type and one layer's media t
 
 - ``raw``: the blob is one file, at the path its annotation names (ModelPack ``…v1.raw``, and
   any media type this table does not know as a tar: the annotation says where it goes).
-- a tar, with its compression (``tar``, ``tar+gzip``, ``tar+zstd``: what ``open_layer_stream``
-  takes), the prefix stripped from its members, whether members outside that prefix are passed
+- a tar, with its compression (the vocabulary's ``BlobFormat``: ``tar``, ``tar+gzip``,
+  ``tar+zstd``; ``open_layer_stream`` takes it and lets the blob's bytes have the last word), the prefix stripped from its members, whether members outside that prefix are passed
   over (never written) or refused, and whether the config's ``rootfs.diff_ids`` vouch for its
   uncompressed stream.
 
@@ -22,7 +22,9 @@ tars of files at their paths. A ModelPack media type with a format not listed he
 or Docker layer type that is not one of the above (``+lz4``, foreign or non-distributable
 layers), is an ``UnsupportedLayerError``: no reader guesses at it.
 
-Pure: no I/O, so every module of the chain can ask it.
+What each media type is comes from ``mediatypes.LAYER_MEDIA_TYPES`` (the one vocabulary);
+this module adds what the manifest's config decides. Pure: no I/O, so every module of the
+chain can ask it.
 """
 
 from __future__ import annotations
