@@ -181,6 +181,15 @@ def test_formats_know_their_compression_and_are_built_from_it() -> None:
         assert fmt.is_tar and fmt.compression == compression
 
 
+def test_a_compression_is_recognised_by_its_magic_number_and_nothing_else_is() -> None:
+    """gzip starts ``1f 8b``, zstd ``28 b5 2f fd``; a tar (its first member's name) or an empty
+    blob is no compression."""
+    assert Compression.sniff(b"\x1f\x8b\x08\x00rest") is Compression.GZIP
+    assert Compression.sniff(b"\x28\xb5\x2f\xfd\x00") is Compression.ZSTD
+    assert Compression.sniff(b"models/config.json\x00") is None and Compression.sniff(b"") is None
+    assert Compression.sniff(b"\x28\xb5\x2f") is None  # a prefix of a magic number is not one
+
+
 def test_members_are_the_strings_the_spec_and_stored_json_spell() -> None:
     """Members compare, hash and format as their values, so a stored ``"kind": "weight"`` and a
     manifest written before the enums existed read the same."""
