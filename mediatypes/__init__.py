@@ -18,7 +18,6 @@ from modelpack.mediatypes.config import ModelConfig, ModelDescriptor, ModelFS, M
 from modelpack.mediatypes.types import (
     ARTIFACT_TYPE_MODEL,
     LAYER_MEDIA_TYPES,
-    MAGIC_BYTES,
     MEDIA_TYPE_CONFIG,
     MEDIA_TYPE_DOCKER_IMAGE_CONFIG,
     MEDIA_TYPE_DOCKER_LAYER_TAR,
@@ -56,7 +55,6 @@ __all__ = [
     "ANNOTATION_TITLE",
     "ARTIFACT_TYPE_MODEL",
     "LAYER_MEDIA_TYPES",
-    "MAGIC_BYTES",
     "MEDIA_TYPE_CONFIG",
     "MEDIA_TYPE_DOCKER_IMAGE_CONFIG",
     "MEDIA_TYPE_DOCKER_LAYER_TAR",

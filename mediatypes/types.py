@@ -98,8 +98,6 @@ class Compression(StrEnum):
 
 
 _MAGIC = {Compression.GZIP: b"\x1f\x8b", Compression.ZSTD: b"\x28\xb5\x2f\xfd"}
-#: bytes ``Compression.sniff`` needs to see
-MAGIC_BYTES = max(len(m) for m in _MAGIC.values())
 
 
 class BlobFormat(StrEnum):
