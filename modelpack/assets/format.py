@@ -25,16 +25,17 @@ from modelpack.assets.fingerprint import EnvironmentFingerprint
 from modelpack.boundedjson import loads
 from modelpack.errors import AssetFingerprintError, DocumentError
 from modelpack.mediatypes import (
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
     BlobFormat,
     LayerKind,
+    layer_media_type,
     parse_media_type,
 )
 from modelpack.oci.descriptor import canonical_json
 
 ARTIFACT_TYPE_RUNTIME_ASSET = "application/vnd.modelpack.runtime-asset.v1+json"
 MEDIA_TYPE_ASSET_CONFIG = "application/vnd.modelpack.runtime-asset.config.v1+json"
-MEDIA_TYPE_ASSET_LAYER = MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP
+#: the asset's one layer: the cache directory as a gzip tar (``assets.archive`` writes it)
+MEDIA_TYPE_ASSET_LAYER = layer_media_type(LayerKind.IMAGE, BlobFormat.TAR_GZIP)
 
 ANNOTATION_KIND = "dev.modelpack.asset.kind"
 ANNOTATION_FINGERPRINT = "dev.modelpack.asset.fingerprint"
