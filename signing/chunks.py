@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.mediatypes import layer_filepath, parse_layer_media_type
+from modelpack.mediatypes import LayerKind, layer_filepath, parse_layer_media_type
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.bundle import sign_statement
 from modelpack.signing.keys import PrivateKey, PublicKey
@@ -201,7 +201,7 @@ def weight_layers(manifest: Manifest) -> list[Descriptor]:
     out = []
     for layer in manifest.layers:
         lt = parse_layer_media_type(layer.media_type)
-        if lt is not None and lt.kind == "weight":
+        if lt is not None and lt.kind is LayerKind.WEIGHT:
             out.append(layer)
     return out
 

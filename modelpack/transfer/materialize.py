@@ -214,7 +214,7 @@ def _stage_tar(
                     reader,  # type: ignore[arg-type]
                     staging.path,
                     fmt.strip,
-                    media_type=fmt.format,
+                    blob_format=fmt.format,
                     where=where,
                     existing=claims,
                     budget=budget,

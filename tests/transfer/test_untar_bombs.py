@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR, MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD
+from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, BlobFormat
 
 from modelpack import api
 from modelpack.api import transfer
@@ -71,7 +71,7 @@ def test_zstd_bomb_is_refused_before_it_is_written(zero_bomb: bytes, small_disk:
         extract_tar_layer(
             io.BytesIO(zero_bomb),
             str(dest),
-            media_type=MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+            blob_format=BlobFormat.TAR_ZSTD,
             where="layer sha256:bomb",
             max_bytes=16 * MiB,
         )
@@ -106,30 +106,30 @@ def test_gnu_sparse_member_is_refused(small_disk: Path) -> None:
 def test_huge_pax_header_is_refused_without_reading_it(tmp_path: Path) -> None:
     blob = huge_pax_header_stream(64 * MiB)
     with pytest.raises(UnsafeTarError, match="header"):
-        extract_tar_layer(io.BytesIO(blob), str(tmp_path), media_type=MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD)
+        extract_tar_layer(io.BytesIO(blob), str(tmp_path), blob_format=BlobFormat.TAR_ZSTD)
 
 
 def test_data_after_the_end_of_the_archive_is_bounded(tmp_path: Path) -> None:
     blob = zstd_zero_bomb("models/small.bin", 1024, trailing_zeros=GiB)
     start = time.monotonic()
     with pytest.raises(UnsafeTarError, match="after the end"):
-        extract_tar_layer(io.BytesIO(blob), str(tmp_path), media_type=MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD)
+        extract_tar_layer(io.BytesIO(blob), str(tmp_path), blob_format=BlobFormat.TAR_ZSTD)
     assert time.monotonic() - start < 5
 
 
 @pytest.mark.parametrize(
-    ("media_type", "blob"),
+    ("blob_format", "blob"),
     [
-        (MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, b"\x28\xb5\x2f\xfd" + os.urandom(4096)),
-        ("application/vnd.cncf.model.weight.v1.tar+gzip", b"\x1f\x8b\x08\x00" + os.urandom(4096)),
-        (MEDIA_TYPE_IMAGE_LAYER_TAR, os.urandom(4096)),
-        (MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, zstd(tar_of(tar_member("models/a", b"1")))[:-7]),
+        (BlobFormat.TAR_ZSTD, b"\x28\xb5\x2f\xfd" + os.urandom(4096)),
+        (BlobFormat.TAR_GZIP, b"\x1f\x8b\x08\x00" + os.urandom(4096)),
+        (BlobFormat.TAR, os.urandom(4096)),
+        (BlobFormat.TAR_ZSTD, zstd(tar_of(tar_member("models/a", b"1")))[:-7]),
     ],
     ids=["zstd", "gzip", "tar", "truncated-zstd"],
 )
-def test_corrupt_layers_are_a_typed_error(media_type: str, blob: bytes, tmp_path: Path) -> None:
+def test_corrupt_layers_are_a_typed_error(blob_format: BlobFormat, blob: bytes, tmp_path: Path) -> None:
     with pytest.raises(LayerFormatError, match="layer sha256:x"):
-        extract_tar_layer(io.BytesIO(blob), str(tmp_path), media_type=media_type, where="layer sha256:x")
+        extract_tar_layer(io.BytesIO(blob), str(tmp_path), blob_format=blob_format, where="layer sha256:x")
 
 
 # --------------------------------------------------------------------------- pull to a directory
