@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.loader.weight_files import tar_layer
+from modelpack.mediatypes import BlobFormat
 from modelpack.mediatypes.annotations import layer_filepath, safe_relative_path
 
 from modelpack import boundedjson
@@ -59,7 +60,7 @@ _PLAIN_HINT = "or pass --allow-unverified to load it as a plain directory (no di
 def _uncompressed(manifest: Manifest, layer: Descriptor) -> bool:
     """A tar layer stored without compression: its blob holds at least its files' bytes."""
     try:
-        return layer_format(manifest.config.media_type, layer.media_type).format == "tar"
+        return layer_format(manifest.config.media_type, layer.media_type).format is BlobFormat.TAR
     except UnsupportedLayerError:
         return False
 

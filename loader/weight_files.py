@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.loader.readers import FileReader, RangeReader
-from modelpack.mediatypes import parse_layer_media_type
+from modelpack.mediatypes import LayerKind, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 
 from modelpack import boundedjson
@@ -110,7 +110,7 @@ def _may_hold_weights(layer: Descriptor, rel: str | None) -> bool:
     """A tar layer whose files could be weights: any image layer (no file list outside the tar), a
     ModelPack ``weight`` layer, one without a path, or one named ``*.safetensors``."""
     lt = parse_layer_media_type(layer.media_type)
-    return lt is None or lt.kind == "weight" or not rel or rel.endswith(".safetensors")
+    return lt is None or lt.kind is LayerKind.WEIGHT or not rel or rel.endswith(".safetensors")
 
 
 def weight_layers(

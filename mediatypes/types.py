@@ -1,8 +1,31 @@
-"""Media type strings of OCI, Docker and the CNCF ModelPack spec (v0.0.7+)."""
+"""Media type strings of OCI, Docker and the CNCF ModelPack spec (v0.0.7+), and the one layer
+vocabulary: ``LayerKind`` × ``BlobFormat`` ↔ media type in ``LAYER_MEDIA_TYPES``.
+
+Every decision about a layer's kind, framing or compression is asked of these enums and this
+table; no other module spells a layer media type or compares a kind with a string literal.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        """3.11's StrEnum: members are their values, as strings and when formatted."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return format(str(self.value), spec)
+
 
 MEDIA_TYPE_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_TYPE_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -17,15 +40,6 @@ MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
 MEDIA_TYPE_DOCKER_IMAGE_CONFIG = "application/vnd.docker.container.image.v1+json"
 MEDIA_TYPE_DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
 MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-#: layers of a plain container image (the image-shaped variant, KServe modelcars): a filesystem tar
-IMAGE_LAYER_MEDIA_TYPES = (
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-    MEDIA_TYPE_DOCKER_LAYER_TAR,
-    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP,
-)
-
 ARTIFACT_TYPE_MODEL = "application/vnd.cncf.model.manifest.v1+json"
 MEDIA_TYPE_CONFIG = "application/vnd.cncf.model.config.v1+json"
 
@@ -33,9 +47,6 @@ MEDIA_TYPE_CONFIG = "application/vnd.cncf.model.config.v1+json"
 _VENDORS = ("cncf", "cnai")
 _LEGACY_ARTIFACT_TYPE = "application/vnd.cnai.model.manifest.v1+json"
 _LEGACY_CONFIG = "application/vnd.cnai.model.config.v1+json"
-
-KINDS = ("weight", "weight.config", "doc", "code", "dataset")
-FORMATS = ("raw", "tar", "tar+gzip", "tar+zstd")
 
 MANIFEST_MEDIA_TYPES = (
     MEDIA_TYPE_OCI_MANIFEST,
@@ -45,12 +56,87 @@ MANIFEST_MEDIA_TYPES = (
 )
 
 
+class LayerKind(StrEnum):
+    """What a layer holds: the ModelPack spec's five kinds, and a container image's filesystem
+    layer (the image-shaped variant, KServe modelcars), which the spec does not name.
+
+    A ``StrEnum``: members equal the strings the spec and stored JSON spell, so nothing written
+    changes; code compares members, never string literals.
+    """
+
+    WEIGHT = "weight"
+    WEIGHT_CONFIG = "weight.config"
+    DOC = "doc"
+    CODE = "code"
+    DATASET = "dataset"
+    IMAGE = "image-layer"
+
+    @property
+    def is_modelpack(self) -> bool:
+        """One of the spec's kinds (``application/vnd.cncf.model.<kind>.v1.<format>``)."""
+        return self is not LayerKind.IMAGE
+
+
+class Compression(StrEnum):
+    """How a tar layer's bytes are compressed, and the magic number that starts such a stream."""
+
+    GZIP = "gzip"
+    ZSTD = "zstd"
+
+    @property
+    def magic(self) -> bytes:
+        return _MAGIC[self]
+
+    @classmethod
+    def sniff(cls, head: bytes) -> Compression | None:
+        """The compression whose magic number starts ``head``; None when no known one does (a
+        plain tar, or bytes that are not a layer at all: the tar parser says which)."""
+        for compression in cls:
+            if head.startswith(compression.magic):
+                return compression
+        return None
+
+
+_MAGIC = {Compression.GZIP: b"\x1f\x8b", Compression.ZSTD: b"\x28\xb5\x2f\xfd"}
+
+
+class BlobFormat(StrEnum):
+    """How a layer blob is framed: one raw file, or a tar (plain or compressed)."""
+
+    RAW = "raw"
+    TAR = "tar"
+    TAR_GZIP = "tar+gzip"
+    TAR_ZSTD = "tar+zstd"
+
+    @property
+    def is_tar(self) -> bool:
+        return self is not BlobFormat.RAW
+
+    @property
+    def compression(self) -> Compression | None:
+        """The tar's compression; None for a plain tar or a raw file."""
+        _, _, compression = self.value.partition("+")
+        return Compression(compression) if compression else None
+
+    @classmethod
+    def tar(cls, compression: Compression | None) -> BlobFormat:
+        """The tar format with ``compression`` (None: a plain tar)."""
+        return cls(f"tar+{compression}" if compression else "tar")
+
+
+MODELPACK_KINDS = tuple(k for k in LayerKind if k.is_modelpack)
+
+
 @dataclass(frozen=True)
 class LayerType:
-    """A parsed ModelPack layer media type: what the file is (kind) and how it is framed (format)."""
+    """A layer media type, parsed: what the layer holds (kind) and how it is framed (format).
 
-    kind: str
-    format: str
+    ``legacy``: an older name that is read but never written (modctl's ``vnd.cnai``, Docker's
+    ``image.rootfs.diff``); ``media_type`` is always the name modelpack writes.
+    """
+
+    kind: LayerKind
+    format: BlobFormat
     legacy: bool = False
 
     @property
@@ -59,37 +145,79 @@ class LayerType:
 
     @property
     def is_raw(self) -> bool:
-        return self.format == "raw"
+        return self.format is BlobFormat.RAW
+
+    @property
+    def is_tar(self) -> bool:
+        return self.format.is_tar
+
+    @property
+    def compression(self) -> Compression | None:
+        return self.format.compression
 
 
-def layer_media_type(kind: str, fmt: str = "raw") -> str:
-    """Return the CNCF media type for a layer; unknown kinds or formats are a programming error."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown ModelPack layer kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown ModelPack layer format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return f"application/vnd.cncf.model.{kind}.v1.{fmt}"
+def _layer_table() -> dict[str, LayerType]:
+    """Every layer media type modelpack reads, to its (kind, format): the one vocabulary."""
+    table: dict[str, LayerType] = {}
+    for kind in MODELPACK_KINDS:
+        for fmt in BlobFormat:
+            for vendor in _VENDORS:
+                table[f"application/vnd.{vendor}.model.{kind}.v1.{fmt}"] = LayerType(
+                    kind, fmt, legacy=vendor != "cncf"
+                )
+    for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
+        table[MEDIA_TYPE_IMAGE_LAYER_TAR + fmt.removeprefix("tar")] = LayerType(LayerKind.IMAGE, fmt)
+    table[MEDIA_TYPE_DOCKER_LAYER_TAR] = LayerType(LayerKind.IMAGE, BlobFormat.TAR, legacy=True)
+    table[MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP] = LayerType(LayerKind.IMAGE, BlobFormat.TAR_GZIP, legacy=True)
+    return table
+
+
+#: layer media type → what it is; read-only
+LAYER_MEDIA_TYPES: Mapping[str, LayerType] = MappingProxyType(_layer_table())
+_WRITTEN = {(lt.kind, lt.format): mt for mt, lt in LAYER_MEDIA_TYPES.items() if not lt.legacy}
+# media types in these families name a layer format: one the table does not hold is refused by
+# readers, never taken for a raw file (``+lz4``, a ``v2``, a foreign or non-distributable layer)
+_LAYER_FAMILIES = (
+    *(f"application/vnd.{vendor}.model." for vendor in _VENDORS),
+    "application/vnd.oci.image.layer.",
+    "application/vnd.docker.image.rootfs.",
+)
+
+
+def layer_media_type(kind: str, fmt: str = BlobFormat.RAW) -> str:
+    """The media type modelpack writes for a layer of ``kind`` framed as ``fmt``; a pair the
+    vocabulary has no name for is a programming error."""
+    try:
+        return _WRITTEN[(LayerKind(kind), BlobFormat(fmt))]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"no layer media type for kind {kind!r} and format {fmt!r}; kinds: "
+            f"{', '.join(LayerKind)}; formats: {', '.join(BlobFormat)} (an image layer is never raw)"
+        ) from None
+
+
+def parse_media_type(media_type: str) -> LayerType | None:
+    """Any layer media type of the vocabulary (ModelPack, OCI or Docker image layer); None if it
+    is not one."""
+    return LAYER_MEDIA_TYPES.get(media_type)
 
 
 def parse_layer_media_type(media_type: str) -> LayerType | None:
-    """Parse a ModelPack layer media type (CNCF or legacy CNAI); None if it is not one."""
-    prefix = "application/vnd."
-    if not media_type.startswith(prefix):
-        return None
-    rest = media_type[len(prefix) :]
-    for vendor in _VENDORS:
-        head = f"{vendor}.model."
-        if not rest.startswith(head):
-            continue
-        body = rest[len(head) :]
-        # Longest kind first so that "weight.config" wins over "weight".
-        for kind in sorted(KINDS, key=len, reverse=True):
-            if body.startswith(kind + ".v1."):
-                fmt = body[len(kind) + 4 :]
-                if fmt in FORMATS:
-                    return LayerType(kind=kind, format=fmt, legacy=vendor == "cnai")
-                return None
-    return None
+    """A ModelPack layer media type (CNCF or legacy CNAI); None if it is not one."""
+    lt = LAYER_MEDIA_TYPES.get(media_type)
+    return lt if lt is not None and lt.kind.is_modelpack else None
+
+
+def is_layer_family(media_type: str) -> bool:
+    """Whether ``media_type`` is in a family of layer types this vocabulary speaks for (ModelPack,
+    OCI or Docker image layers), known or not: readers refuse the unknown ones."""
+    return media_type.startswith(_LAYER_FAMILIES)
+
+
+def supported_layer_formats() -> list[str]:
+    """What a refusal lists as readable: the ModelPack formats and the image layer media types."""
+    image = (mt for mt, lt in LAYER_MEDIA_TYPES.items() if not lt.kind.is_modelpack)
+    return sorted({*(str(fmt) for fmt in BlobFormat), *image})
 
 
 def is_model_artifact_type(artifact_type: str | None) -> bool:

@@ -49,7 +49,7 @@ def _tar_members(
     where = f"layer {layer.digest}"
     strip = fmt.strip
     compressed = HashingReader(blob)
-    uncompressed = HashingReader(open_layer_stream(compressed, fmt.format))  # type: ignore[arg-type]
+    uncompressed = HashingReader(open_layer_stream(compressed, fmt.format, where))  # type: ignore[arg-type]
     out: list[ExpectedFile] = []
     with tarfile.open(fileobj=uncompressed, mode="r|", encoding="utf-8") as tar:  # type: ignore[call-overload]
         for count, member in enumerate(tar, 1):

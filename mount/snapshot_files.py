@@ -12,6 +12,7 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from modelpack.mediatypes import BlobFormat
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.mount.modes import DIR_MODE, READ_ONLY_FILE_MODE
 from modelpack.mount.store import Store
@@ -60,7 +61,7 @@ def materialise(
                     blob,
                     dest,
                     strip=fmt.strip,
-                    media_type=fmt.format,
+                    blob_format=fmt.format,
                     diff_id=_diff_id_to_hash(layer, fmt, diff_ids[i]) if fmt.diff_id else None,
                     where=f"layer {layer.digest}",
                     existing=seen,
@@ -109,7 +110,7 @@ def _diff_id_to_hash(layer: Descriptor, fmt: LayerFormat, diff_id: str) -> str |
     hashing it to ``layer.digest``: its diff_id must be that digest (a string compare), and hashing
     the same bytes again would be the extraction's costliest step for nothing.
     """
-    if fmt.format != "tar":
+    if fmt.format is not BlobFormat.TAR:
         return diff_id
     if diff_id != layer.digest:
         raise DigestMismatchError(diff_id, layer.digest, what=f"layer {layer.digest} diff_id (uncompressed)")

@@ -24,6 +24,7 @@ from modelpack.assets.format import MAX_ASSET_BYTES, MAX_ASSET_FILES
 from modelpack.assets.kinds import AssetKind
 from modelpack.errors import AssetError, LayerFormatError, UnsafeTarError
 from modelpack.files import TEMP_PREFIX
+from modelpack.mediatypes import BlobFormat
 from modelpack.oci.digest import HASH_CHUNK, Digest, HashingWriter, VerifyingReader
 from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
@@ -130,7 +131,7 @@ def unpack_layer(
     stream: BinaryIO,
     digest: str,
     size: int,
-    media_type: str,
+    blob_format: BlobFormat,
     dest_dir: str,
     *,
     where: str,
@@ -148,7 +149,7 @@ def unpack_layer(
                 reader,  # type: ignore[arg-type]
                 dest_dir,
                 "",
-                media_type=media_type,
+                blob_format=blob_format,
                 where=where,
                 budget=budget,
                 select=select,

@@ -24,13 +24,18 @@ from typing import Any
 from modelpack.assets.fingerprint import EnvironmentFingerprint
 from modelpack.boundedjson import loads
 from modelpack.errors import AssetFingerprintError, DocumentError
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR, MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP
+from modelpack.mediatypes import (
+    BlobFormat,
+    LayerKind,
+    layer_media_type,
+    parse_media_type,
+)
 from modelpack.oci.descriptor import canonical_json
 
 ARTIFACT_TYPE_RUNTIME_ASSET = "application/vnd.modelpack.runtime-asset.v1+json"
 MEDIA_TYPE_ASSET_CONFIG = "application/vnd.modelpack.runtime-asset.config.v1+json"
-MEDIA_TYPE_ASSET_LAYER = MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP
-ACCEPTED_LAYER_MEDIA_TYPES = (MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP, MEDIA_TYPE_IMAGE_LAYER_TAR)
+#: the asset's one layer: the cache directory as a gzip tar (``assets.archive`` writes it)
+MEDIA_TYPE_ASSET_LAYER = layer_media_type(LayerKind.IMAGE, BlobFormat.TAR_GZIP)
 
 ANNOTATION_KIND = "dev.modelpack.asset.kind"
 ANNOTATION_FINGERPRINT = "dev.modelpack.asset.fingerprint"
@@ -88,6 +93,15 @@ class AssetRecord:
             )
         assert isinstance(files, int) and isinstance(size, int)
         return cls(kind, fp, files, size)
+
+
+def asset_layer_format(media_type: str) -> BlobFormat | None:
+    """How an asset's layer is framed: any OCI image layer tar the vocabulary names (written as
+    ``tar+gzip``; the tar reader decompresses what the media type says); None for anything else."""
+    lt = parse_media_type(media_type)
+    if lt is None or lt.kind is not LayerKind.IMAGE or lt.legacy:
+        return None
+    return lt.format
 
 
 def manifest_annotations(record: AssetRecord, created: str) -> dict[str, str]:

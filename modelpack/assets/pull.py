@@ -205,7 +205,7 @@ def _from_target(target: ReadableTarget, asset: StoredAsset, max_bytes: int | No
                     stream,
                     str(layer.digest),
                     layer.size,
-                    layer.media_type,
+                    asset.layer_format,
                     tmp,
                     where=where,
                     budget=budget,

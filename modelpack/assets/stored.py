@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from modelpack.assets.fingerprint import Difference, EnvironmentFingerprint, differences
 from modelpack.assets.format import (
-    ACCEPTED_LAYER_MEDIA_TYPES,
     ANNOTATION_CREATED,
     ANNOTATION_KIND,
     ARTIFACT_TYPE_RUNTIME_ASSET,
@@ -20,8 +19,10 @@ from modelpack.assets.format import (
     MAX_CONFIG_BYTES,
     MEDIA_TYPE_ASSET_CONFIG,
     AssetRecord,
+    asset_layer_format,
 )
 from modelpack.errors import AssetError, ModelpackError, NotFoundError
+from modelpack.mediatypes import BlobFormat
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import verify_bytes
 from modelpack.signing.referrers import subject_descriptor
@@ -53,6 +54,14 @@ class StoredAsset:
         assert self.manifest is not None
         return self.manifest.layers[0]
 
+    @property
+    def layer_format(self) -> BlobFormat:
+        """How the layer is framed (``read_asset`` refused any layer that is not a known tar)."""
+        fmt = asset_layer_format(self.layer.media_type)
+        if fmt is None:
+            raise AssetError(f"asset {self.digest}: layer media type {self.layer.media_type!r} is not a tar")
+        return fmt
+
     def to_json(self) -> dict[str, object]:
         doc: dict[str, object] = {"digest": self.digest, "created": self.created}
         if self.record is not None:
@@ -82,7 +91,7 @@ def read_asset(target: ReadableTarget, desc: Descriptor, model: Descriptor) -> S
         problem = f"artifactType {manifest.artifact_type!r}"
     elif manifest.subject is None or manifest.subject.digest != model.digest:
         problem = f"subject is {manifest.subject.digest if manifest.subject else 'none'}, not {model.digest}"
-    elif len(manifest.layers) != 1 or manifest.layers[0].media_type not in ACCEPTED_LAYER_MEDIA_TYPES:
+    elif len(manifest.layers) != 1 or asset_layer_format(manifest.layers[0].media_type) is None:
         problem = f"expected one tar layer, found {[layer.media_type for layer in manifest.layers]}"
     elif manifest.layers[0].size > MAX_ASSET_BYTES:
         problem = f"layer of {manifest.layers[0].size} bytes exceeds {MAX_ASSET_BYTES}"

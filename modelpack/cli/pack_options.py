@@ -10,6 +10,8 @@ from typing import Any
 import click
 
 from modelpack.cli.options import SIZE
+from modelpack.mediatypes import LayerKind
+from modelpack.packing.image_format import WRITTEN_FORMATS
 from modelpack.packing.packer import OTHER_FILE_CHOICES, PackOptions
 
 
@@ -27,7 +29,7 @@ def pack_options(fn: Any) -> Any:
         click.option(
             "--other-files",
             type=click.Choice(OTHER_FILE_CHOICES),
-            default="doc",
+            default=str(LayerKind.DOC),
             show_default=True,
             help="Layer kind for files that are not weights, configs/tokenizers, docs or code; "
             "marked org.cncf.model.file.mediatype.untested. 'refuse' fails instead.",
@@ -81,7 +83,7 @@ def format_options(fn: Any) -> Any:
     """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
     fn = click.option(
         "--compression",
-        type=click.Choice(["zstd"]),
+        type=click.Choice([str(f.compression) for f in WRITTEN_FORMATS if f.compression]),
         default=None,
         help="Compress the tar layers of --format image with zstd (+zstd layer media type).",
     )(fn)
@@ -100,7 +102,7 @@ def pack_options_from(kwargs: dict[str, Any], progress: str) -> PackOptions:
     return PackOptions(
         include=kwargs.pop("include", ()),
         exclude=kwargs.pop("exclude", ()),
-        other_files=kwargs.pop("other_files", "doc"),
+        other_files=kwargs.pop("other_files", LayerKind.DOC),
         name=kwargs.pop("name", None),
         version=kwargs.pop("model_version", None),
         family=kwargs.pop("family", None),

@@ -29,7 +29,7 @@ from typing import Any
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import AdapterError, DocumentError
-from modelpack.mediatypes import ARTIFACT_TYPE_MODEL
+from modelpack.mediatypes import ARTIFACT_TYPE_MODEL, LayerKind
 from modelpack.mediatypes.annotations import PROJECT_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.packing.model_config import describe_model
@@ -173,7 +173,9 @@ def build_adapter_artifact(
     artifact = build_artifact(adapter_dir, opts, staging_parent=staging_parent)
     # adapter_config.json configures the weights: weight.config, not a guessed "doc"
     files: list[PackedFile] = [
-        dataclasses.replace(f, kind="weight.config", untested=False) if f.relpath == ADAPTER_CONFIG else f
+        dataclasses.replace(f, kind=LayerKind.WEIGHT_CONFIG, untested=False)
+        if f.relpath == ADAPTER_CONFIG
+        else f
         for f in artifact.files
     ]
     spec, config_bytes, plain = describe_model(files, checkpoint_headers(artifact), None, opts, name)

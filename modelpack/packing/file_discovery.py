@@ -13,6 +13,7 @@ import stat
 from collections.abc import Sequence
 
 from modelpack.errors import PackError, UnsafePathError
+from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 
 WEIGHT_CONFIG_NAMES = {
@@ -34,10 +35,11 @@ WEIGHT_CONFIG_NAMES = {
 }
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".h5", ".msgpack")
 DOC_PREFIXES = ("readme", "license", "licence", "notice", "copying", "use_policy")
-OTHER_FILE_CHOICES = ("doc", "dataset", "code", "refuse")
+#: what ``--other-files`` may name: a kind for the files no rule classifies, or refusing them
+OTHER_FILE_CHOICES = (*(str(k) for k in (LayerKind.DOC, LayerKind.DATASET, LayerKind.CODE)), "refuse")
 
 
-def classify(relpath: str, other: str = "doc") -> tuple[str | None, bool]:
+def classify(relpath: str, other: str = LayerKind.DOC) -> tuple[LayerKind | None, bool]:
     """Layer kind for a file, and whether the choice is a guess (``…mediatype.untested``).
 
     Returns (None, _) for a file that ``other == "refuse"`` rejects.
@@ -45,18 +47,18 @@ def classify(relpath: str, other: str = "doc") -> tuple[str | None, bool]:
     name = os.path.basename(relpath)
     lower = name.lower()
     if lower.endswith(".safetensors"):
-        return "weight", False
+        return LayerKind.WEIGHT, False
     if lower in WEIGHT_CONFIG_NAMES or lower.endswith(".index.json"):
-        return "weight.config", False
+        return LayerKind.WEIGHT_CONFIG, False
     if lower.endswith(OTHER_WEIGHT_SUFFIXES):
-        return "weight", True
+        return LayerKind.WEIGHT, True
     if lower.endswith(".md") or lower.startswith(DOC_PREFIXES):
-        return "doc", False
+        return LayerKind.DOC, False
     if lower.endswith(".py"):
-        return "code", False
+        return LayerKind.CODE, False
     if other == "refuse":
         return None, True
-    return other, True
+    return LayerKind(other), True
 
 
 def matches_pattern(relpath: str, patterns: Sequence[str]) -> bool:

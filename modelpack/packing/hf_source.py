@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from modelpack.errors import HFRevisionNotFoundError, HFSourceError, PackError, UnsafePathError
+from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
@@ -196,7 +197,7 @@ def download_snapshot(
 
 
 def list_snapshot(
-    source: HFSource, snapshot: str, storage: str, other_files: str = "doc"
+    source: HFSource, snapshot: str, storage: str, other_files: str = LayerKind.DOC
 ) -> list[SelectedFile]:
     """The snapshot's files, each read through its link from the repository's ``blobs/``."""
     blobs = os.path.join(storage, "blobs")

@@ -26,8 +26,10 @@ from modelpack.mediatypes import (
     ANNOTATION_CREATED,
     ANNOTATION_TITLE,
     MEDIA_TYPE_IMAGE_CONFIG,
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    BlobFormat,
+    Compression,
+    LayerKind,
+    layer_media_type,
 )
 from modelpack.mediatypes.annotations import (
     ANNOTATION_HF_ARCHITECTURE,
@@ -45,7 +47,8 @@ from modelpack.packing.reshard import staging_write_error
 from modelpack.packing.staging_area import make_staging_dir, remove_staging_dir
 
 MAX_LAYERS = 100
-COMPRESSIONS = (None, "zstd")
+#: what this writer produces: plain or zstd tars (containerd, podman and this project read both)
+WRITTEN_FORMATS = (BlobFormat.TAR, BlobFormat.TAR_ZSTD)
 
 
 @dataclass
@@ -97,11 +100,10 @@ def write_layer_tar(
     Returns (diff_id, blob digest, blob size): the diff_id hashes the uncompressed tar, the blob
     digest the bytes stored (equal without compression).
     """
-    if compression not in COMPRESSIONS:
-        raise PackError(f"unsupported layer compression {compression!r}; use zstd or none")
+    fmt = image_layer_format(compression)
     members = sorted(members, key=lambda m: m[0].split("/"))
     try:
-        return _write_tar(members, out_path, compression, modes or {}, mtime)
+        return _write_tar(members, out_path, fmt.compression, modes or {}, mtime)
     except OSError as exc:
         if exc.filename is not None and exc.filename != out_path:
             raise  # a source file: its own path is already named
@@ -109,13 +111,17 @@ def write_layer_tar(
 
 
 def _write_tar(
-    members: list[tuple[str, str]], out_path: str, compression: str | None, modes: dict[str, int], mtime: int
+    members: list[tuple[str, str]],
+    out_path: str,
+    compression: Compression | None,
+    modes: dict[str, int],
+    mtime: int,
 ) -> tuple[Digest, Digest, int]:
     with open(out_path, "wb") as raw_out:
         digesting = HashingWriter(raw_out)
         compressor: Any = None
         sink: Any = digesting
-        if compression == "zstd":
+        if compression is Compression.ZSTD:
             import zstandard
 
             compressor = zstandard.ZstdCompressor(level=3, write_checksum=True).stream_writer(
@@ -148,9 +154,20 @@ def _write_tar(
     return hw.digest, digesting.digest, digesting.size
 
 
+def image_layer_format(compression: str | None) -> BlobFormat:
+    """The tar format of the image-shaped variant's layers for ``--compression`` (None: plain)."""
+    try:
+        fmt = BlobFormat.tar(Compression(compression) if compression else None)
+    except ValueError:
+        fmt = None
+    if fmt is None or fmt not in WRITTEN_FORMATS:
+        raise PackError(f"unsupported layer compression {compression!r}; use zstd or none")
+    return fmt
+
+
 def _group_layers(files: list[PackedFile], max_layers: int) -> list[list[PackedFile]]:
-    small = [f for f in files if f.kind != "weight"]
-    weights = [f for f in files if f.kind == "weight"]
+    small = [f for f in files if f.kind is not LayerKind.WEIGHT]
+    weights = [f for f in files if f.kind is LayerKind.WEIGHT]
     groups: list[list[PackedFile]] = [small] if small else []
     room = max(1, max_layers - len(groups))
     if len(weights) <= room:
@@ -192,8 +209,7 @@ def build_image_artifact(
     staging_parent: str | None = None,
 ) -> ImageArtifact:
     """Pack ``checkpoint_dir`` as an image-shaped artifact (validated like the default format)."""
-    if compression not in COMPRESSIONS:
-        raise PackError(f"unsupported compression {compression!r}; use zstd or none")
+    fmt = image_layer_format(compression)
     os_name, _, arch = platform.partition("/")
     if not os_name or not arch:
         raise PackError(f"--platform must be OS/ARCH (e.g. linux/amd64), got {platform!r}")
@@ -204,7 +220,7 @@ def build_image_artifact(
         layers: list[Descriptor] = []
         tars: list[PackedFile] = []
         diff_ids: list[str] = []
-        media_type = MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD if compression == "zstd" else MEDIA_TYPE_IMAGE_LAYER_TAR
+        media_type = layer_media_type(LayerKind.IMAGE, fmt)
         for i, group in enumerate(_group_layers(base.files, max_layers)):
             out = os.path.join(staging, f"layer-{i:04d}.tar")
             diff_id, digest, size = write_layer_tar(
@@ -219,7 +235,7 @@ def build_image_artifact(
             title = group[0].relpath if len(group) == 1 else f"{group[0].relpath} (+{len(group) - 1} files)"
             layers.append(Descriptor(media_type, digest, size, annotations={ANNOTATION_TITLE: title}))
             diff_ids.append(str(diff_id))
-            tars.append(PackedFile(title, out, "image-layer", False, size, digest))
+            tars.append(PackedFile(title, out, LayerKind.IMAGE, False, size, digest))
         labels = image_labels(base)
         config_doc: dict[str, Any] = {
             "architecture": arch,
@@ -252,10 +268,11 @@ def build_image_artifact(
 
 
 __all__ = [
-    "COMPRESSIONS",
     "MAX_LAYERS",
+    "WRITTEN_FORMATS",
     "ImageArtifact",
     "build_image_artifact",
     "image_labels",
+    "image_layer_format",
     "write_layer_tar",
 ]

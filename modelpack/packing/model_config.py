@@ -21,7 +21,9 @@ from modelpack.mediatypes import (
     ANNOTATION_TITLE,
     ARTIFACT_TYPE_MODEL,
     MEDIA_TYPE_CONFIG,
+    BlobFormat,
     FileMetadata,
+    LayerKind,
     ModelConfig,
     ModelDescriptor,
     ModelFS,
@@ -199,7 +201,7 @@ def infer_config(
     weight_formats = {
         ("safetensors" if f.relpath.endswith(".safetensors") else "other")
         for f in files
-        if f.kind == "weight"
+        if f.kind is LayerKind.WEIGHT
     }
     fmt = "safetensors" if weight_formats == {"safetensors"} else None
     descriptor = ModelDescriptor(
@@ -258,7 +260,7 @@ def describe_model(
     sharded = describe_sharded_state([f.relpath for f in packed], headers, where=default_name)
     layers = [
         Descriptor(
-            layer_media_type(f.kind, "raw"),
+            layer_media_type(f.kind, BlobFormat.RAW),
             f.digest,
             f.size,
             annotations={

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from modelpack.errors import ModelfileError, UnsafePathError
+from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
@@ -40,11 +41,11 @@ MAX_ENTRIES_SCANNED = 1_000_000
 
 #: the glob commands and the layer kind each gives (modctl: pkg/backend/build.go getProcessors)
 GLOB_KINDS = {
-    "CONFIG": "weight.config",
-    "MODEL": "weight",
-    "CODE": "code",
-    "DOC": "doc",
-    "DATASET": "dataset",
+    "CONFIG": LayerKind.WEIGHT_CONFIG,
+    "MODEL": LayerKind.WEIGHT,
+    "CODE": LayerKind.CODE,
+    "DOC": LayerKind.DOC,
+    "DATASET": LayerKind.DATASET,
 }
 #: the field commands and the PackOptions field each sets (modctl: BuildModelConfig)
 FIELD_OPTIONS = {
@@ -382,7 +383,7 @@ def select_files(mf: Modelfile, context_dir: str) -> list[SelectedFile]:
         for rel, real in walk.expand(glob):
             before = chosen.get(rel)
             if before is not None:
-                if before[0].kind != kind:
+                if before[0].kind is not kind:
                     raise ModelfileError(
                         mf.path,
                         f"{rel} is named by {glob.command} {glob.pattern!r} and by "
@@ -391,7 +392,7 @@ def select_files(mf: Modelfile, context_dir: str) -> list[SelectedFile]:
                         line=glob.line,
                     )
                 continue
-            untested = kind == "weight" and not rel.endswith(".safetensors")
+            untested = kind is LayerKind.WEIGHT and not rel.endswith(".safetensors")
             chosen[rel] = (SelectedFile(rel, real, kind, untested), glob)
             if len(chosen) > MAX_SELECTED_FILES:
                 raise ModelfileError(mf.path, f"the globs select more than {MAX_SELECTED_FILES} files")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from modelpack.errors import NotFoundError, PackError
-from modelpack.mediatypes import ModelSpecConfig
+from modelpack.mediatypes import LayerKind, ModelSpecConfig
 from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
@@ -29,7 +29,7 @@ class PackOptions:
 
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
-    other_files: str = "doc"
+    other_files: str = LayerKind.DOC
     name: str | None = None
     version: str | None = None
     family: str | None = None
@@ -79,7 +79,7 @@ _CHANGES = {
 class PackedFile:
     relpath: str
     path: str  # absolute path of the bytes (the checkpoint file, or a re-sharded file)
-    kind: str
+    kind: LayerKind
     untested: bool
     size: int
     digest: Digest

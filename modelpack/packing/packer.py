@@ -14,6 +14,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from modelpack.errors import PackError, SafetensorsError
+from modelpack.mediatypes import LayerKind
 from modelpack.oci.digest import Digest, sha256_fileobj
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify, discover_files
 from modelpack.packing.file_metadata import file_identity, file_mode
@@ -49,7 +50,7 @@ def build_artifact(
             headers, checked = _read_headers(files)
         # a broken sharded_state checkpoint is refused before hours of hashing, not after
         describe_sharded_state([rel for rel, _ in files], headers, where=root)
-        kinds: list[tuple[str, str, str, bool]] = []
+        kinds: list[tuple[str, str, LayerKind, bool]] = []
         for rel, full in files:
             kind, untested = classify(rel, opts.other_files)
             if kind is None:
@@ -59,7 +60,7 @@ def build_artifact(
         jobs = opts.jobs or (os.cpu_count() or 2)
         with Progress(total, "hash", opts.progress) as prog:
 
-            def hash_one(item: tuple[str, str, str, bool]) -> PackedFile:
+            def hash_one(item: tuple[str, str, LayerKind, bool]) -> PackedFile:
                 rel, full, kind, untested = item
                 digest, size, st = hash_file(full)
                 prog.update(size)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from modelpack.errors import InvalidReferenceError, PackError, UnsafePathError
+from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.digest import HASH_CHUNK, Digest
 from modelpack.packing.model_config import MAX_CONFIG_JSON, parse_checkpoint_json
@@ -239,7 +240,7 @@ def build_s3_artifact(
         )
     reader = _Reader(client, bucket)
     objects = list_checkpoint(client, bucket, prefix, opts.include, opts.exclude)
-    kinds: list[tuple[S3Object, str, bool]] = []
+    kinds: list[tuple[S3Object, LayerKind, bool]] = []
     for obj in objects:
         kind, untested = classify(obj.relpath, opts.other_files)
         if kind is None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelpack.errors import PackError
+from modelpack.mediatypes import LayerKind
 from modelpack.packing.file_discovery import matches_pattern
 from modelpack.packing.file_metadata import file_identity, file_mode
 from modelpack.packing.model_config import describe_model, read_json
@@ -30,7 +31,7 @@ class SelectedFile:
 
     relpath: str
     path: str  # absolute path of the bytes (already checked by the caller to be where it may read)
-    kind: str  # weight, weight.config, doc, code, dataset
+    kind: LayerKind
     untested: bool = False
     #: permission bits to record; None: the file's own (a Hugging Face blob's depend on the umask
     #: of whoever downloaded it, so that source records 0644 to pack the same digest everywhere)
@@ -52,7 +53,7 @@ def build_selected_artifact(
     headers: dict[str, SafetensorsHeader] = {}
     checked: dict[str, tuple[int, ...]] = {}
     for f in files:
-        if f.kind == "weight" and f.relpath.endswith(".safetensors"):
+        if f.kind is LayerKind.WEIGHT and f.relpath.endswith(".safetensors"):
             checked[f.relpath] = file_identity(os.stat(f.path))
             headers[f.relpath] = read_header(f.path)
     total = sum(os.path.getsize(f.path) for f in files)

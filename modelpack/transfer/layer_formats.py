@@ -7,8 +7,8 @@ all decide from here, for a manifest's config media type and one layer's media t
 
 - ``raw``: the blob is one file, at the path its annotation names (ModelPack ``…v1.raw``, and
   any media type this table does not know as a tar: the annotation says where it goes).
-- a tar, with its compression (``tar``, ``tar+gzip``, ``tar+zstd``: what ``open_layer_stream``
-  takes), the prefix stripped from its members, whether members outside that prefix are passed
+- a tar, with its compression (the vocabulary's ``BlobFormat``: ``tar``, ``tar+gzip``,
+  ``tar+zstd``; ``open_layer_stream`` takes it and lets the blob's bytes have the last word), the prefix stripped from its members, whether members outside that prefix are passed
   over (never written) or refused, and whether the config's ``rootfs.diff_ids`` vouch for its
   uncompressed stream.
 
@@ -22,7 +22,9 @@ tars of files at their paths. A ModelPack media type with a format not listed he
 or Docker layer type that is not one of the above (``+lz4``, foreign or non-distributable
 layers), is an ``UnsupportedLayerError``: no reader guesses at it.
 
-Pure: no I/O, so every module of the chain can ask it.
+What each media type is comes from ``mediatypes.LAYER_MEDIA_TYPES`` (the one vocabulary);
+this module adds what the manifest's config decides. Pure: no I/O, so every module of the
+chain can ask it.
 """
 
 from __future__ import annotations
@@ -31,38 +33,20 @@ from dataclasses import dataclass
 
 from modelpack.errors import UnsupportedLayerError
 from modelpack.mediatypes import (
-    FORMATS,
     MEDIA_TYPE_DOCKER_IMAGE_CONFIG,
-    MEDIA_TYPE_DOCKER_LAYER_TAR,
-    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP,
     MEDIA_TYPE_IMAGE_CONFIG,
-    MEDIA_TYPE_IMAGE_LAYER_TAR,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
-    parse_layer_media_type,
+    BlobFormat,
+    Compression,
+    LayerKind,
+    is_layer_family,
+    parse_media_type,
+    supported_layer_formats,
 )
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.image_config import MODELS_PREFIX
 
-RAW = "raw"
-TAR_FORMATS = ("tar", "tar+gzip", "tar+zstd")
-
 #: image configs: their ``rootfs.diff_ids`` tie each layer to its uncompressed tar
 IMAGE_CONFIG_MEDIA_TYPES = (MEDIA_TYPE_IMAGE_CONFIG, MEDIA_TYPE_DOCKER_IMAGE_CONFIG)
-
-#: container-image layer media type → its tar compression
-IMAGE_LAYER_FORMATS: dict[str, str] = {
-    MEDIA_TYPE_IMAGE_LAYER_TAR: "tar",
-    MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP: "tar+gzip",
-    MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD: "tar+zstd",
-    MEDIA_TYPE_DOCKER_LAYER_TAR: "tar",
-    MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP: "tar+gzip",
-}
-
-# media types in these families are tars of some kind: one not in the table is refused, never
-# taken for a raw file
-_TAR_FAMILIES = ("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")
-_MODELPACK_FAMILIES = ("application/vnd.cncf.model.", "application/vnd.cnai.model.")
 
 
 @dataclass(frozen=True)
@@ -70,18 +54,22 @@ class LayerFormat:
     """What a layer is and how its files come out of it."""
 
     media_type: str
-    format: str  # "raw", or the tar compression: "tar" | "tar+gzip" | "tar+zstd"
+    format: BlobFormat  # raw, or the tar and its compression
     strip: str = ""  # members' prefix, removed from their paths ("models/" for image layers)
     skip_outside: bool = False  # members outside ``strip`` are passed over (True) or refused
     diff_id: bool = False  # the config's rootfs.diff_ids[i] must be this layer's uncompressed sha256
 
     @property
     def is_raw(self) -> bool:
-        return self.format == RAW
+        return not self.format.is_tar
 
     @property
     def is_tar(self) -> bool:
-        return self.format != RAW
+        return self.format.is_tar
+
+    @property
+    def compression(self) -> Compression | None:
+        return self.format.compression
 
     @property
     def outside(self) -> str:
@@ -97,20 +85,17 @@ def is_image_config(config_media_type: str | None) -> bool:
 def layer_format(config_media_type: str | None, media_type: str) -> LayerFormat:
     """How the layer ``media_type`` of a manifest whose config is ``config_media_type`` becomes
     files; ``UnsupportedLayerError`` for a tar or ModelPack type this build cannot read."""
-    image_format = IMAGE_LAYER_FORMATS.get(media_type)
-    if image_format is not None:
-        if is_image_config(config_media_type):
-            return LayerFormat(media_type, image_format, MODELS_PREFIX, skip_outside=True, diff_id=True)
-        return LayerFormat(media_type, image_format)
-    lt = parse_layer_media_type(media_type)
-    if lt is not None:
-        return LayerFormat(media_type, lt.format)
-    if media_type.startswith(_TAR_FAMILIES + _MODELPACK_FAMILIES):
-        supported = sorted({*FORMATS, *IMAGE_LAYER_FORMATS})
-        raise UnsupportedLayerError(
-            f"layer media type {media_type!r}: no reader for this format (supported: {', '.join(supported)})"
-        )
-    return LayerFormat(media_type, RAW)
+    lt = parse_media_type(media_type)
+    if lt is None:
+        if is_layer_family(media_type):
+            raise UnsupportedLayerError(
+                f"layer media type {media_type!r}: no reader for this format "
+                f"(supported: {', '.join(supported_layer_formats())})"
+            )
+        return LayerFormat(media_type, BlobFormat.RAW)
+    if lt.kind is LayerKind.IMAGE and is_image_config(config_media_type):
+        return LayerFormat(media_type, lt.format, MODELS_PREFIX, skip_outside=True, diff_id=True)
+    return LayerFormat(media_type, lt.format)
 
 
 def manifest_layer_formats(manifest: Manifest) -> list[LayerFormat]:
@@ -138,9 +123,6 @@ def needs_config(manifest: Manifest) -> bool:
 
 __all__ = [
     "IMAGE_CONFIG_MEDIA_TYPES",
-    "IMAGE_LAYER_FORMATS",
-    "RAW",
-    "TAR_FORMATS",
     "LayerFormat",
     "has_tar_layers",
     "is_image_config",

@@ -1,7 +1,7 @@
 """The forward-only reader a tar layer is extracted from, and tarfile's header parser, bounded.
 
 Split from ``untar`` (which checks members and writes files): here is what reads the layer. The
-blob (gzip, zstd or plain tar) is decompressed into ``LayerReader``, which counts and optionally
+blob (gzip, zstd or plain tar, as its first bytes say) is decompressed into ``LayerReader``, which counts and optionally
 hashes what passes (an image layer's ``diff_id``) and turns every decompression failure into a
 ``LayerFormatError`` naming the layer. tarfile parses headers straight from it with
 ``BoundedTarInfo``, which refuses an oversized PAX header or GNU long name before tarfile reads
@@ -16,10 +16,11 @@ import os
 import sys
 import tarfile
 import zlib
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO, cast
 
 from modelpack.errors import LayerFormatError, ManifestError, UnsafeTarError
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
+from modelpack.mediatypes import BlobFormat, Compression
 from modelpack.oci.digest import HASH_CHUNK
 
 #: a PAX extended header or a GNU long name/link: real ones hold a path (≤ 4 KiB) and a few fields
@@ -108,17 +109,103 @@ class LayerReader:
         return "sha256:" + self._h.hexdigest()
 
 
-def open_layer_stream(stream: BinaryIO, media_type: str) -> Any:
-    """Decompressing view of a layer blob, by media type (or bare format: tar, tar+gzip, tar+zstd)."""
-    if media_type.endswith("+zstd"):
-        import zstandard
+def _zstd_reader(stream: BinaryIO) -> Any:
+    import zstandard  # only when a zstd layer is opened
 
-        return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
-    if media_type.endswith(("+gzip", ".tar.gzip")):  # OCI, and Docker's rootfs.diff.tar.gzip
-        return gzip.GzipFile(fileobj=stream, mode="rb")
-    if media_type.endswith("tar") or media_type in (MEDIA_TYPE_IMAGE_LAYER_TAR,):
-        return stream
-    raise ManifestError(f"unsupported layer media type {media_type!r}")
+    return zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True)
+
+
+def _gzip_reader(stream: BinaryIO) -> Any:
+    return gzip.GzipFile(fileobj=stream, mode="rb")
+
+
+#: a tar layer's compression → the decompressing reader over its blob (None: the blob is the tar)
+DECOMPRESSORS: dict[Compression | None, Callable[[BinaryIO], Any]] = {
+    None: lambda stream: stream,
+    Compression.GZIP: _gzip_reader,
+    Compression.ZSTD: _zstd_reader,
+}
+
+
+#: what is read to choose a decompressor: one tar header block (a tar's ``ustar`` magic is at 257)
+SNIFF_BYTES = 512
+
+
+def open_layer_stream(stream: BinaryIO, blob_format: BlobFormat, where: str = "layer") -> Any:
+    """Decompressing view of a tar layer blob, decompressed as its bytes say (containerd's and
+    podman's rule: ``podman push`` labels plain tar blobs ``tar+zstd``).
+
+    The first block is read to sniff a compression's magic number (the vocabulary's
+    ``Compression.sniff``) and put back in front of the stream. A blob labelled compressed may be
+    gzip, zstd or a plain tar (its diff_id, hashed over what is extracted, still binds it); one
+    that is none of these is refused naming its first bytes. A blob labelled a plain tar is
+    never decompressed: its diff_id is its own digest, so nothing would check what
+    decompression produced.
+    """
+    if not blob_format.is_tar:
+        raise ManifestError(f"{where}: a {blob_format} layer is not a tar; nothing to extract")
+    head = _read_head(stream, SNIFF_BYTES)
+    found = Compression.sniff(head)
+    source = cast(BinaryIO, _Prefixed(head, stream))  # the readers only call read()
+    if blob_format.compression is None:
+        if found is not None:
+            raise LayerFormatError(
+                f"{where}: labelled {blob_format} (a plain tar) but its bytes are a {found} stream; "
+                "refusing to decompress a layer whose diff_id would not check the result"
+            )
+        return source
+    if found is None and not _is_tar_header(head):
+        raise LayerFormatError(
+            f"{where}: labelled {blob_format} but its bytes are neither a gzip or zstd stream nor a "
+            f"tar ({_describe(head)})"
+        )
+    return DECOMPRESSORS[found](source)
+
+
+class _Prefixed:
+    """``stream`` with ``head`` (read from it to sniff the format) put back in front."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        self._head = head
+        self._stream = stream
+
+    def read(self, n: int = -1, /) -> bytes:
+        if not self._head:
+            return self._stream.read(n)
+        if n < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        data, self._head = self._head[:n], self._head[n:]
+        return data
+
+
+def _read_head(stream: BinaryIO, n: int) -> bytes:
+    parts: list[bytes] = []
+    have = 0
+    while have < n:
+        more = stream.read(n - have)
+        if not more:
+            break
+        parts.append(more)
+        have += len(more)
+    return b"".join(parts)
+
+
+def _is_tar_header(head: bytes) -> bool:
+    """A tar's first header block: the ``ustar`` magic (POSIX, GNU, PAX) or a valid v7 header."""
+    if head[257:262] == b"ustar":
+        return True
+    try:
+        tarfile.TarInfo.frombuf(head[: tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
+
+
+def _describe(head: bytes) -> str:
+    if not head:
+        return "it is empty"
+    return f"its {min(len(head), 8)} first bytes are {head[:8].hex(' ')}"
 
 
 class BoundedTarInfo(tarfile.TarInfo):
@@ -168,7 +255,9 @@ def is_sparse(member: tarfile.TarInfo) -> bool:
 
 __all__ = [
     "COPY_CHUNK",
+    "DECOMPRESSORS",
     "MAX_HEADER_BYTES",
+    "SNIFF_BYTES",
     "BoundedTarInfo",
     "LayerReader",
     "is_sparse",

@@ -38,7 +38,7 @@ from modelpack.errors import (
     UnsafeTarError,
 )
 from modelpack.files import Writeback, write_error
-from modelpack.mediatypes import MEDIA_TYPE_IMAGE_LAYER_TAR
+from modelpack.mediatypes import BlobFormat
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.image_config import MODELS_PREFIX
 from modelpack.transfer.tar_reader import (
@@ -139,7 +139,7 @@ def extract_tar_layer(
     dest_dir: str,
     strip: str = MODELS_PREFIX,
     *,
-    media_type: str = MEDIA_TYPE_IMAGE_LAYER_TAR,
+    blob_format: BlobFormat = BlobFormat.TAR,
     diff_id: str | None = None,
     where: str = "layer",
     existing: ClaimedPaths | set[str] | None = None,
@@ -171,7 +171,7 @@ def extract_tar_layer(
         stream,
         dest_dir,
         strip,
-        media_type,
+        blob_format,
         diff_id,
         where,
         existing,
@@ -190,7 +190,7 @@ def extract_tar_files(
     dest_dir: str,
     strip: str = MODELS_PREFIX,
     *,
-    media_type: str = MEDIA_TYPE_IMAGE_LAYER_TAR,
+    blob_format: BlobFormat = BlobFormat.TAR,
     diff_id: str | None = None,
     where: str = "layer",
     existing: ClaimedPaths | set[str] | None = None,
@@ -212,7 +212,7 @@ def extract_tar_files(
         stream,
         dest_dir,
         strip,
-        media_type,
+        blob_format,
         diff_id,
         where,
         existing,
@@ -230,7 +230,7 @@ def _extract(
     stream: BinaryIO,
     dest_dir: str,
     strip: str,
-    media_type: str,
+    blob_format: BlobFormat,
     diff_id: str | None,
     where: str,
     existing: ClaimedPaths | set[str] | None,
@@ -242,7 +242,7 @@ def _extract(
     *,
     file_digests: bool,
 ) -> list[tuple[str, int, str | None]]:
-    reader = LayerReader(open_layer_stream(stream, media_type), where, hashing=diff_id is not None)
+    reader = LayerReader(open_layer_stream(stream, blob_format, where), where, hashing=diff_id is not None)
     claims: ClaimedPaths | set[str] = existing if existing is not None else set()
     spend = budget if budget is not None else ExpansionBudget(max_bytes)
     out: list[tuple[str, int, str | None]] = []
