@@ -136,6 +136,7 @@ class BlobIngest:
                 self.store.blob_path(desc.digest),
                 mode=READ_ONLY_FILE_MODE,
                 resume_hint="free space (or run 'modelpack cache gc') and pull again to resume",
+                name_partial=True,
             ),
             WriteHooks(on_bytes=fetched, on_resume=resumed, on_discard=discarded),
         )

@@ -69,7 +69,9 @@ class Landing:
 
     ``dirs``: the directory fsync is left to the caller (once per directory after all renames),
     with the directories up to ``root`` (the caller may have created them); else it is done here.
-    ``what`` names the blob in a digest mismatch; ``resume_hint`` ends a full-disk error."""
+    ``what`` names the blob in a digest mismatch; a refused write (a full disk) names the final
+    path (the file a person asked for), or with ``name_partial`` the partial (a store whose final
+    paths are its own business), and ends with ``resume_hint``."""
 
     final: str
     mode: int = 0o644
@@ -77,6 +79,7 @@ class Landing:
     root: str | None = None
     what: str = "blob"
     resume_hint: str = "free space and pull again to resume"
+    name_partial: bool = False
 
 
 @dataclass
@@ -155,7 +158,8 @@ class BlobWriter:
         self._writeback = Writeback(self.fd, offset)
 
     def write(self, data: bytes | memoryview, landing: Landing) -> None:
-        """Append ``data``; a refused write (a full disk) names ``landing.final`` and says what is kept."""
+        """Append ``data``; a refused write (a full disk) names the path ``landing`` asks for and
+        says what is kept."""
         view = memoryview(data)
         try:
             while view:
@@ -165,7 +169,7 @@ class BlobWriter:
             if self.resumable:
                 have = os.fstat(self.fd).st_size
                 kept = f"the {have} bytes downloaded so far are kept in {self.path}; {landing.resume_hint}"
-            raise write_error(landing.final, exc, kept=kept) from exc
+            raise write_error(self.path if landing.name_partial else landing.final, exc, kept=kept) from exc
         self._writeback.wrote(len(data))
         self._hash.update(data)
         self.offset += len(data)
@@ -227,9 +231,12 @@ def fetch_verified(
     slot: PartialSlot,
     landing: Landing,
     hooks: WriteHooks | None = None,
+    *,
+    chunk: int = READ_CHUNK,
 ) -> Downloaded:
     """Fetch ``desc`` from ``source`` into ``landing.final`` by way of ``slot``'s partial
-    (resumed when it holds a prefix); see the module docstring for what every failure leaves."""
+    (resumed when it holds a prefix), reading at most ``chunk`` bytes at a time; see the module
+    docstring for what every failure leaves."""
     hooks = hooks or WriteHooks()
     got = Downloaded()
     with open_writer(slot, desc) as w:
@@ -237,20 +244,20 @@ def fetch_verified(
         if offset and hooks.on_resume is not None:
             hooks.on_resume(offset)
         got.resumed = offset
-        _fetch_rest(source, w, landing, hooks, got)
+        _fetch_rest(source, w, landing, hooks, got, chunk)
         if not w.verified() and offset:
             # The kept prefix may be what is wrong (a torn write, bit rot): once more from zero.
             if hooks.on_discard is not None:
                 hooks.on_discard(offset)
             got.resumed = 0
             w.restart()
-            _fetch_rest(source, w, landing, hooks, got)
+            _fetch_rest(source, w, landing, hooks, got, chunk)
         w.commit(desc.size, desc.digest, landing, source=source.name)
     return got
 
 
 def _fetch_rest(
-    source: ReadableTarget, w: BlobWriter, landing: Landing, hooks: WriteHooks, got: Downloaded
+    source: ReadableTarget, w: BlobWriter, landing: Landing, hooks: WriteHooks, got: Downloaded, chunk: int
 ) -> None:
     """Append the blob from the writer's offset. One byte past the declared size is read and
     written too: a source that sends more is lying about the size, and the commit says so."""
@@ -261,16 +268,16 @@ def _fetch_rest(
         while w.offset <= size:
             if hooks.cancel is not None:
                 hooks.cancel.check()
-            chunk = stream.read(min(READ_CHUNK, size - w.offset + 1))
-            if not chunk:
+            data = stream.read(min(chunk, size - w.offset + 1))
+            if not data:
                 break
-            if w.offset + len(chunk) > size:
-                w.offset += len(chunk)  # counted, never written: the commit refuses the size
+            if w.offset + len(data) > size:
+                w.offset += len(data)  # counted, never written: the commit refuses the size
                 break
-            w.write(chunk, landing)
-            got.fetched += len(chunk)
+            w.write(data, landing)
+            got.fetched += len(data)
             if hooks.on_bytes is not None:
-                hooks.on_bytes(len(chunk))
+                hooks.on_bytes(len(data))
 
 
 @contextlib.contextmanager
