@@ -206,6 +206,55 @@ def test_a_cancel_mid_download_leaves_nothing(strategy: Strategy, source: Source
     assert strategy.leftovers() == []
 
 
+class SignalledSource:
+    """A real layout whose blob stream is interrupted by a signal (``KeyboardInterrupt``) after
+    its first read."""
+
+    def __init__(self, layout: OCILayoutTarget) -> None:
+        self.layout = layout
+        self.name = layout.name
+
+    def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
+        f = self.layout.fetch_blob(descriptor, offset)
+        reads = 0
+
+        class Stream:
+            def read(self, n: int = -1) -> bytes:
+                nonlocal reads
+                reads += 1
+                if reads > 1:
+                    raise KeyboardInterrupt
+                return f.read(n)
+
+            def close(self) -> None:
+                f.close()
+
+        return Stream()  # type: ignore[return-value]
+
+
+def test_a_signal_mid_download_leaves_nothing(strategy: Strategy, source: Source) -> None:
+    """Ctrl-C (or SIGTERM turned into an exception) while bytes arrive: no partial, nothing final."""
+    with pytest.raises(KeyboardInterrupt):
+        strategy.fetch(SignalledSource(source.target), source.desc)
+    assert not strategy.final.exists()
+    assert strategy.leftovers() == []
+
+
+def test_a_takeover_writers_private_file_is_removed_when_its_download_fails(
+    tmp_path: Path, source: Source
+) -> None:
+    """The node cache's writer that took a stale lock over writes a private temp file (the holder
+    may still write the partial); when its source drops the connection that file goes, since no
+    later writer would ever find it to resume."""
+    strategy = Strategy("node-cache", tmp_path / "out", source.desc.digest)
+    cut = FaultySource(source.target, str(source.desc.digest), SIZE // 2)
+    # the first slot is the hung holder's
+    with strategy.slot(), strategy_slot_stale(strategy) as second, pytest.raises(Interrupted):
+        fetch_verified(cut, source.desc, second, strategy.landing)
+    assert os.listdir(strategy.store.ingest_dir) == []
+    assert not strategy.final.exists()
+
+
 @pytest.mark.parametrize("kind", STRATEGIES)
 def test_a_full_disk_keeps_a_partial_the_next_writer_resumes(
     tmp_path: Path, source: Source, kind: str
