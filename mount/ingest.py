@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import os
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.reports import to_ms
-from modelpack.mount.store import Store
+from modelpack.mount.store import FULL_CACHE_HINT, Store
 
 from modelpack.errors import (
     DigestMismatchError,
@@ -33,11 +32,11 @@ from modelpack.errors import (
     QuotaExceededError,
     SizeMismatchError,
 )
-from modelpack.files import TEMP_PREFIX, write_error
+from modelpack.files import write_error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget
-from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_verified
+from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
 from modelpack.transfer.staging import private_file
 
 
@@ -135,7 +134,7 @@ class BlobIngest:
             Landing(
                 self.store.blob_path(desc.digest),
                 mode=READ_ONLY_FILE_MODE,
-                resume_hint="free space (or run 'modelpack cache gc') and pull again to resume",
+                full_disk_hint=FULL_CACHE_HINT,
                 name_partial=True,
             ),
             WriteHooks(on_bytes=fetched, on_resume=resumed, on_discard=discarded),
@@ -251,11 +250,7 @@ class IngestSlot:
 
     def open(self) -> Partial:
         if not self.held.exclusive:
-            path = os.path.join(
-                self.store.ingest_dir,
-                f"{TEMP_PREFIX}{self.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            )
-            return Partial(_create(path), path, resumable=False)
+            return PrivateTemp(self.store.ingest_dir, self.digest).open()
         path = self.store.partial_path(self.digest)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -273,11 +268,8 @@ class IngestSlot:
             pass
         except OSError as exc:
             raise write_error(path, exc) from exc
-        return Partial(_create(path), path, resumable=True)
-
-
-def _create(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise write_error(path, exc) from exc
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+        return Partial(fd, path, resumable=True)

@@ -48,21 +48,19 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
-from modelpack.mount.store import Store
+from modelpack.mount.store import FULL_CACHE_HINT, Store
 
 from modelpack.errors import CacheServeError, ModelpackError
-from modelpack.files import TEMP_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.options import TargetOptions
-from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_verified
+from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
 
 log = logging.getLogger("modelpack.mount.serve")
 
@@ -350,7 +348,9 @@ class Filler:
             target,
             desc,
             _FillSlot(self.store, desc.digest, fill),
-            Landing(self.store.blob_path(desc.digest), mode=READ_ONLY_FILE_MODE),
+            Landing(
+                self.store.blob_path(desc.digest), mode=READ_ONLY_FILE_MODE, full_disk_hint=FULL_CACHE_HINT
+            ),
             WriteHooks(on_bytes=wrote),
             chunk=_FILL_CHUNK,
         )
@@ -380,17 +380,14 @@ class _FillSlot:
         self.fill = fill
 
     def open(self) -> Partial:
-        path = os.path.join(
-            self.store.ingest_dir, f"{TEMP_PREFIX}fill-{self.digest.hex[:16]}-{uuid.uuid4().hex[:8]}"
-        )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        partial = PrivateTemp(self.store.ingest_dir, self.digest, tag="fill-").open()
         try:
-            self.fill._opened(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            self.fill._opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except BaseException:
-            os.close(fd)
-            os.unlink(path)
+            os.close(partial.fd)
+            os.unlink(partial.path)
             raise
-        return Partial(fd, path, resumable=False)
+        return partial
 
 
 def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:

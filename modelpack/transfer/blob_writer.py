@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,9 +35,9 @@ from modelpack.errors import (
     SizeMismatchError,
     TransferInterrupted,
 )
-from modelpack.files import DirSyncs, Writeback, fsync_dir, write_error
+from modelpack.files import TEMP_PREFIX, DirSyncs, Writeback, fsync_dir, write_error
 from modelpack.oci.descriptor import Descriptor
-from modelpack.oci.digest import HASH_CHUNK
+from modelpack.oci.digest import HASH_CHUNK, Digest
 from modelpack.targets.base import ReadableTarget
 from modelpack.transfer.cancel import Cancel
 
@@ -63,6 +64,25 @@ class PartialSlot(Protocol):
         ...
 
 
+class PrivateTemp:
+    """A ``PartialSlot`` for a writer whose partial nobody finds again: a fresh private file in
+    ``directory`` (a temp name, created exclusively, ``0600``), removed on every failure."""
+
+    def __init__(self, directory: str, digest: Digest, *, tag: str = "") -> None:
+        self.directory = directory
+        self.digest = digest
+        self.tag = tag
+
+    def open(self) -> Partial:
+        name = f"{TEMP_PREFIX}{self.tag}{self.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+        return Partial(fd, path, resumable=False)
+
+
 @dataclass(frozen=True)
 class Landing:
     """Where a verified blob is committed and how.
@@ -71,14 +91,14 @@ class Landing:
     with the directories up to ``root`` (the caller may have created them); else it is done here.
     ``what`` names the blob in a digest mismatch; a refused write (a full disk) names the final
     path (the file a person asked for), or with ``name_partial`` the partial (a store whose final
-    paths are its own business), and ends with ``resume_hint``."""
+    paths are its own business), says what was kept and ends with ``full_disk_hint``."""
 
     final: str
     mode: int = 0o644
     dirs: DirSyncs | None = None
     root: str | None = None
     what: str = "blob"
-    resume_hint: str = "free space and pull again to resume"
+    full_disk_hint: str = "free space and pull again"
     name_partial: bool = False
 
 
@@ -165,10 +185,13 @@ class BlobWriter:
             while view:
                 view = view[os.write(self.fd, view) :]
         except OSError as exc:
-            kept = "nothing was written at the final path"
+            kept = f"nothing was kept; {landing.full_disk_hint}"
             if self.resumable:
                 have = os.fstat(self.fd).st_size
-                kept = f"the {have} bytes downloaded so far are kept in {self.path}; {landing.resume_hint}"
+                kept = (
+                    f"the {have} bytes downloaded so far are kept in {self.path} for the next pull "
+                    f"to resume; {landing.full_disk_hint}"
+                )
             raise write_error(self.path if landing.name_partial else landing.final, exc, kept=kept) from exc
         self._writeback.wrote(len(data))
         self._hash.update(data)
@@ -302,6 +325,7 @@ __all__ = [
     "Landing",
     "Partial",
     "PartialSlot",
+    "PrivateTemp",
     "WriteHooks",
     "fetch_verified",
     "keeps_partial",
