@@ -282,8 +282,9 @@ def fetch_verified(
 def _fetch_rest(
     source: ReadableTarget, w: BlobWriter, landing: Landing, hooks: WriteHooks, got: Downloaded, chunk: int
 ) -> None:
-    """Append the blob from the writer's offset. One byte past the declared size is read and
-    written too: a source that sends more is lying about the size, and the commit says so."""
+    """Append the blob from the writer's offset. One byte past the declared size is asked for
+    (counted, never written): a source that sends more is lying about the size, and the commit
+    says so."""
     size = w.desc.size
     if w.offset >= size:
         return  # a complete partial (killed before its rename) needs no fetch at all
