@@ -206,6 +206,22 @@ def test_a_cancel_mid_download_leaves_nothing(strategy: Strategy, source: Source
     assert strategy.leftovers() == []
 
 
+def test_a_symlink_planted_at_the_partials_name_is_never_written_through(
+    strategy: Strategy, source: Source, tmp_path: Path
+) -> None:
+    """A link at the partial's name (to a file the writer must never append to) is replaced:
+    the link's target keeps its bytes, and the blob is written and committed whole."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    strategy.partial.parent.mkdir(parents=True, exist_ok=True)
+    strategy.partial.symlink_to(victim)
+    got = strategy.fetch(source.target, source.desc)
+    assert (got.resumed, got.fetched) == (0, SIZE)
+    assert victim.read_bytes() == b"precious"
+    assert strategy.final.read_bytes() == source.data
+    assert strategy.leftovers() == []
+
+
 class SignalledSource:
     """A real layout whose blob stream is interrupted by a signal (``KeyboardInterrupt``) after
     its first read."""
