@@ -33,11 +33,19 @@ from modelpack.errors import (
     SizeMismatchError,
     TransferCancelled,
 )
+from modelpack.files import TEMP_PREFIX
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import file_blob_source
 from modelpack.targets.layout import OCILayoutTarget
-from modelpack.transfer.blob_writer import Landing, PartialSlot, WriteHooks, fetch_verified, open_writer
+from modelpack.transfer.blob_writer import (
+    Downloaded,
+    Landing,
+    PartialSlot,
+    WriteHooks,
+    fetch_verified,
+    open_writer,
+)
 from modelpack.transfer.cancel import Cancel
 from modelpack.transfer.staging import BesideFinal, partial_path
 from tests.pull_dir_helpers import small_tmpfs
@@ -96,24 +104,26 @@ class Strategy:
             self.landing = Landing(str(self.final), mode=READ_ONLY_FILE_MODE, name_partial=True)
 
     @contextlib.contextmanager
-    def slot(self, *, stale_after: float = 60.0) -> Iterator[PartialSlot]:
+    def slot(self) -> Iterator[PartialSlot]:
         """The slot a writer opens; for the node cache, under the digest lock held meanwhile."""
         if self.kind == "directory":
             yield BesideFinal(str(self.partial))
             return
-        held: HeldLock = acquire(self.store.lock_path(self.digest), stale_after=stale_after)
+        held: HeldLock = acquire(self.store.lock_path(self.digest))
         try:
             yield IngestSlot(self.store, self.digest, held)
         finally:
             held.release()
 
-    def fetch(self, target: Any, desc: Descriptor, hooks: WriteHooks | None = None) -> Any:
+    def fetch(self, target: Any, desc: Descriptor, hooks: WriteHooks | None = None) -> Downloaded:
         with self.slot() as slot:
             return fetch_verified(target, desc, slot, self.landing, hooks)
 
     def leftovers(self) -> list[str]:
-        """Temp files and partials of this strategy's directory (nothing after a clean failure)."""
-        return sorted(p.name for p in self.partial.parent.iterdir() if p.name.endswith((".partial", ".tmp")))
+        """Partials and temp files in this strategy's directory (none after a commit or a failure
+        that keeps nothing)."""
+        names = (p.name for p in self.partial.parent.iterdir())
+        return sorted(n for n in names if n.startswith(TEMP_PREFIX) or n.endswith(".partial"))
 
 
 STRATEGIES = ["directory", "node-cache"]
