@@ -252,7 +252,10 @@ class SignalledSource:
                     raise KeyboardInterrupt
                 return f.read(n)
 
-            def close(self) -> None:
+            def __enter__(self) -> Stream:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
                 f.close()
 
         return Stream()  # type: ignore[return-value]

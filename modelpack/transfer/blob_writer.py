@@ -23,9 +23,9 @@ import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from modelpack.errors import (
     DigestMismatchError,
@@ -288,7 +288,7 @@ def _fetch_rest(
     size = w.desc.size
     if w.offset >= size:
         return  # a complete partial (killed before its rename) needs no fetch at all
-    with _stream(source.fetch_blob(w.desc, w.offset)) as stream:
+    with source.fetch_blob(w.desc, w.offset) as stream:
         while w.offset <= size:
             if hooks.cancel is not None:
                 hooks.cancel.check()
@@ -302,21 +302,6 @@ def _fetch_rest(
             got.fetched += len(data)
             if hooks.on_bytes is not None:
                 hooks.on_bytes(len(data))
-
-
-@contextlib.contextmanager
-def _stream(raw: Any) -> Iterator[Any]:
-    """The source's stream, closed however the fetch ends (some sources give only ``__exit__``)."""
-    if hasattr(raw, "__exit__"):
-        with raw as stream:
-            yield stream
-        return
-    try:
-        yield raw
-    finally:
-        close = getattr(raw, "close", None)
-        if close is not None:
-            close()
 
 
 __all__ = [
