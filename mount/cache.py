@@ -42,7 +42,7 @@ from modelpack.mount.reports import CacheEntry, GCResult, PullResult, VerifyRepo
 from modelpack.mount.rollback import RollbackGuard, TagHistory
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords
+from modelpack.mount.trust import PolicySource, TrustRecords
 from modelpack.mount.variants import IndexRecords, VariantResolver
 
 from modelpack.errors import NotFoundError
@@ -158,7 +158,7 @@ class NodeCache:
         reference: str | Reference,
         target_options: TargetOptions | None = None,
         *,
-        policy: Any = None,
+        policy: PolicySource | None = None,
         jobs: int = 4,
         events: EventLog | str | None = None,
         source: ReadableTarget | None = None,

@@ -34,14 +34,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
 from modelpack.mount.refs import RefRecords
 from modelpack.mount.reports import PullResult
 from modelpack.mount.rollback import PendingAcceptance
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords, load_policy
+from modelpack.mount.trust import PolicySource, TrustRecords, load_policy
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import DocumentError, SignatureRefused
@@ -60,6 +60,9 @@ from modelpack.oci.variant_index import (
 from modelpack.oci.variant_selection import Selection, VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
+
+if TYPE_CHECKING:
+    from modelpack.signing.verify import PolicyOrKeys
 
 #: an index of 256 entries with their annotations stays far below this
 MAX_INDEX_RECORD_BYTES = 4 * 1024 * 1024 + 64 * 1024
@@ -159,7 +162,7 @@ class IndexPuller(Protocol):
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -219,7 +222,7 @@ class VariantResolver:
         ref: Reference,
         target: ReadableTarget | None,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         log: EventLog,
         ev: Callable[..., None],
     ) -> tuple[str, ReadableTarget | None, float | None]:
@@ -272,7 +275,7 @@ class VariantResolver:
         found: tuple[VariantIndex, str, ReadableTarget | None],
         ref: Reference,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         sid: str,
@@ -350,8 +353,8 @@ def resolve_variant(
     selector: VariantSelector | None = None,
     *,
     target_options: TargetOptions | None = None,
-    policy: Any = None,
-    events: Any = None,
+    policy: PolicyOrKeys | None = None,
+    events: EventLog | None = None,
     target: ReadableTarget | None = None,
 ) -> ResolvedVariant | None:
     """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by

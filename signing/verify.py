@@ -43,6 +43,7 @@ from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_ind
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import ReadableTarget
+from modelpack.targets.options import TargetOptions
 
 PolicyOrKeys = TrustPolicy | RepositoryPolicy | PublicKey | Sequence[PublicKey]
 
@@ -189,7 +190,7 @@ def verify_artifact(
 def verify_reference(
     reference: Reference | str,
     policy_or_keys: PolicyOrKeys,
-    target_options: Any = None,
+    target_options: TargetOptions | None = None,
     *,
     events: EventLog | None = None,
 ) -> tuple[ReadableTarget, Descriptor, VerificationResult]:

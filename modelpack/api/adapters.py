@@ -50,6 +50,7 @@ from modelpack.transfer.copy import CopyResult, copy
 if TYPE_CHECKING:
     from modelpack.mount.cache import NodeCache
     from modelpack.signing.keys import PrivateKey
+    from modelpack.signing.verify import PolicyOrKeys
 
 #: where a directory pull puts each adapter, below DEST
 ADAPTERS_SUBDIR = "adapters"
@@ -263,7 +264,11 @@ def unique_names(chosen: Sequence[SelectedAdapter], base_digest: str) -> None:
 
 
 def apply_policy(
-    pinned: Reference, chosen: list[SelectedAdapter], policy: Any, topts: TargetOptions, skipped: list[str]
+    pinned: Reference,
+    chosen: list[SelectedAdapter],
+    policy: PolicyOrKeys,
+    topts: TargetOptions,
+    skipped: list[str],
 ) -> list[SelectedAdapter]:
     """Verify the base and every adapter under ``policy`` before anything is written. The base
     and adapters named by reference must pass; an adapter only *listed* for the base that fails
@@ -302,7 +307,7 @@ def pull_with_adapters(
     cache: NodeCache | None = None,
     with_adapters: bool = True,
     adapters: Sequence[str] = (),
-    policy: Any = None,
+    policy: PolicyOrKeys | None = None,
     target_options: TargetOptions | None = None,
     jobs: int = 4,
     progress: str = "auto",

@@ -40,7 +40,7 @@ from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import Progress
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.transfer import destination
 from modelpack.transfer.blob_writer import Downloaded, Landing, WriteHooks, fetch_verified
@@ -430,8 +430,7 @@ def _pull_locked(
         result.deleted = destination.delete_extra(dest, result.extra_files, artifact_files)
         result.extra_files = []
     # Only registry targets with mirrors count their sources; others have nothing to say.
-    by_source = getattr(target, "bytes_by_source", None)
-    result.bytes_by_source = by_source() if callable(by_source) else {}
+    result.bytes_by_source = target.bytes_by_source() if isinstance(target, SourceAccounting) else {}
     result.seconds = time.monotonic() - start
     return result
 
