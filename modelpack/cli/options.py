@@ -384,6 +384,9 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
 def _registry_host(value: str) -> str | None:
     """The registry host a command argument names (``HOST/REPO:TAG`` or a bare ``HOST[:PORT]``),
     or None for anything else (a directory, ``oci:``, ``s3://``, a file)."""
+    from modelpack.oci.reference import OCI_REGISTRY_SCHEME
+
+    value = value.removeprefix(OCI_REGISTRY_SCHEME)
     if not value or value.startswith(("oci:", "s3://", ".", "/", "~")) or os.path.exists(value):
         return None
     first = value.split("/", 1)[0]
