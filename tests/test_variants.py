@@ -496,11 +496,11 @@ def test_signed_index_and_entries_are_verified_and_an_unsigned_entry_or_other_ke
             "--json",
         ).stdout
     )
-    assert got["signature"] == "verified" and got["variant"]["index_signature"] == "verified"
+    assert got["signature"] == "verified" and got["variant"]["indexSignature"] == "verified"
     out = _cli(
         "pull", ref, str(tmp_path / "dir"), "--key", str(v.pub), "--variant", "precision=f32", "--json"
     )
-    assert json.loads(out.stdout)["variant"]["index_signature"] == "verified"
+    assert json.loads(out.stdout)["variant"]["indexSignature"] == "verified"
     other = _cli(
         "pull",
         ref,

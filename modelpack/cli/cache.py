@@ -9,7 +9,6 @@ so a mistyped ``--cache`` is an error, not a new empty cache.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -127,9 +126,9 @@ def cache_pull(
 
 
 def _when(ts: float) -> str:
-    if not ts:
-        return "-"
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    from modelpack.timestamps import rfc3339_utc_or_none
+
+    return rfc3339_utc_or_none(ts) or "-"
 
 
 @click.group(
