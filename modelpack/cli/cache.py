@@ -15,6 +15,7 @@ import click
 
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
+from modelpack.exit_codes import ExitCode
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S
 from modelpack.terminal import for_terminal
@@ -229,7 +230,7 @@ def cache_verify(
             for p in r.problems:
                 click.echo(f"  {for_terminal(p)}")  # names found in the cache: inert
     if any(not r.ok for r in reports):
-        raise SystemExit(1)
+        raise SystemExit(ExitCode.FAILURE)
 
 
 @cache_group.command("pin")
