@@ -246,7 +246,13 @@ def progress_option(fn: F) -> F:
 
 
 def json_option(fn: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")(fn)
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print machine-readable JSON on stdout (camelCase keys, RFC 3339 UTC times; its JSON "
+        "Schema is modelpack/cli/schemas/<command>.json in the installed package).",
+    )(fn)
 
 
 def jobs_option(fn: F) -> F:
