@@ -9,6 +9,8 @@ from typing import Any
 from modelpack.loader.fingerprint import Fingerprint
 from modelpack.loader.plan import ReadPlan
 
+from modelpack.oci.variant_selection import VariantSelector
+
 MiB = 1024 * 1024
 
 
@@ -39,7 +41,7 @@ class LoaderOptions:
     group: Any = None
     # an index of variants: which entry to load (a modelpack.oci.variant_selection.VariantSelector
     # built from the node's device arch, TP size, engine and --variant; loader/variant_source.py)
-    variant: Any = None
+    variant: VariantSelector | None = None
 
     @property
     def local_workers(self) -> int:

@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
 from modelpack.loader.dtypes import torch_dtype
@@ -42,6 +42,11 @@ from modelpack.mediatypes.variants import LAYOUT_CANONICAL, LAYOUT_SHARDED_STATE
 from modelpack.errors import LoaderError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.packing.safetensors_format import SafetensorsHeader
+
+if TYPE_CHECKING:
+    from modelpack.signing.chunks import ChunkTable
+
+    from modelpack.targets.options import TargetOptions
 
 
 def _event_log(events: EventsLike) -> EventLog:
@@ -86,8 +91,8 @@ def prepare(
     presets: bool = True,
     expected_digest: str | None = None,
     trusted_keys: Sequence[Any] | None = None,
-    chunk_table: Any = None,
-    target_options: Any = None,
+    chunk_table: ChunkTable | None = None,
+    target_options: TargetOptions | None = None,
     allow_unverified: bool = False,
     options: LoaderOptions | None = None,
     layout: str = LAYOUT_CANONICAL,

@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from modelpack.loader.gather import gather_rows
 
 from modelpack.errors import SourceError, TruncatedSourceError
 from modelpack.oci.descriptor import Descriptor
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import CheckedRangeFetcher, RangeCheck, RangeIntoFetcher, ReadableTarget
 
 ALIGN = 4096
 
@@ -56,11 +56,17 @@ class RangeReader(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ScatterReader(Protocol):
+    """A reader that fills several buffers from one range in one request (both readers here)."""
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None: ...
+
+
 def read_scatter(reader: RangeReader, offset: int, views: Sequence[memoryview]) -> None:
     """``reader.read_scatter`` where the reader has it, else one ``read_into`` per view."""
-    scatter = getattr(reader, "read_scatter", None)
-    if scatter is not None:
-        scatter(offset, views)
+    if isinstance(reader, ScatterReader):
+        reader.read_scatter(offset, views)
         return
     for v in views:
         reader.read_into(offset, v)
@@ -230,7 +236,7 @@ class TargetReader:
         descriptor: Descriptor,
         *,
         name: str = "",
-        check: Callable[[int, bytes], list[tuple[int, int]]] | None = None,
+        check: RangeCheck | None = None,
     ) -> None:
         self.target = target
         self.descriptor = descriptor
@@ -238,10 +244,10 @@ class TargetReader:
         self.name = name or f"{target.name} blob {descriptor.digest}"
         self._count = _Counter()
         # the signed chunk table's check: a mirror's wrong chunks are refetched beneath this reader
-        self._checked = getattr(target, "fetch_range_checked", None) if check is not None else None
+        self._checked = target if check is not None and isinstance(target, CheckedRangeFetcher) else None
         self._check = check
         # a target that receives a range straight into caller memory (RegistryTarget)
-        self._into = getattr(target, "fetch_range_into", None)
+        self._into = target if isinstance(target, RangeIntoFetcher) else None
 
     @property
     def bytes_read(self) -> int:
@@ -261,10 +267,10 @@ class TargetReader:
         if offset + want > self.size:
             raise TruncatedSourceError(self.name, offset, want, max(0, self.size - offset))
         if self._into is not None:
-            self._into(self.descriptor, offset, views, self._check)
+            self._into.fetch_range_into(self.descriptor, offset, views, self._check)
         else:
-            if self._checked is not None:
-                data = self._checked(self.descriptor, offset, want, self._check)
+            if self._checked is not None and self._check is not None:
+                data = self._checked.fetch_range_checked(self.descriptor, offset, want, self._check)
             else:
                 data = self.target.fetch_range(self.descriptor, offset, want)
             if len(data) != want:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from modelpack.loader.fingerprint import FingerprintLike
@@ -29,6 +29,11 @@ from modelpack.loader.plan import ReadPlan, RulesLike
 from modelpack.events import EventLog
 
 EventsLike = EventLog | str | None
+
+if TYPE_CHECKING:
+    from modelpack.signing.chunks import ChunkTable
+
+    from modelpack.targets.options import TargetOptions
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class LoadRequest:
     layout: str = "canonical"
     fingerprint: FingerprintLike | None = None  # compatibility fingerprint that must match
     trusted_keys: Sequence[Any] | None = None  # keys whose signed chunk table verifies chunks
-    chunk_table: Any = None  # a ChunkTable to verify against (instead of finding a signed one)
-    target_options: Any = None  # TargetOptions for a reference string
+    chunk_table: ChunkTable | None = None  # verified against (instead of finding a signed one)
+    target_options: TargetOptions | None = None  # for a reference string
     allow_unverified: bool = False  # serve a plain directory (no digest, nothing pinned)
     progress: str = "off"
     events: EventsLike = None  # EventLog or path for the loader.* events
@@ -88,8 +93,8 @@ class LoadFields(TypedDict, total=False):
     layout: str
     fingerprint: FingerprintLike | None
     trusted_keys: Sequence[Any] | None
-    chunk_table: Any
-    target_options: Any
+    chunk_table: ChunkTable | None
+    target_options: TargetOptions | None
     allow_unverified: bool
     progress: str
     events: EventsLike

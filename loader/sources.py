@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.loader.snapshot_source import open_snapshot
 from modelpack.loader.target_source import open_target_source
@@ -20,6 +20,14 @@ from modelpack.errors import ModelpackError, SourceError
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 
+if TYPE_CHECKING:
+    from modelpack.mount.cache import NodeCache
+    from modelpack.signing.chunks import ChunkTable
+
+    from modelpack.oci.reference import Reference
+    from modelpack.oci.variant_selection import VariantSelector
+    from modelpack.targets.options import TargetOptions
+
 __all__ = ["ResolvedSource", "WeightFile", "open_snapshot", "open_target_source", "resolve_source"]
 
 
@@ -27,13 +35,13 @@ def resolve_source(
     source: Any,
     *,
     expected_digest: str | None = None,
-    chunk_table: Any = None,
+    chunk_table: ChunkTable | None = None,
     trusted_keys: Sequence[Any] | None = None,
-    target_options: Any = None,
+    target_options: TargetOptions | None = None,
     allow_unverified: bool = False,
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
-    variant: Any = None,
+    variant: VariantSelector | None = None,
 ) -> ResolvedSource:
     """Turn any accepted ``source`` into files with a verification mode (see the module doc).
     ``variant`` selects the entry when a reference pins an index of variants."""
@@ -88,8 +96,8 @@ def resolve_source(
 
 
 def _open_cache_pair(
-    cache: Any,
-    reference: Any,
+    cache: NodeCache,
+    reference: str | Reference,
     *,
     expected_digest: str | None,
     direct: bool,
@@ -101,9 +109,8 @@ def _open_cache_pair(
     ctx = cache.open_snapshot(str(reference))
     info = ctx.__enter__()
     try:
-        path = getattr(info, "path", info)
         src = open_snapshot(
-            os.fspath(path),
+            info.path,
             expected_digest=expected_digest,
             allow_unverified=False,
             direct=direct,
@@ -112,5 +119,9 @@ def _open_cache_pair(
     except BaseException:
         ctx.__exit__(None, None, None)
         raise
-    src._cleanup.insert(0, lambda: ctx.__exit__(None, None, None))
+
+    def release() -> None:
+        ctx.__exit__(None, None, None)
+
+    src._cleanup.insert(0, release)
     return src

@@ -85,9 +85,7 @@ def open_target_source(
     raw, media_type = target.fetch_manifest(pinned)
     verify_bytes(raw, pinned, None, what="manifest", source=pinned_ref)
     if is_index_document(raw, media_type):  # an index of variants: the entry that fits
-        pinned, raw, media_type, _ = select_entry(
-            target, pinned, raw, media_type, variant, trusted_keys, pinned_ref
-        )
+        pinned, raw, media_type, _ = select_entry(target, raw, media_type, variant, trusted_keys, pinned_ref)
         pinned_ref = f"{target.name}@{pinned}"
         desc = target.resolve(pinned)
     try:

@@ -13,12 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
-
-from modelpack.errors import SourceError, UnsignedSourceError
-from modelpack.oci.descriptor import Descriptor, Index, parse_manifest_or_index
-from modelpack.oci.digest import Digest
-from modelpack.oci.variant_index import check_entry_manifest, variant_index
+from modelpack.errors import SignatureRefused, SourceError, UnsignedSourceError, VariantIndexError
+from modelpack.oci.descriptor import Index, parse_manifest_or_index
+from modelpack.oci.variant_index import variant_index
 from modelpack.oci.variant_selection import Selection, VariantSelector
 from modelpack.targets.base import ReadableTarget
 
@@ -32,32 +29,27 @@ def is_index_document(raw: bytes, media_type: str | None) -> bool:
 
 def select_entry(
     target: ReadableTarget,
-    index_digest: str,
     raw: bytes,
     media_type: str | None,
     selector: VariantSelector | None,
     trusted_keys: Sequence[Any] | None,
     where: str,
 ) -> tuple[str, bytes, str, Selection]:
-    """(entry digest, its verified manifest bytes, media type, the selection) for the index at
-    ``index_digest`` (``raw`` already verified against it)."""
+    """(entry digest, its verified manifest bytes, media type, the selection) for the index
+    ``raw`` (already verified against its pinned digest): the node cache's own selection
+    (``mount.variants.choose_entry``), its refusals in the loader's terms."""
+    from modelpack.mount.variants import choose_entry
+
     parsed = parse_manifest_or_index(raw, media_type)
     assert isinstance(parsed, Index)
     vi = variant_index(parsed)
-    if trusted_keys:
-        from modelpack.signing.manifest_signature import check_manifest_signatures
-
-        desc = Descriptor(parsed.media_type or MEDIA_TYPE_OCI_INDEX, Digest(index_digest), len(raw))
-        checks = check_manifest_signatures(target, desc, list(trusted_keys))
-        if not any(c.status == "verified" for c in checks):
-            why = "; ".join(c.reason for c in checks if c.reason) or "no signature"
-            raise UnsignedSourceError(f"{where}: the index is not signed by a trusted key ({why})")
-    selection = (selector or VariantSelector()).select(vi)
-    entry = selection.chosen
-    digest = str(entry.descriptor.digest)
-    entry_raw, entry_type = target.fetch_manifest(digest)
     try:
-        check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
-    except Exception as exc:
+        chosen = choose_entry(target, None, vi, selector, policy=list(trusted_keys) if trusted_keys else None)
+    except SignatureRefused as exc:
+        raise UnsignedSourceError(
+            f"{where}: the index is not signed by a trusted key ({exc.reason})"
+        ) from exc
+    except VariantIndexError as exc:
         raise SourceError(f"{where}: {exc}") from exc
-    return digest, entry_raw, entry_type or entry.descriptor.media_type, selection
+    selection = chosen.resolved.selection
+    return selection.digest, chosen.manifest_raw, chosen.media_type, selection

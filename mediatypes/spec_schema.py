@@ -13,7 +13,7 @@ Draft 4 interpreter of the keywords the vendored schema uses (``type``, ``proper
 ``additionalProperties``, ``required``, ``items``, ``enum``, ``minItems``, ``minLength``, ``format:
 date-time`` and local ``$ref``), with jsonschema's semantics and messages; it reads the vendored
 schema itself, never a hand copy of its rules. A schema with any other validation keyword (a future
-vendored release) is run by ``jsonschema`` as before. ``tests/test_spec_schema_interpreter.py``
+vendored release) is run by ``jsonschema`` as before. ``tests/mediatypes/test_spec_schema_interpreter.py``
 checks the interpreter against ``jsonschema`` on generated valid and broken configs.
 """
 

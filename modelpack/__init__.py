@@ -26,7 +26,16 @@ _PUBLIC_API = {
     "open_target": "modelpack.targets.opener",
     "open_readable": "modelpack.targets.opener",
     "TargetOptions": "modelpack.targets.opener",
+    "PullOptions": "modelpack.transfer.pull_options",
+    # what pull(policy=, variant=) takes, and the trust step every entry point goes through
+    "TrustPolicy": "modelpack.signing.policy",
+    "load_public_key": "modelpack.signing.keys",
+    "VariantSelector": "modelpack.oci.variant_selection",
+    "resolve_trusted": "modelpack.mount.resolve",
+    "Pinned": "modelpack.mount.resolve",
     "ModelpackError": "modelpack.errors",
+    "SignatureRefused": "modelpack.errors",
+    "RollbackRefused": "modelpack.errors",
 }
 
 

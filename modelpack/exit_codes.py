@@ -2,7 +2,7 @@
 
 Scripts and CI branch on these, so they are a contract like ``--json``: README's "Exit status"
 table is this table (a test compares them) and each status is produced by a real case in
-tests/test_exit_codes.py. A signal ends a command as a shell reports a process it killed
+tests/cli/test_exit_codes.py. A signal ends a command as a shell reports a process it killed
 (128 + the signal number), after every temp file and staging directory is removed.
 """
 

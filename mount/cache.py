@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S, GarbageCollector
 from modelpack.mount.ingest import BlobIngest
@@ -42,7 +42,7 @@ from modelpack.mount.reports import CacheEntry, GCResult, PullResult, VerifyRepo
 from modelpack.mount.rollback import RollbackGuard, TagHistory
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords
+from modelpack.mount.trust import PolicySource, TrustRecords
 from modelpack.mount.variants import IndexRecords, VariantResolver
 
 from modelpack.errors import NotFoundError
@@ -52,6 +52,9 @@ from modelpack.oci.reference import Reference
 from modelpack.oci.variant_selection import VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
 
 __all__ = ["CacheEntry", "GCResult", "NodeCache", "PullResult", "VerifyReport", "default_cache_dir"]
 
@@ -158,7 +161,7 @@ class NodeCache:
         reference: str | Reference,
         target_options: TargetOptions | None = None,
         *,
-        policy: Any = None,
+        policy: PolicySource | None = None,
         jobs: int = 4,
         events: EventLog | str | None = None,
         source: ReadableTarget | None = None,

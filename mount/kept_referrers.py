@@ -38,6 +38,7 @@ from modelpack.mount.store import Store
 from modelpack.errors import ModelpackError
 from modelpack.oci.descriptor import EMPTY_JSON, MAX_MANIFEST_BYTES, Descriptor, Manifest
 from modelpack.oci.digest import Digest
+from modelpack.targets.base import ReadableTarget
 
 #: the index.json annotation that ties a kept referrer to the model it signs
 SUBJECT_ANNOTATION = "io.modelpack.cache.subject"
@@ -61,7 +62,7 @@ class RecordingTarget:
     Everything is delegated to ``inner``; only the referrer manifests a listing named and their
     bundle layers are copied aside (verified by digest before they are remembered)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: ReadableTarget) -> None:
         self._inner = inner
         self._seen = _Seen()
 

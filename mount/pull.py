@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.expansion import describe_room, expansion_refused, expansion_room
 from modelpack.mount.ingest import BlobIngest, check_space
@@ -36,7 +36,7 @@ from modelpack.mount.reports import PullResult, to_ms
 from modelpack.mount.rollback import PendingAcceptance, RollbackGuard
 from modelpack.mount.snapshots import SnapshotInfo, Snapshots
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords
+from modelpack.mount.trust import PolicySource, TrustRecords
 
 from modelpack.errors import (
     CacheError,
@@ -49,9 +49,12 @@ from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.progress import Progress
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
 
 
 @dataclass
@@ -79,7 +82,7 @@ class Puller:
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -156,7 +159,7 @@ class Puller:
         return self.rollback.check(ref, digest, signed_at, ev)
 
     def _no_rollback_on_hit(
-        self, ref: Reference, digest: str, policy: Any, ev: Callable[..., None]
+        self, ref: Reference, digest: str, policy: PolicySource, ev: Callable[..., None]
     ) -> PendingAcceptance:
         """A hit under a policy: its signing time is in the trust record ``on_hit`` checked."""
         if self.rollback is None:
@@ -249,7 +252,7 @@ class Puller:
         ref_text: str,
         digest: Digest,
         target: ReadableTarget,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         sid: str,
         t0: float,
@@ -368,8 +371,9 @@ class Puller:
                 missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes
             )
         timings["download"] = to_ms(time.monotonic() - t)
-        by_source = getattr(target, "bytes_by_source", None)
-        result.bytes_by_source = dict(by_source()) if callable(by_source) else {}
+        result.bytes_by_source = (
+            dict(target.bytes_by_source()) if isinstance(target, SourceAccounting) else {}
+        )
         # downloaded + reused == total: a blob is either fetched (minus a resumed prefix, which is
         # reused) or was already there (committed by someone else meanwhile counts as reused)
         for b, r in zip(missing, results, strict=True):

@@ -60,7 +60,7 @@ from modelpack.files import TEMP_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import Closable, ReadableTarget
 from modelpack.targets.options import TargetOptions
 
 log = logging.getLogger("modelpack.mount.serve")
@@ -372,19 +372,19 @@ class Filler:
 
     def close(self) -> None:
         for pin in self._pinned:
-            with contextlib.suppress(Exception):
-                close = getattr(pin.target, "close", None)
-                if close is not None:
-                    close()
+            if isinstance(pin.target, Closable):
+                with contextlib.suppress(Exception):
+                    pin.target.close()
 
 
 def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:
     """The pinned reference's registry, never through mirrors (a fill asking peers would loop)."""
     from modelpack.targets.opener import open_readable
+    from modelpack.targets.registry.target import RegistryTarget
 
     target = open_readable(text, options)
-    if getattr(target, "mirrors", None) is not None:
-        target.mirrors = None  # type: ignore[attr-defined]
+    if isinstance(target, RegistryTarget):
+        target.mirrors = None
     return target
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from modelpack.mount.kept_referrers import RecordingTarget, keep
 from modelpack.mount.modes import FILE_MODE, read_trusted
@@ -31,10 +31,16 @@ from modelpack.oci.reference import Reference
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
 
+if TYPE_CHECKING:
+    from modelpack.signing.verify import PolicyOrKeys, VerificationResult
+
 MAX_TRUST_BYTES = 64 * 1024
 
+#: a cache pull's signature policy: a loaded policy or trusted keys, or the path of a policy file
+PolicySource: TypeAlias = "PolicyOrKeys | str | os.PathLike[str]"
 
-def load_policy(policy: Any) -> Any:
+
+def load_policy(policy: PolicySource) -> PolicyOrKeys:
     """A ``TrustPolicy`` from a path; anything else (policy, keys) is passed through."""
     if isinstance(policy, (str, os.PathLike)):
         from modelpack.signing import TrustPolicy
@@ -65,16 +71,16 @@ class TrustRecords:
             return {}
         return doc if doc.get("digest") == digest else {}
 
-    def record(self, digest: str, result: Any) -> None:
+    def record(self, digest: str, result: VerificationResult) -> None:
         """Remember which keys verified this digest, so a hit under the same trust needs no network."""
         doc = self.read(digest) or {"digest": digest, "key_ids": []}
         doc["key_ids"] = sorted(set(doc.get("key_ids", [])) | set(result.key_ids))
         doc["signed_at"] = _merge_signed_times(doc.get("signed_at"), result.signed_times)
-        for field_name, attr in (
-            ("directory_signature", "directory_signature"),
-            ("chunk_table", "chunk_table"),
+        for field_name, status in (
+            ("directory_signature", result.directory_signature),
+            ("chunk_table", result.chunk_table),
         ):
-            if getattr(result, attr, None) == "verified":
+            if status == "verified":
                 doc[field_name] = "verified"
         atomic_write_bytes(
             self.snapshots.trust_path(digest), json.dumps(doc, sort_keys=True).encode(), mode=FILE_MODE
@@ -96,7 +102,7 @@ class TrustRecords:
             return
         ev("cache.referrers_kept", digest=digest, referrers=kept)
 
-    def trusted_locally(self, digest: str, ref: Reference, policy: Any) -> bool:
+    def trusted_locally(self, digest: str, ref: Reference, policy: PolicyOrKeys) -> bool:
         """Whether an earlier verification of ``digest`` satisfies ``policy`` for ``ref``."""
         from modelpack.signing.verify import resolve_policy
 
@@ -111,7 +117,7 @@ class TrustRecords:
             return False
         return not (rp.require_chunk_table and rec.get("chunk_table") != "verified")
 
-    def signed_time(self, digest: str, ref: Reference, policy: Any) -> float | None:
+    def signed_time(self, digest: str, ref: Reference, policy: PolicySource) -> float | None:
         """The newest signing time recorded for ``digest`` by a key ``policy`` trusts for ``ref``
         (0: untimed or unsigned); None when the record predates signing times."""
         from modelpack.signing.signing_time import parse_signing_time
@@ -138,22 +144,22 @@ class TrustRecords:
         ref: Reference,
         target: ReadableTarget | None,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource,
         log: EventLog,
         ev: Callable[..., None],
         timings: dict[str, float],
     ) -> tuple[ReadableTarget | None, str]:
         """A hit under a policy: trusted if an earlier pull verified the same digest with a key
         this policy trusts (no network); otherwise verify now, before the hit is returned."""
-        policy = load_policy(policy)
-        if self.trusted_locally(info.digest, ref, policy):
+        loaded = load_policy(policy)
+        if self.trusted_locally(info.digest, ref, loaded):
             ev("cache.signature_verified", digest=str(info.digest), status="verified", cached=True)
             return target, "verified"
         t = time.monotonic()
         target = target or open_readable(ref, target_options)
         raw = self.store.read_small(info.digest)
         verify_bytes(raw, info.digest, None, what="manifest", source=self.store.root)
-        result = self.check(target, ref, Manifest.parse(raw), policy, log, ev)
+        result = self.check(target, ref, Manifest.parse(raw), loaded, log, ev)
         timings["signature"] = to_ms(time.monotonic() - t)
         return target, str(result.status)
 
@@ -162,12 +168,12 @@ class TrustRecords:
         target: ReadableTarget,
         ref: Reference,
         manifest: Manifest,
-        policy: Any,
+        policy: PolicySource,
         log: EventLog,
         ev: Callable[..., None],
         *,
         record: bool = True,
-    ) -> Any:
+    ) -> VerificationResult:
         """Adapter to ``modelpack.signing.verify_artifact``; refusal → event + typed error.
 
         Returns the ``VerificationResult``. ``record`` stores which keys verified the digest; a
@@ -176,11 +182,11 @@ class TrustRecords:
         from modelpack.signing import verify_artifact
         from modelpack.signing.verify import resolve_policy
 
-        policy = load_policy(policy)
+        loaded = load_policy(policy)
         desc = Descriptor(manifest.media_type, manifest.digest, manifest.size)
         recorder = RecordingTarget(target)
         try:
-            result = verify_artifact(recorder, ref, desc, policy, events=log)
+            result = verify_artifact(recorder, ref, desc, loaded, events=log)
         except SignatureRefused as exc:
             ev("cache.signature_refused", digest=str(manifest.digest), reason=exc.reason)
             raise
@@ -190,7 +196,7 @@ class TrustRecords:
             status=result.status,
             key_ids=result.key_ids,
         )
-        rp = resolve_policy(policy, ref)
+        rp = resolve_policy(loaded, ref)
         self._read_with[str(manifest.digest)] = (recorder, (list(rp.keys), rp.keyless), ev)
         if record:
             self.record(str(manifest.digest), result)

@@ -17,8 +17,10 @@ since is simply a miss again.
 over on a non-hit whose digest names an index): the index's trust and rollback checks, the
 selection, then the entry pulled through the ``Puller`` by digest.
 
-``resolve_variant`` is the same selection for callers that do not use the cache (``pull`` into a
-directory, the KServe initializer without a node cache): the chosen entry, pinned by digest.
+``resolve_variant`` is the same selection for callers that do not use the cache (through
+``mount.resolve.resolve_trusted``: ``pull`` into a directory, ``modelpack.pull``, the KServe
+initializer, the vLLM load format): the chosen entry, pinned by digest. ``choose_entry`` is its
+core, also used by the loader for an index it was pinned to.
 
 Trust: under a policy the INDEX signature is verified (or found in the trust record of an
 earlier verification, as for manifests), and then the chosen ENTRY is pulled under the same
@@ -34,14 +36,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.mount.modes import DIR_MODE, FILE_MODE, ensure_dir, read_trusted
 from modelpack.mount.refs import RefRecords
 from modelpack.mount.reports import PullResult
 from modelpack.mount.rollback import PendingAcceptance
 from modelpack.mount.store import Store
-from modelpack.mount.trust import TrustRecords, load_policy
+from modelpack.mount.trust import PolicySource, TrustRecords, load_policy
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import DocumentError, SignatureRefused
@@ -60,6 +63,10 @@ from modelpack.oci.variant_index import (
 from modelpack.oci.variant_selection import Selection, VariantSelector
 from modelpack.targets.base import ReadableTarget
 from modelpack.targets.opener import TargetOptions, open_readable
+
+if TYPE_CHECKING:
+    from modelpack.mount.trust import PolicySource
+    from modelpack.signing.verify import PolicyOrKeys
 
 #: an index of 256 entries with their annotations stays far below this
 MAX_INDEX_RECORD_BYTES = 4 * 1024 * 1024 + 64 * 1024
@@ -159,7 +166,7 @@ class IndexPuller(Protocol):
         reference: str | Reference,
         target_options: TargetOptions | None,
         *,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         source: ReadableTarget | None,
@@ -219,7 +226,7 @@ class VariantResolver:
         ref: Reference,
         target: ReadableTarget | None,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         log: EventLog,
         ev: Callable[..., None],
     ) -> tuple[str, ReadableTarget | None, float | None]:
@@ -272,7 +279,7 @@ class VariantResolver:
         found: tuple[VariantIndex, str, ReadableTarget | None],
         ref: Reference,
         target_options: TargetOptions | None,
-        policy: Any,
+        policy: PolicySource | None,
         jobs: int,
         log: EventLog,
         sid: str,
@@ -336,6 +343,10 @@ class ResolvedVariant:
     reference: str  # the entry, digest-pinned in the index's repository
     selection: Selection
     index_signature: str = "not-checked"
+    index_digest: str = ""
+    #: the newest signing time of the index's verified signatures (None: not verified), for the
+    #: rollback check of a tag that names the index (``mount.resolve``)
+    index_signed_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -350,18 +361,20 @@ def resolve_variant(
     selector: VariantSelector | None = None,
     *,
     target_options: TargetOptions | None = None,
-    policy: Any = None,
-    events: Any = None,
+    policy: PolicyOrKeys | None = None,
+    events: EventLog | None = None,
     target: ReadableTarget | None = None,
+    descriptor: Descriptor | None = None,
 ) -> ResolvedVariant | None:
     """When ``reference`` names an index of variants: the entry ``selector`` picks, pinned by
     digest (None: a plain manifest, use ``reference`` as it is). Under ``policy`` the index
     signature is verified here; the caller verifies the entry's own signature as for any model
-    (``pull``'s ``verify_before_pull``, the loader's policy). The entry's manifest is fetched by
-    digest and must be a ModelPack manifest whose bytes hash to the entry digest."""
+    (``mount.resolve.resolve_trusted``). The entry's manifest is fetched by
+    digest and must be a ModelPack manifest whose bytes hash to the entry digest. ``descriptor``
+    is what ``reference`` already resolved to (no second request)."""
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = target if target is not None else open_readable(ref, target_options)
-    desc = target.resolve(ref.identifier)
+    desc = descriptor if descriptor is not None else target.resolve(ref.identifier)
     if not is_index_media_type(desc.media_type) and not ref.digest:
         return None
     raw, media_type = target.fetch_manifest(str(desc.digest))
@@ -369,18 +382,52 @@ def resolve_variant(
     parsed = parse_manifest_or_index(raw, media_type)
     if not isinstance(parsed, Index):
         return None
-    vi = variant_index(parsed)
+    return choose_entry(target, ref, variant_index(parsed), selector, policy=policy, events=events).resolved
+
+
+@dataclass(frozen=True)
+class ChosenEntry:
+    """An index's entry, chosen and checked: why (``resolved``) and its manifest's exact bytes."""
+
+    resolved: ResolvedVariant
+    manifest_raw: bytes
+    media_type: str
+
+
+def choose_entry(
+    target: ReadableTarget,
+    ref: Reference | None,
+    vi: VariantIndex,
+    selector: VariantSelector | None,
+    *,
+    policy: PolicyOrKeys | None,
+    events: EventLog | None = None,
+) -> ChosenEntry:
+    """The one selection of an index's entry (``resolve_variant``, the loader's pinned index):
+    under ``policy`` the index signature verified first (``SignatureRefused``), then the entry
+    ``selector`` picks (no node facts without one), whose manifest is fetched by digest and
+    must be a ModelPack manifest hashing to the entry digest (``VariantIndexError``).
+    ``ref`` (None: named by ``target`` alone) is what the policy matches and the pinned entry's
+    repository."""
     signature = "not-checked"
+    signed_at = None
     if policy is not None:
         from modelpack.signing import verify_artifact
 
-        result = verify_artifact(
-            target, ref, Descriptor(parsed.media_type, parsed.digest, len(raw)), policy, events=events
+        index_desc = Descriptor(
+            vi.index.media_type or MEDIA_TYPE_OCI_INDEX, vi.index.digest, len(vi.index.raw)
         )
+        result = verify_artifact(target, ref, index_desc, policy, events=events)
         signature = str(result.status)
+        signed_at = result.signed_at
     selection = (selector or VariantSelector()).select(vi)
     entry = selection.chosen
     entry_raw, entry_type = target.fetch_manifest(str(entry.descriptor.digest))
     check_entry_manifest(entry, entry_raw, entry_type, index=vi.digest)
-    pinned = dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest)
-    return ResolvedVariant(str(pinned), selection, signature)
+    pinned = (
+        str(dataclasses.replace(ref, tag=None, digest=entry.descriptor.digest))
+        if ref is not None
+        else f"{target.name}@{entry.descriptor.digest}"
+    )
+    resolved = ResolvedVariant(pinned, selection, signature, str(vi.digest), signed_at)
+    return ChosenEntry(resolved, entry_raw, entry_type or entry.descriptor.media_type)

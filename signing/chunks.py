@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +46,7 @@ from modelpack.errors import (
 from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
-from modelpack.targets.base import ReadableTarget, Target
+from modelpack.targets.base import RangeCheck, ReadableTarget, Target
 
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024  # fits row-split shares: see docs/loader.md, bytes per rank
 MIN_CHUNK_SIZE = 64 * 1024
@@ -128,7 +128,7 @@ class ChunkTable:
                 wrong.append((c0, clen))
         return wrong
 
-    def range_check(self, layer_digest: str) -> Callable[[int, bytes], list[tuple[int, int]]]:
+    def range_check(self, layer_digest: str) -> RangeCheck:
         """``wrong_chunks`` for one layer: what a mirrored range read uses to refetch bad chunks."""
         return lambda offset, data: self.wrong_chunks(layer_digest, offset, data)
 

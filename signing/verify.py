@@ -43,6 +43,7 @@ from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_ind
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import ReadableTarget
+from modelpack.targets.options import TargetOptions
 
 PolicyOrKeys = TrustPolicy | RepositoryPolicy | PublicKey | Sequence[PublicKey]
 
@@ -189,23 +190,32 @@ def verify_artifact(
 def verify_reference(
     reference: Reference | str,
     policy_or_keys: PolicyOrKeys,
-    target_options: Any = None,
+    target_options: TargetOptions | None = None,
     *,
     events: EventLog | None = None,
 ) -> tuple[ReadableTarget, Descriptor, VerificationResult]:
     """Open, resolve and verify ``reference``. A tag that resolves to bytes not matching their
     digest (tampered storage) is a refusal with an event too, not a bare transport error."""
-    from modelpack.errors import DigestMismatchError, ManifestError, SizeMismatchError
     from modelpack.targets.opener import open_readable
 
     events = events or NullEventLog()
     ref = parse_reference(reference) if isinstance(reference, str) else reference
     target = open_readable(ref, target_options)
-    try:
-        desc = target.resolve(ref.identifier)
-    except (DigestMismatchError, SizeMismatchError, ManifestError) as exc:
-        raise _refuse(events, str(ref), ref.digest or "", f"manifest cannot be verified: {exc}") from exc
+    desc = resolve_to_verify(target, ref, events)
     return target, desc, verify_artifact(target, ref, desc, policy_or_keys, events=events)
+
+
+def resolve_to_verify(target: ReadableTarget, ref: Reference, events: EventLog | None = None) -> Descriptor:
+    """``target.resolve(ref)`` for a verification: a tag that resolves to bytes not matching
+    their digest (tampered storage) is a refusal with an event too, not a bare transport error."""
+    from modelpack.errors import DigestMismatchError, ManifestError, SizeMismatchError
+
+    try:
+        return target.resolve(ref.identifier)
+    except (DigestMismatchError, SizeMismatchError, ManifestError) as exc:
+        raise _refuse(
+            events or NullEventLog(), str(ref), ref.digest or "", f"manifest cannot be verified: {exc}"
+        ) from exc
 
 
 def _check_directory_signature(

@@ -50,6 +50,7 @@ from modelpack.transfer.copy import CopyResult, copy
 if TYPE_CHECKING:
     from modelpack.mount.cache import NodeCache
     from modelpack.signing.keys import PrivateKey
+    from modelpack.signing.verify import PolicyOrKeys
 
 #: where a directory pull puts each adapter, below DEST
 ADAPTERS_SUBDIR = "adapters"
@@ -263,20 +264,26 @@ def unique_names(chosen: Sequence[SelectedAdapter], base_digest: str) -> None:
 
 
 def apply_policy(
-    pinned: Reference, chosen: list[SelectedAdapter], policy: Any, topts: TargetOptions, skipped: list[str]
+    pinned: Reference,
+    chosen: list[SelectedAdapter],
+    policy: PolicyOrKeys,
+    topts: TargetOptions,
+    skipped: list[str],
 ) -> list[SelectedAdapter]:
     """Verify the base and every adapter under ``policy`` before anything is written. The base
     and adapters named by reference must pass; an adapter only *listed* for the base that fails
     is left out and reported in ``skipped`` (anyone who can push may list adapters, as with
     junk signatures: an unsigned one must neither be served nor block the signed ones)."""
     from modelpack.errors import SignatureRefused
-    from modelpack.signing.verify import verify_reference
+    from modelpack.mount.resolve import resolve_trusted
 
-    verify_reference(pinned, policy, topts)
+    resolve_trusted(pinned, policy=policy, target_options=topts)
     kept: list[SelectedAdapter] = []
     for a in chosen:
         try:
-            a.verification = verify_reference(a.reference, policy, topts)[2].to_json()
+            verification = resolve_trusted(a.reference, policy=policy, target_options=topts).verification
+            assert verification is not None  # a policy was given
+            a.verification = verification.to_json()
         except SignatureRefused as exc:
             if not a.listed:
                 raise
@@ -302,7 +309,7 @@ def pull_with_adapters(
     cache: NodeCache | None = None,
     with_adapters: bool = True,
     adapters: Sequence[str] = (),
-    policy: Any = None,
+    policy: PolicyOrKeys | None = None,
     target_options: TargetOptions | None = None,
     jobs: int = 4,
     progress: str = "auto",

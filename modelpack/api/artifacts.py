@@ -13,6 +13,7 @@ from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.packing.packer import PackedArtifact, PackOptions, build_artifact
+from modelpack.targets.base import Closable
 from modelpack.targets.fetch import fetch_config, fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.transfer.copy import CopyResult, copy
@@ -213,9 +214,8 @@ def list_tags(
     listing = iter(target.list_tags())
     for n, tag in enumerate(listing):
         if n == max_tags:
-            close = getattr(listing, "close", None)
-            if close is not None:
-                close()
+            if isinstance(listing, Closable):
+                listing.close()  # a generator: no further page is fetched
             raise ListingCutError(
                 f"more than {max_tags} tags; stopped (--max-tags raises the bound)", target=str(ref), listed=n
             )

@@ -8,22 +8,27 @@ login, never by importing this module.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpack.api.artifacts import pack
 from modelpack.errors import InvalidReferenceError, ModelpackError, PackError, SigningError
+from modelpack.events import EventLog
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
+from modelpack.oci.variant_selection import VariantSelector
 from modelpack.packing.packer import PackOptions
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.transfer.copy import CopyResult, copy
-from modelpack.transfer.materialize import PullResult, pull_to_directory
+from modelpack.transfer.materialize import PullOptions, PullResult, pull_to_directory
 
 if TYPE_CHECKING:
+    from modelpack.mount.resolve import Pinned
     from modelpack.signing.keys import PrivateKey
+    from modelpack.signing.verify import PolicyOrKeys
 
 
 @dataclass
@@ -220,10 +225,14 @@ def tag(reference: str | Reference, new_tag: str, *, target_options: TargetOptio
 def pull(
     reference: str | Reference,
     dest_dir: str,
+    options: PullOptions | None = None,
     *,
     target_options: TargetOptions | None = None,
-    include: tuple[str, ...] = (),
-    exclude: tuple[str, ...] = (),
+    policy: PolicyOrKeys | str | None = None,
+    variant: VariantSelector | Sequence[str] | Mapping[str, str] | None = None,
+    events: EventLog | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     jobs: int = 4,
     progress: str = "auto",
     force: bool = False,
@@ -233,22 +242,25 @@ def pull(
 ) -> PullResult:
     """Files of the artifact at ``reference`` into ``dest_dir``, each verified before it appears.
 
+    Trust comes first, as for ``modelpack pull`` (``mount.resolve.resolve_trusted``): under
+    ``policy`` (a ``TrustPolicy``, public keys, or a policy file path) the signature is verified
+    and the digest pinned before any file is written (``SignatureRefused`` otherwise). A
+    reference naming an index of variants gives the entry ``variant`` selects (a
+    ``VariantSelector``, or fields such as ``["precision=bf16"]``; under a policy the index and
+    the entry are both verified). A file filter never skips these checks.
+
     A container image (the image-shaped variant, a KServe modelcar) gives the files of its
     ``models/`` directory, at their paths below it (``keep_prefix``: below ``models/``).
 
     A file at the destination that differs from the artifact's raises ``DestinationConflictError``
     unless ``force``; files the artifact does not contain are reported in ``extra_files`` and
     removed only with ``delete``. What is written (tar layers as they expand) is capped by the
-    free space, or by ``max_bytes``.
+    free space, or by ``max_bytes``. The keywords ``include`` … ``keep_prefix`` are the fields of
+    ``PullOptions``; pass either them or ``options``.
     """
-    ref = parse_reference(reference) if isinstance(reference, str) else reference
-    target = open_readable(ref, (target_options or TargetOptions()).bound_to(ref))
-    return pull_to_directory(
-        target,
-        ref.identifier,
-        dest_dir,
-        include=include,
-        exclude=exclude,
+    keywords = PullOptions(
+        include=tuple(include),
+        exclude=tuple(exclude),
         jobs=jobs,
         progress=progress,
         force=force,
@@ -256,6 +268,50 @@ def pull(
         max_bytes=max_bytes,
         keep_prefix=keep_prefix,
     )
+    if options is not None and keywords != PullOptions():
+        given = [f.name for f in dataclasses.fields(PullOptions) if getattr(keywords, f.name) != f.default]
+        raise TypeError(f"pull(): give options= or {', '.join(given)}, not both")
+    if isinstance(variant, VariantSelector) or variant is None:
+        selector = variant
+    else:
+        selector = VariantSelector.from_options(variant)
+    _, result = pull_trusted(
+        reference,
+        dest_dir,
+        options or keywords,
+        target_options=target_options,
+        policy=policy,
+        selector=selector,
+        events=events,
+    )
+    return result
+
+
+def pull_trusted(
+    reference: str | Reference,
+    dest_dir: str,
+    options: PullOptions,
+    *,
+    target_options: TargetOptions | None = None,
+    policy: PolicyOrKeys | str | None = None,
+    selector: VariantSelector | None = None,
+    events: EventLog | None = None,
+) -> tuple[Pinned, PullResult]:
+    """``pull``, also returning what the trust step decided (the CLI prints the variant taken and
+    writes a model_signing signature with the policy's keys)."""
+    from modelpack.mount.resolve import resolve_trusted  # the node cache's modules: only when pulling
+
+    ref = parse_reference(reference) if isinstance(reference, str) else reference
+    pinned = resolve_trusted(
+        ref,
+        policy=policy,
+        selector=selector,
+        target_options=(target_options or TargetOptions()).bound_to(ref),
+        events=events,
+    )
+    result = pull_to_directory(pinned.target, pinned.digest, dest_dir, options)
+    pinned.accept()
+    return pinned, result
 
 
 def _host(registry: str) -> str:

@@ -21,7 +21,7 @@ from modelpack.cli.options import PASS_THROUGH, TIMEOUT, parse_size, report_fail
 from modelpack.terminal import terminal_safe_output
 
 # name → where the command lives and its short help for ``modelpack --help`` (kept equal to
-# the command's own docstring by tests/test_cli_structure.py).
+# the command's own docstring by tests/cli/test_cli_structure.py).
 COMMANDS = {
     "assets": LazyCommand(
         "modelpack.cli.assets:assets_group",

@@ -7,7 +7,7 @@ pull imports none of this.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +21,10 @@ from modelpack.cli.options import (
 )
 from modelpack.cli.trust_options import push_signing_key, trust_policy_from
 from modelpack.terminal import for_terminal
+
+if TYPE_CHECKING:
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.targets.options import TargetOptions
 
 
 def push_adapter_cmd(
@@ -124,7 +128,7 @@ def pull_with_adapters_cmd(
     click.echo(result.path if cache is not None else result.digest)
 
 
-def adapters_section(manifest: Any, reference: str, topts: Any) -> dict[str, Any]:
+def adapters_section(manifest: Manifest, reference: str, topts: TargetOptions) -> dict[str, Any]:
     """``inspect``'s adapter lines: for an adapter, its name and base; for a model, its verified
     adapters (and the listed referrers that were not, with why). Nothing for other artifacts."""
     from modelpack.api.adapters import list_adapters

@@ -25,6 +25,7 @@ from modelpack.cli.trust_options import key_policy_options, trust_policy_from
 from modelpack.errors import InvalidReferenceError, ModelpackError
 from modelpack.exit_codes import ExitCode
 from modelpack.oci.reference import Reference, parse_reference
+from modelpack.targets.base import Catalog
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.terminal import for_terminal
 
@@ -183,8 +184,7 @@ def audit_cmd(
     repos = []
     if not location.startswith(("oci:", "s3://")) and _HOST_ONLY.match(location):
         catalog_target = open_readable(parse_reference(f"{location}/catalog"), topts)
-        catalog = getattr(catalog_target, "catalog", None)
-        if catalog is None:
+        if not isinstance(catalog_target, Catalog):
             raise ModelpackError(f"{location}: this target cannot list a catalog")
 
         def open_repo(repo: str) -> tuple[Any, Reference]:
@@ -192,7 +192,7 @@ def audit_cmd(
             return open_readable(r, topts), r
 
         repos = audit_registry(
-            catalog(page_size=page_size),
+            catalog_target.catalog(page_size=page_size),
             open_repo,
             repo_glob=repo_glob,
             policy_or_keys=pol,

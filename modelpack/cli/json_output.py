@@ -2,7 +2,7 @@
 
 ``modelpack/cli/schemas/<command path, '-'-joined>.json`` (``pull.json``, ``cache-gc.json``,
 ``k8s-kserve-inferenceservice.json``) ships in the wheel, so a script can validate what it reads.
-The rules the schemas hold (tests/test_json_outputs.py checks each against the real command):
+The rules the schemas hold (tests/cli/test_json_outputs.py checks each against the real command):
 keys modelpack chooses are camelCase, as in the OCI and Kubernetes documents it prints; those
 documents (manifests, model configs, pod specs) and stored fingerprints keep their own spelling
 (``x-document`` in a schema); times are RFC 3339 UTC strings (``modelpack.timestamps``).

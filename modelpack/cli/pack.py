@@ -24,6 +24,8 @@ from modelpack.cli.options import (
 )
 from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
 from modelpack.errors import ManifestError
+from modelpack.oci.descriptor import Manifest
+from modelpack.targets.options import TargetOptions
 from modelpack.terminal import for_terminal
 
 
@@ -223,19 +225,19 @@ def inspect_cmd(reference: str, as_json: bool, **kwargs: Any) -> None:
     print_adapters(adapters)
 
 
-def _manifest_variant(manifest: Any) -> dict[str, str]:
+def _manifest_variant(manifest: Manifest) -> dict[str, str]:
     """The variant fields on a manifest's own annotations (``dev.modelpack.variant.*``), checked;
     a malformed value is left out here (loading refuses it, naming it)."""
     from modelpack.errors import ModelpackError
     from modelpack.mediatypes.variants import variant_fields
 
     try:
-        return variant_fields(getattr(manifest, "annotations", None), where="manifest")
+        return variant_fields(manifest.annotations, where="manifest")
     except ModelpackError:
         return {}
 
 
-def _inspect_variants(reference: str, topts: Any, as_json: bool) -> bool:
+def _inspect_variants(reference: str, topts: TargetOptions, as_json: bool) -> bool:
     """An index of variants: its entries and what selects each (False: not an index)."""
     from modelpack.api.variants import inspect_index
     from modelpack.cli.index import print_variants

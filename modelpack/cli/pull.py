@@ -8,7 +8,6 @@ cache, the transfer API, signing) when it runs.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -31,8 +30,9 @@ from modelpack.cli.trust_options import trust_policy_from
 from modelpack.terminal import for_terminal
 
 if TYPE_CHECKING:
-    from modelpack.targets.opener import TargetOptions
+    from modelpack.oci.variant_selection import VariantSelector
     from modelpack.transfer.materialize import PullResult
+    from modelpack.transfer.pull_options import PullOptions
 
 
 def pull_trust_options(fn: Any) -> Any:
@@ -66,67 +66,45 @@ def pull_trust_options(fn: Any) -> Any:
     return fn
 
 
-def verify_before_pull(
-    reference: str, kwargs: dict[str, Any], target_options: TargetOptions
-) -> tuple[str, dict[str, Any]]:
-    """Pop the pull trust options; with ``--key``/``--policy`` verify the artifact and return a
-    digest-pinned reference (so the tag cannot move between verification and download). Also
-    returns state for ``after_pull``. Refusal raises ``SignatureRefused`` (event written)."""
-    keys = kwargs.pop("trust_keys", ())
-    policy = kwargs.pop("trust_policy", None)
+def pull_into_directory(
+    reference: str,
+    dest_dir: str,
+    options: PullOptions,
+    kwargs: dict[str, Any],
+    selector: VariantSelector,
+) -> tuple[PullResult, dict[str, Any] | None]:
+    """``pull REF DIR``: the trust flags (--key/--policy/--events) become the policy of
+    ``modelpack.pull``'s trusted-resolve step (index verified, entry selected and verified,
+    pinned by digest before a file is written); ``--signature`` is written afterwards with the
+    policy's keys. Returns the pull and the variant taken (None: not an index)."""
     if kwargs.pop("allow_rollback", False):
         raise click.UsageError(
             "--allow-rollback applies to --cache pulls (the node cache keeps the tag history)"
         )
-    state: dict[str, Any] = {
-        "signature": kwargs.pop("signature_path", None),
-        "events": kwargs.pop("trust_events", None),
-        "keys": None,
-    }
-    pol = trust_policy_from(tuple(keys), policy)
-    if pol is None:
-        return reference, state
+    signature = kwargs.pop("signature_path", None)
+    events_spec = kwargs.pop("trust_events", None)
+    policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
+    topts = build_target_options(kwargs)
+    from modelpack.api.transfer import pull_trusted
     from modelpack.events import EventLog
-    from modelpack.oci.reference import parse_reference
-    from modelpack.signing.verify import resolve_policy, verify_reference
 
-    ref = parse_reference(reference)
-    events = EventLog.from_spec(None, state["events"]) if state["events"] else None
-    _, desc, result = verify_reference(ref, pol, target_options, events=events)
-    state["keys"] = list(resolve_policy(pol, ref).keys) or None
-    state["verification"] = result.to_json()
-    # digest only: "oci:DIR:tag@sha256:…" would not parse back to the same layout directory
-    pinned = dataclasses.replace(ref, tag=None, digest=desc.digest)
-    return str(pinned), state
+    events = EventLog.from_spec(None, events_spec) if events_spec else None
+    with signals_interrupt():
+        pinned, result = pull_trusted(
+            reference,
+            dest_dir,
+            options,
+            target_options=topts,
+            policy=policy,
+            selector=selector,
+            events=events,
+        )
+    if signature:
+        from modelpack.signing import write_directory_signature
 
-
-def after_pull(reference: str, digest: str, state: dict[str, Any], target_options: TargetOptions) -> None:
-    """Write the model_signing signature file when ``--signature`` was given."""
-    path = state.get("signature")
-    if not path:
-        return
-    from modelpack.oci.reference import parse_reference
-    from modelpack.signing import write_directory_signature
-    from modelpack.targets.opener import open_readable
-
-    ref = parse_reference(reference)
-    target = open_readable(ref, target_options)
-    desc = target.resolve(digest)
-    write_directory_signature(target, desc, path, state.get("keys"))
-
-
-def resolve_variant_before_pull(
-    reference: str, kwargs: dict[str, Any], target_options: TargetOptions, selector: Any
-) -> tuple[str, dict[str, Any] | None]:
-    """An index of variants → the chosen entry, pinned (its index signature verified first under
-    --key/--policy; the entry's own signature is verified next by ``verify_before_pull``)."""
-    from modelpack.api.variants import resolve_variant
-
-    pol = trust_policy_from(tuple(kwargs.get("trust_keys", ()) or ()), kwargs.get("trust_policy"))
-    resolved = resolve_variant(reference, selector, target_options=target_options, policy=pol)
-    if resolved is None:
-        return reference, None
-    return resolved.reference, resolved.to_json()
+        desc = pinned.target.resolve(pinned.digest)
+        write_directory_signature(pinned.target, desc, signature, list(pinned.keys) or None)
+    return result, pinned.variant.to_json() if pinned.variant is not None else None
 
 
 def pull_into_cache(
@@ -354,26 +332,19 @@ def pull_cmd(
         raise click.UsageError("--hold keeps a node-cache snapshot: it needs --cache DIR")
     if dest_dir is None:
         raise click.UsageError("missing DEST_DIR (or give --cache DIR)")
-    from modelpack.api import transfer
+    from modelpack.transfer.pull_options import PullOptions
 
-    topts = build_target_options(kwargs)
-    reference, chosen = resolve_variant_before_pull(reference, kwargs, topts, selector)
-    reference, trust = verify_before_pull(reference, kwargs, topts)
-    with signals_interrupt():
-        result = transfer.pull(
-            reference,
-            dest_dir,
-            target_options=topts,
-            include=include,
-            exclude=exclude,
-            jobs=jobs,
-            progress=progress,
-            force=force,
-            delete=delete,
-            max_bytes=max_bytes,
-            keep_prefix=keep_prefix,
-        )
-    after_pull(reference, result.digest, trust, topts)
+    options = PullOptions(
+        include=include,
+        exclude=exclude,
+        jobs=jobs,
+        progress=progress,
+        force=force,
+        delete=delete,
+        max_bytes=max_bytes,
+        keep_prefix=keep_prefix,
+    )
+    result, chosen = pull_into_directory(reference, dest_dir, options, kwargs, selector)
     if as_json:
         emit_json({**result.to_json(), **({"variant": chosen} if chosen else {})})
         return

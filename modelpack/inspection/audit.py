@@ -21,7 +21,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.boundedjson import loads
 from modelpack.errors import DocumentError, ListingCutError, ModelpackError
@@ -29,7 +29,11 @@ from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_c
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import Closable, ReadableTarget
+
+if TYPE_CHECKING:
+    from modelpack.signing.keys import PublicKey
+    from modelpack.signing.verify import PolicyOrKeys
 
 
 def format_signed_at(seconds: float | None) -> str | None:
@@ -120,7 +124,10 @@ class RepositoryAudit:
 
 
 def _signature_status(
-    target: ReadableTarget, desc: Descriptor, keys: list[Any] | None, version: VersionAudit | None = None
+    target: ReadableTarget,
+    desc: Descriptor,
+    keys: list[PublicKey] | None,
+    version: VersionAudit | None = None,
 ) -> tuple[str, list[str], list[str]]:
     from modelpack.signing.manifest_signature import check_manifest_signatures
 
@@ -140,7 +147,7 @@ def _signature_status(
     return "invalid", [c.key_id for c in checks if c.key_id], [c.reason for c in checks]
 
 
-def _keys_for(policy_or_keys: Any, repo_ref: Reference | None) -> list[Any] | None:
+def _keys_for(policy_or_keys: PolicyOrKeys | None, repo_ref: Reference | None) -> list[PublicKey] | None:
     if policy_or_keys is None:
         return None
     from modelpack.signing.verify import resolve_policy
@@ -149,7 +156,7 @@ def _keys_for(policy_or_keys: Any, repo_ref: Reference | None) -> list[Any] | No
 
 
 def audit_version(
-    target: ReadableTarget, desc: Descriptor, tags: list[str], keys: list[Any] | None
+    target: ReadableTarget, desc: Descriptor, tags: list[str], keys: list[PublicKey] | None
 ) -> VersionAudit:
     v = VersionAudit(str(desc.digest), tags, desc.media_type, desc.artifact_type)
     try:
@@ -235,7 +242,7 @@ def audit_repository(
     target: ReadableTarget,
     name: str,
     *,
-    policy_or_keys: Any = None,
+    policy_or_keys: PolicyOrKeys | None = None,
     since: Mapping[str, str] | None = None,
     reference: Reference | None = None,
     max_tags: int = DEFAULT_MAX_TAGS,
@@ -291,9 +298,8 @@ def _listed_tags(target: ReadableTarget, audit: RepositoryAudit, max_tags: int) 
     except ListingCutError as exc:
         audit.cut = str(exc)
     finally:
-        close = getattr(listing, "close", None)
-        if close is not None:
-            close()  # a generator: no further page is fetched
+        if isinstance(listing, Closable):
+            listing.close()  # a generator: no further page is fetched
     return sorted(tags)
 
 
@@ -302,7 +308,7 @@ def audit_registry(
     open_repo: Callable[[str], tuple[ReadableTarget, Reference]],
     *,
     repo_glob: str | None = None,
-    policy_or_keys: Any = None,
+    policy_or_keys: PolicyOrKeys | None = None,
     since: Mapping[str, str] | None = None,
     max_tags: int = DEFAULT_MAX_TAGS,
 ) -> list[RepositoryAudit]:

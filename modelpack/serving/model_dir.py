@@ -212,21 +212,17 @@ def _source_files(settings: ServingSettings) -> tuple[str, list[ListedFile]]:
         from modelpack.signing.policy import TrustPolicy
 
         policy = TrustPolicy.load(settings.policy)
-    # a pin naming an index of variants: the entry for this node (vLLM's TP size is not known
-    # yet here: $MODELPACK_TP_SIZE, else 1; the loader checks again with vLLM's own)
-    from modelpack.mount.variants import resolve_variant
+    # the trusted-resolve step; a pin naming an index of variants gives the entry for this node
+    # (vLLM's TP size is not known yet here: $MODELPACK_TP_SIZE, else 1; the loader checks again
+    # with vLLM's own)
+    from modelpack.mount.resolve import resolve_trusted
     from modelpack.serving.variant_settings import selector_from_environ
 
-    chosen = resolve_variant(
-        ref.with_digest(pinned), selector_from_environ(engine="vllm"), policy=policy, target=target
+    trusted = resolve_trusted(
+        ref.with_digest(pinned), policy=policy, selector=selector_from_environ(engine="vllm"), target=target
     )
-    if chosen is not None:
-        pinned = chosen.reference.rsplit("@", 1)[1]
+    pinned = trusted.digest
     manifest, _ = fetch_manifest(target, pinned)
-    if policy is not None:
-        from modelpack.signing.verify import verify_artifact
-
-        verify_artifact(target, ref, target.resolve(pinned), policy)
     return str(ref.with_digest(pinned)), manifest_files(manifest)
 
 

@@ -24,7 +24,7 @@ import torch
 from modelpack.errors import ModelpackError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
-from modelpack.mount.variants import resolve_variant
+from modelpack.mount.resolve import resolve_trusted
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
 from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
@@ -300,18 +300,15 @@ def _remote_source(
         from modelpack.signing.policy import TrustPolicy
 
         policy = TrustPolicy.load(settings.policy)
-    chosen = resolve_variant(ref.with_digest(pinned), selector, policy=policy, events=events, target=target)
-    entry = chosen.reference.rsplit("@", 1)[1] if chosen is not None else pinned
-    if chosen is not None:
-        events.emit("serving.variant_selected", **chosen.to_json())
-    manifest, digest = fetch_manifest(target, entry)
-    pinned_entry = entry
+    trusted = resolve_trusted(
+        ref.with_digest(pinned), policy=policy, selector=selector, target=target, events=events
+    )
+    if trusted.variant is not None:
+        events.emit("serving.variant_selected", **trusted.variant.to_json())
+    pinned_entry = trusted.digest
+    manifest, digest = fetch_manifest(target, pinned_entry)
     if digest != pinned_entry:  # pragma: no cover - fetch_manifest resolves by the pin itself
         raise ExpectedDigestError(pinned_entry, digest, source=settings.source)
-    if policy is not None:
-        from modelpack.signing.verify import verify_artifact
-
-        verify_artifact(target, ref, target.resolve(pinned_entry), policy, events=events)
     check_model_dir(
         model_dir, manifest, where=str(ref.with_digest(pinned_entry)), allow_extra=settings.allow_extra_files
     )

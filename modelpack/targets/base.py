@@ -5,12 +5,19 @@ A ``ReadableTarget`` resolves tags, hands out exact manifest bytes and streams b
 (``modelpack.targets.layout``), registry (``modelpack.targets.registry``), S3 (``modelpack.targets.s3``), and the in-memory
 view of a checkpoint being packed (``modelpack.packing.packer``). Targets never verify on behalf of the
 caller except where noted: the copy engine wraps every read in a ``VerifyingReader``.
+
+What only some backings can do is a named capability Protocol, checked with ``isinstance`` (as
+oras-go's ``content.Fetcher``/``registry.ReferrerLister`` and go-containerregistry's
+``remote.Mountable``), never probed by attribute name: mypy sees the call, and a backing that
+loses a method loses the capability in ``tests/test_capabilities.py``, not silently at run time.
+A wrapper target (``CountingTarget``) declares the capabilities it forwards as methods: Python
+3.12 checks Protocols with ``inspect.getattr_static``, which does not see ``__getattr__``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
@@ -108,3 +115,90 @@ class Target(ReadableTarget, Protocol):
         ...
 
     def tag(self, descriptor: Descriptor, tag: str) -> None: ...
+
+
+#: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
+#: (the signed chunk table's check, run on a range as it arrives)
+RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
+
+
+@runtime_checkable
+class LocalBlobSource(Protocol):
+    """Hands out a blob as a ``BlobSource`` with a local path (an OCI layout, a checkpoint being
+    packed), so a writer on the same machine may link or copy the file instead of streaming it."""
+
+    def blob_source(self, descriptor: Descriptor) -> BlobSource: ...
+
+
+@runtime_checkable
+class BlobFiles(Protocol):
+    """Keeps every blob as a file on this machine at ``blob_path(digest)`` (an OCI layout, the
+    node cache's store): a reader may map the file instead of fetching ranges."""
+
+    def blob_path(self, digest: str) -> str: ...
+
+
+@runtime_checkable
+class BlobMounter(Protocol):
+    """A registry repository that can take a blob by cross-repository mount instead of upload
+    (OCI distribution ``POST /blobs/uploads/?mount=&from=``; go-containerregistry's ``Mountable``)."""
+
+    repository: str
+
+    @property
+    def registry_host(self) -> str:
+        """The API host: only repositories on the same host can be mounted from."""
+        ...
+
+    def try_mount(self, descriptor: Descriptor, src: object) -> bool:
+        """Mount from ``src`` when it is a repository of the same registry; False otherwise."""
+        ...
+
+    def try_mount_from(self, descriptor: Descriptor, repository: str) -> bool:
+        """Mount from ``repository`` of this registry; False when the registry will not."""
+        ...
+
+
+@runtime_checkable
+class SourceAccounting(Protocol):
+    """Counts the blob bytes each source (mirror or origin host) delivered."""
+
+    def bytes_by_source(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class CheckedRangeFetcher(Protocol):
+    """Fetches a range with ``check`` run on it, refetching the chunks a mirror got wrong from the
+    next source (a plain ``fetch_range`` cannot tell which source was wrong)."""
+
+    def fetch_range_checked(
+        self, descriptor: Descriptor, offset: int, length: int, check: RangeCheck
+    ) -> bytes: ...
+
+
+@runtime_checkable
+class RangeIntoFetcher(Protocol):
+    """Receives a range straight into caller memory (``views`` filled in order), with no copy."""
+
+    def fetch_range_into(
+        self,
+        descriptor: Descriptor,
+        offset: int,
+        views: Sequence[memoryview],
+        check: RangeCheck | None = None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Catalog(Protocol):
+    """Lists the repositories of a whole registry (``/v2/_catalog``; go-containerregistry's
+    ``remote.Catalog``)."""
+
+    def catalog(self, page_size: int = 1000) -> Iterator[str]: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """Holds something (connections, a paged listing) that ``close()`` releases early."""
+
+    def close(self) -> None: ...

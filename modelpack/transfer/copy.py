@@ -21,7 +21,7 @@ from typing import Any
 from modelpack.errors import RegistryError
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.progress import CountingReader, Progress, TransferBar
-from modelpack.targets.base import BlobSource, ReadableTarget, Target
+from modelpack.targets.base import BlobMounter, BlobSource, LocalBlobSource, ReadableTarget, Target
 from modelpack.transfer.download import Cancel, CancellableReader
 from modelpack.transfer.pushed_blobs import PushedBlobs, mount_candidates
 from modelpack.transfer.workers import run_all
@@ -79,9 +79,8 @@ def blob_source_for(
             raw = CancellableReader(raw, cancel)
         return CountingReader(raw, bar)
 
-    local_source = getattr(src, "blob_source", None)
-    if local_source is not None:
-        source: BlobSource = local_source(desc)
+    if isinstance(src, LocalBlobSource):
+        source = src.blob_source(desc)
         if bar is None and cancel is None:
             return source
         inner = source.opener
@@ -135,8 +134,8 @@ def copy(
     registry) or from where the per-user record says it was pushed, and records where it put
     every blob for the next push.
     """
-    host = getattr(dst, "registry_host", None)
-    if record is None and host is not None and getattr(dst, "try_mount_from", None) is not None:
+    host = dst.registry_host if isinstance(dst, BlobMounter) else None
+    if record is None and host is not None:
         record = PushedBlobs()
     job = _CopyJob(src, dst, jobs, progress, on_event, mount_from, record, host)
     return _copy_manifest(job, src_ref, dst_tag, referrers)
@@ -209,8 +208,8 @@ def _copy_blobs(job: _CopyJob, desc: Descriptor, manifest: Manifest, result: Cop
             result.bytes_copied += b.size
         if job.on_event:
             job.on_event({"event": f"blob.{outcome}", "digest": str(b.digest), "bytes": b.size})
-    if job.record is not None and job.host is not None:
-        job.record.remember(job.host, getattr(job.dst, "repository", ""), [str(b.digest) for b in blobs])
+    if job.record is not None and job.host is not None and isinstance(job.dst, BlobMounter):
+        job.record.remember(job.host, job.dst.repository, [str(b.digest) for b in blobs])
         job.record.save()
 
 
@@ -229,18 +228,18 @@ def _missing(dst: Target, blobs: list[Descriptor], result: CopyResult) -> list[D
 def _mounter(job: _CopyJob) -> Callable[[Descriptor], bool]:
     """Whether a blob could be mounted into ``dst`` instead of sent: from the source repository,
     then from the ``mount_from`` hints and the push record's repositories."""
-    try_mount = getattr(job.dst, "try_mount", None)
-    try_mount_from = getattr(job.dst, "try_mount_from", None)
-    repository = getattr(job.dst, "repository", "")
+    dst = job.dst
+    if not isinstance(dst, BlobMounter):
+        return lambda b: False
 
     def mounted(b: Descriptor) -> bool:
-        if try_mount is not None and try_mount(b, job.src):
+        if dst.try_mount(b, job.src):
             return True
-        if try_mount_from is None or job.host is None:
+        if job.host is None:
             return False
-        for repo in mount_candidates(job.record, job.host, repository, b.digest, job.mount_from):
+        for repo in mount_candidates(job.record, job.host, dst.repository, b.digest, job.mount_from):
             try:
-                if try_mount_from(b, repo):
+                if dst.try_mount_from(b, repo):
                     return True
             except RegistryError:
                 continue  # a hint, not a requirement: e.g. no pull access there; upload instead

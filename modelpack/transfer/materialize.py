@@ -40,12 +40,13 @@ from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import Progress
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.transfer import destination
 from modelpack.transfer.dest_lock import destination_locked
 from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
+from modelpack.transfer.pull_options import PullOptions
 from modelpack.transfer.staging import StagingDir, partial_path, sweep
 from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_files
 from modelpack.transfer.workers import run_all
@@ -288,15 +289,7 @@ def pull_to_directory(
     target: ReadableTarget,
     identifier: str,
     dest_dir: str,
-    *,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    jobs: int = 4,
-    progress: str = "auto",
-    force: bool = False,
-    delete: bool = False,
-    max_bytes: int | None = None,
-    keep_prefix: bool = False,
+    options: PullOptions | None = None,
 ) -> PullResult:
     """Download the artifact ``identifier`` (tag or digest) from ``target`` into ``dest_dir``.
 
@@ -304,48 +297,25 @@ def pull_to_directory(
     image's ``models/`` at their paths below it, or below ``models/`` with ``keep_prefix``.
 
     Files already present with the right digest are kept (a second pull downloads nothing); a
-    file that differs is a ``DestinationConflictError`` unless ``force``; files the artifact does
-    not contain are listed in ``extra_files`` and removed only with ``delete``. One pull at a
-    time per directory (``dest_lock``): a concurrent one waits, so a return means the directory
-    holds exactly this artifact's files.
+    file that differs is a ``DestinationConflictError`` unless ``options.force``; files the
+    artifact does not contain are listed in ``extra_files`` and removed only with
+    ``options.delete``. One pull at a time per directory (``dest_lock``): a concurrent one waits,
+    so a return means the directory holds exactly this artifact's files. Nothing here checks a
+    signature: callers pin ``identifier`` with ``mount.resolve.resolve_trusted`` first.
     """
     dest = os.path.abspath(dest_dir)
     _ensure_dest(dest)
     with destination_locked(dest):
-        return _pull_locked(
-            target,
-            identifier,
-            dest,
-            include=include,
-            exclude=exclude,
-            jobs=jobs,
-            progress=progress,
-            force=force,
-            delete=delete,
-            max_bytes=max_bytes,
-            keep_prefix=keep_prefix,
-        )
+        return _pull_locked(target, identifier, dest, options or PullOptions())
 
 
-def _pull_locked(
-    target: ReadableTarget,
-    identifier: str,
-    dest_dir: str,
-    *,
-    include: Sequence[str],
-    exclude: Sequence[str],
-    jobs: int,
-    progress: str,
-    force: bool,
-    delete: bool,
-    max_bytes: int | None,
-    keep_prefix: bool,
-) -> PullResult:
+def _pull_locked(target: ReadableTarget, identifier: str, dest_dir: str, options: PullOptions) -> PullResult:
     """``pull_to_directory`` once the destination is held."""
     start = time.monotonic()
     manifest, digest = fetch_manifest(target, identifier)
     dest = os.path.abspath(dest_dir)
     _ensure_dest(dest)
+    include, exclude, jobs, force = options.include, options.exclude, options.jobs, options.force
     plan = plan_layers(manifest, dest, include, exclude)
     select = file_selector(include, exclude)
     claims = ClaimedPaths()
@@ -365,15 +335,15 @@ def _pull_locked(
     result = PullResult(digest=digest, dest_dir=dest)
     result.swept = sweep(dest, keep=partials.values())
     raw_bytes = sum(job.descriptor.size - _size(partials[job.relpath]) for job in fetch)
-    budget = _budget(dest, max_bytes, raw_bytes)
+    budget = _budget(dest, options.max_bytes, raw_bytes)
     cancel = Cancel()
     dirs = DirSyncs()  # each directory fsynced once, after the renames into it
     outcome: dict[str, str] = {}
     total = sum(j.descriptor.size for j in plan.tar) + sum(j.descriptor.size for j in fetch)
-    with _syncing(dirs), Progress(total, f"pull {digest[7:19]}", progress) as prog:
+    with _syncing(dirs), Progress(total, f"pull {digest[7:19]}", options.progress) as prog:
         staged = run_all(
             plan.tar,
-            lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel, keep_prefix),
+            lambda job: _stage_tar(target, job, claims, budget, select, prog, cancel, options.keep_prefix),
             jobs,
             cancel,
             discard=lambda staged_layer: staged_layer.dir.remove(),
@@ -424,12 +394,11 @@ def _pull_locked(
     result.replaced.sort()
     artifact_files = claims.files()
     result.extra_files = destination.extra_files(dest, artifact_files)
-    if delete and result.extra_files:
+    if options.delete and result.extra_files:
         result.deleted = destination.delete_extra(dest, result.extra_files, artifact_files)
         result.extra_files = []
     # Only registry targets with mirrors count their sources; others have nothing to say.
-    by_source = getattr(target, "bytes_by_source", None)
-    result.bytes_by_source = by_source() if callable(by_source) else {}
+    result.bytes_by_source = target.bytes_by_source() if isinstance(target, SourceAccounting) else {}
     result.seconds = time.monotonic() - start
     return result
 
@@ -443,6 +412,7 @@ def _size(path: str) -> int:
 
 __all__ = [
     "LayerJob",
+    "PullOptions",
     "PullPlan",
     "PullResult",
     "file_selector",

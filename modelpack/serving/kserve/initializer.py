@@ -11,8 +11,11 @@ Per pair, after the trust policy (``MODELPACK_POLICY``) accepted the manifest di
 - with a node cache (``MODELPACK_CACHE``, a hostPath shared by the node's pods): the cache's
   pull (one download per node, resumable, verified before publication, a hit without network
   when pinned) and then ``placement`` links or copies the snapshot's files into DEST;
-- without: ``transfer.materialize`` downloads each file into DEST through a resumable partial
-  and renames it only once its digest matched.
+- without one, or for a URI that selects files (``?include=``/``?exclude=``: the cache holds
+  whole models): the trusted-resolve step (``mount.resolve``: policy, variant, and with a node
+  cache its tag history, so a filter never skips the rollback check) pins the digest, then
+  ``transfer.materialize`` downloads each file into DEST through a resumable partial and
+  renames it only once its digest matched.
 
 Either way a rerun over a complete DEST fetches no blob, a partial one fetches what is missing,
 and nothing unverified is ever at a path in DEST.
@@ -24,19 +27,22 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.errors import ModelpackError, StorageInitializerError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.mount.cache import NodeCache
-from modelpack.mount.variants import resolve_variant
+from modelpack.mount.resolve import resolve_trusted
 from modelpack.serving.kserve.placement import DIR_MODE, place_snapshot
 from modelpack.serving.kserve.progress_lines import CountingTarget, ProgressLines, human_size
 from modelpack.serving.kserve.settings import InitializerSettings
 from modelpack.serving.kserve.uri import StorageUri, parse_storage_uri
 from modelpack.serving.variant_settings import selector_from_environ
 from modelpack.targets.opener import TargetOptions, open_readable
-from modelpack.transfer.materialize import pull_to_directory
+from modelpack.transfer.materialize import PullOptions, pull_to_directory
+
+if TYPE_CHECKING:
+    from modelpack.signing.policy import TrustPolicy
 
 USAGE = "expected SRC_URI DEST pairs: SRC_URI DEST [SRC_URI DEST …]"
 
@@ -96,7 +102,7 @@ class StorageInitializer:
         self.target_options = TargetOptions(
             plain_http=settings.plain_http, ca_file=settings.ca_file, timeout=timeout, retry_for=retry_for
         )
-        self.policy: Any = _load_policy(settings)
+        self.policy: TrustPolicy | None = _load_policy(settings)
         # an index of variants: the entry for this node ($MODELPACK_VARIANT, _TP_SIZE, _ENGINE, _ACCELERATOR)
         self.variant = selector_from_environ()
         self.cache = (
@@ -169,29 +175,29 @@ class StorageInitializer:
         )
 
     def _direct(self, uri: StorageUri, dest: str, target: CountingTarget, t0: float) -> PairResult:
-        identifier = uri.reference.identifier
-        chosen = resolve_variant(
-            uri.reference, self.variant, policy=self.policy, events=self.events, target=target
+        # the trust step first, filter or not: with a node cache its tag history is consulted
+        # (a tag moved back to an older signed version is refused here as in the cache's pull)
+        pinned = resolve_trusted(
+            uri.reference,
+            policy=self.policy,
+            selector=self.variant,
+            target=target,
+            events=self.events,
+            cache=self.cache,
         )
-        if chosen is not None:  # an index: its signature checked (policy), now the entry's
-            identifier = chosen.reference.rsplit("@", 1)[1]
-            self.say(f"{uri.text}: variant {_fields(chosen.selection.chosen.fields)} ({identifier})")
-        if self.policy is not None:
-            from modelpack.signing.verify import verify_artifact
-
-            desc = target.resolve(identifier)
-            verify_artifact(target, uri.reference, desc, self.policy, events=self.events)
-            identifier = str(desc.digest)  # the tag cannot move between verification and download
-        pulled = pull_to_directory(
-            target,
-            identifier,
-            dest,
+        if pinned.variant is not None:
+            self.say(
+                f"{uri.text}: variant {_fields(pinned.variant.selection.chosen.fields)} ({pinned.digest})"
+            )
+        options = PullOptions(
             include=uri.include,
             exclude=uri.exclude,
             jobs=self.settings.jobs,
             progress="off",
             force=True,  # DEST is the initializer's: a stale file is replaced by a verified one
         )
+        pulled = pull_to_directory(target, pinned.digest, dest, options)
+        pinned.accept()
         return PairResult(
             uri.text,
             dest,
@@ -208,7 +214,7 @@ def _fields(fields: Any) -> str:
     return " ".join(f"{k}={v}" for k, v in fields.items()) or "(no variant fields)"
 
 
-def _load_policy(settings: InitializerSettings) -> Any:
+def _load_policy(settings: InitializerSettings) -> TrustPolicy | None:
     if settings.policy_path:
         from modelpack.signing.policy import TrustPolicy
 

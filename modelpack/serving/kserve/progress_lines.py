@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, SourceAccounting
 
 
 def human_size(n: float) -> str:
@@ -80,6 +80,12 @@ class CountingTarget:
         data = self._inner.fetch_range(descriptor, offset, length)
         self._count(len(data))
         return data
+
+    def bytes_by_source(self) -> dict[str, int]:
+        """The inner target's per-source bytes (a capability is declared, not found through
+        ``__getattr__``: Python 3.12's Protocol checks do not look there)."""
+        inner = self._inner
+        return inner.bytes_by_source() if isinstance(inner, SourceAccounting) else {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -45,7 +45,9 @@ from modelpack.errors import (
     RegistryError,
     TransferInterrupted,
 )
+from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.targets.base import RangeCheck
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
@@ -72,9 +74,6 @@ DOWN_FOR_S = 30.0
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
 
-#: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
-RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
-
 
 class _Mirror:
     def __init__(self, endpoint: MirrorEndpoint, repo: RepositoryAPI) -> None:
@@ -98,7 +97,7 @@ class MirroredBlobs:
         retry_for: float | None = None,
         stall_s: float | None = None,
         floor: Floor | None = None,
-        events: Any = None,
+        events: EventLog | None = None,
         spool_dir: str | None = None,
     ) -> None:
         self.origin = origin
@@ -466,7 +465,6 @@ __all__ = [
     "MIRROR_STALL_S",
     "MirrorEndpoint",
     "MirroredBlobs",
-    "RangeCheck",
     "configured_mirrors",
     "hosts_toml_mirrors",
     "mirror_limits",

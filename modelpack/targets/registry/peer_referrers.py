@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from modelpack.errors import ModelpackError, RegistryConnectionError, TransferInterrupted
+from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.registry.manifests import ManifestStore
 from modelpack.targets.registry.source_events import emit
@@ -34,7 +35,7 @@ def mirror_referrers(
     subject: Descriptor,
     artifact_type: str | None,
     origin_error: RegistryConnectionError | None,
-    events: Any,
+    events: EventLog | None,
 ) -> list[Descriptor]:
     """The merged referrer listings of every usable mirror (see the module docstring)."""
     merged: dict[str, Descriptor] = {}

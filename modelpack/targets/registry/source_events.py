@@ -16,7 +16,7 @@ Events: ``registry.manifest_fetched`` (``manifest``, ``bytes``), ``registry.refe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.errors import (
     DigestMismatchError,
@@ -25,6 +25,10 @@ from modelpack.errors import (
     RegistryNotFoundError,
     SizeMismatchError,
 )
+from modelpack.events import EventLog
+
+if TYPE_CHECKING:
+    from modelpack.targets.registry.client import RegistryClient
 
 
 def failure_kind(exc: BaseException | str) -> str:
@@ -52,14 +56,14 @@ def source_url(host: str, plain_http: bool) -> str:
     return ("http://" if plain_http else "https://") + host
 
 
-def origin_url(client: Any) -> str:
+def origin_url(client: RegistryClient) -> str:
     """The origin as ``scheme://host`` without probing it (a loopback origin whose scheme was
     never learned is shown as ``https``)."""
-    scheme = getattr(client, "_scheme", None) or ("http" if client.plain_http else "https")
+    scheme = client._scheme or ("http" if client.plain_http else "https")
     return f"{scheme}://{client.api_host}"
 
 
-def emit(events: Any, name: str, *, source: str, kind: str, **fields: Any) -> None:
+def emit(events: EventLog | None, name: str, *, source: str, kind: str, **fields: Any) -> None:
     """One source event, when an event log was given (``TargetOptions.extra['events']``)."""
     if events is not None:
         events.emit(name, source=source, source_kind=kind, **fields)

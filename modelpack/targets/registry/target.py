@@ -29,15 +29,16 @@ from modelpack.errors import (
     TransferInterrupted,
     UploadError,
 )
+from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
-from modelpack.targets.base import BlobSource
+from modelpack.targets.base import BlobSource, RangeCheck
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
-from modelpack.targets.registry.mirrors import MirroredBlobs, RangeCheck, configured_mirrors, mirror_limits
+from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
 from modelpack.targets.registry.peer_referrers import mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
@@ -86,7 +87,7 @@ class RegistryTarget:
         self.mirrors: MirroredBlobs | None = None
         self._mirror_manifests: list[tuple[str, ManifestStore]] = []
         #: the JSON event log the source events go to (``TargetOptions.extra['events']``)
-        self.events: Any = None
+        self.events: EventLog | None = None
         self._origin_unreachable: RegistryConnectionError | None = None
         #: the origin's referrers with a short retry budget, when mirrors can answer instead
         self._origin_referrers: ManifestStore | None = None
@@ -101,7 +102,7 @@ class RegistryTarget:
 
     @classmethod
     def from_reference(
-        cls, ref: Reference, options: Any = None, *, for_write: bool = False
+        cls, ref: Reference, options: TargetOptions | None = None, *, for_write: bool = False
     ) -> RegistryTarget:
         """Open ``ref``'s repository. ``options`` is a ``TargetOptions`` (connection, credentials;
         ``extra`` may set ``chunk_size``, ``monolithic_max``, ``upload_state_dir``)."""

@@ -1,0 +1,289 @@
+"""A crawling mirror cannot stall a pull, SIGTERM stops a stalled transfer,
+and a lying mirror cannot deny a chunk-verified load.
+
+The origin is a real ``docker-registry``; the mirrors are the small hostile loopback servers of
+``tests/fixtures/hostile_mirror.py`` (one byte a second; headers then silence; zeroed bytes);
+the pulls and loads are real subprocesses of the CLI. Before this change the crawling mirror
+kept a pull running for as long as it crawled (the stall limit is per ``recv``), SIGTERM left the
+worker blocked in it, and a mirror serving zeroed bytes made ``modelpack load`` fail at chunk 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelpack.api import transfer
+from modelpack.targets.opener import open_readable
+from tests.fixtures.hostile_mirror import HostileMirror, push_and_read_back
+from tests.fixtures.registry import RegistryServer
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "modelpack.cli", *argv]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    spool = tmp_path / "tmpdir"
+    spool.mkdir(exist_ok=True)
+    return dict(os.environ, TMPDIR=str(spool), MODELPACK_HOSTS_DIR=str(tmp_path / "no-hosts"), **extra)
+
+
+def _leftovers(*dirs: Path) -> list[str]:
+    return [str(p) for d in dirs if d.exists() for p in d.rglob("*") if p.is_file() or ".tmp-" in p.name]
+
+
+@pytest.fixture
+def crawler_for() -> Iterator[list[HostileMirror]]:
+    made: list[HostileMirror] = []
+    yield made
+    for m in made:
+        m.close()
+
+
+def test_a_crawling_mirror_is_abandoned_below_its_floor_and_the_origin_finishes(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    _digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/crawl")
+    crawler = HostileMirror(blobs, "crawl", interval=0.5)
+    crawler_for.append(crawler)
+    env = _env(tmp_path, MODELPACK_MIRROR_MIN_RATE="65536", MODELPACK_MIRROR_RATE_WINDOW="2")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        _cli("pull", "--mirror", crawler.url, "--json", registry.ref("faults/crawl", "v1"), str(out)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,  # before the floor: one byte every 0.5 s of a multi-MiB blob, for hours
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for rel in doc["files"]:
+        assert (out / rel).read_bytes() == (checkpoint / rel).read_bytes(), rel
+    assert "too slow" in proc.stderr and "floor 65536 B/s over 2 s" in proc.stderr, proc.stderr
+    # the crawler delivered a few bytes; the origin continued from the byte reached
+    weights = sum(d.size for d in manifest.layers)
+    assert 0 < doc["bytesBySource"].get(crawler.host, 0) < 64
+    assert doc["bytesBySource"][crawler.host] + doc["bytesBySource"][registry.host] == weights
+    assert _leftovers(tmp_path / "tmpdir") == []
+    assert not [p.name for p in out.rglob(".tmp-modelpack*")]
+
+
+@pytest.mark.parametrize("mode", ["crawl", "silent"])
+def test_sigterm_during_a_stalled_mirror_transfer_exits_within_2s_and_removes_temp_files(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror], mode: str
+) -> None:
+    _digest, _manifest, blobs = push_and_read_back(registry, checkpoint, f"faults/term-{mode}")
+    mirror = HostileMirror(blobs, mode, interval=0.5)
+    crawler_for.append(mirror)
+    # a stall limit and floor window longer than the test: only the signal can end the wait
+    env = _env(tmp_path, MODELPACK_MIRROR_STALL="60", MODELPACK_MIRROR_RATE_WINDOW="60")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        _cli(
+            "pull",
+            "--mirror",
+            mirror.url,
+            "--retry-for",
+            "2m",
+            registry.ref(f"faults/term-{mode}", "v1"),
+            str(out),
+        ),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        blob_gets = lambda: [p for m, p in mirror.requests if m == "GET" and "/blobs/" in p]  # noqa: E731
+        while time.monotonic() < deadline and (
+            len(blob_gets()) < 1 or (mode == "crawl" and mirror.served < 2)
+        ):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        assert blob_gets(), "the pull never asked the mirror for a blob"
+        time.sleep(0.5)  # well inside the transfer: workers blocked on the mirror
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            _stdout, stderr = proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 2 s after SIGTERM (mode {mode})")
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr, stderr
+    assert took < 2
+    assert not [p.name for p in out.rglob(".tmp-modelpack*")] if out.exists() else True
+    assert _leftovers(tmp_path / "tmpdir") == []
+
+
+def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    import torch
+    from modelpack.loader import load_state_dict
+    from modelpack.signing.chunks import compute_chunk_table, push_chunk_table
+    from modelpack.signing.keys import generate_key
+
+    from modelpack.events import EventLog, read_events
+    from modelpack.targets.opener import TargetOptions, open_target
+    from tests.loader_helpers import reference_tensors
+
+    digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/liar")
+    target = open_target(f"{registry.host}/faults/liar@{digest}", for_write=True)
+    key = generate_key()
+    push_chunk_table(target, target.resolve(digest), compute_chunk_table(target, manifest), key)
+    pub = tmp_path / "k.pub"
+    pub.write_bytes(key.public.pem)
+    liar = HostileMirror(blobs, "zero")
+    crawler_for.append(liar)
+    source = f"{registry.host}/faults/liar@{digest}"
+
+    proc = subprocess.run(
+        _cli("load", source, "--mirror", liar.url, "--trusted-key", str(pub), "--json"),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr  # before: "chunk 0: expected sha256:…"
+    doc = json.loads(proc.stdout)
+    assert set(doc["verification"].values()) == {"chunks"}
+    assert liar.served > 0  # the mirror was asked, and lied
+
+    events = tmp_path / "ev.jsonl"
+    opts = TargetOptions(mirrors=[liar.url], extra={"events": EventLog(str(events))})
+    got = load_state_dict(source, trusted_keys=[key.public], target_options=opts)
+    want = reference_tensors(checkpoint)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # the signature's blobs are not on the liar (404); every weight layer it served was refetched
+    ours = {str(d.digest) for d in manifest.layers}
+    gone = [
+        e
+        for e in read_events(str(events))
+        if e["event"] == "registry.mirror_abandoned" and e.get("blob") in ours
+    ]
+    assert gone and all("digest mismatch" in e["reason"] for e in gone), gone
+    assert any("chunk(s) of range" in e["reason"] for e in gone), gone
+
+
+def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_clearly(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path
+) -> None:
+    """Manifests by digest may come from a mirror (verified by digest); tags
+    resolve only at the origin. Before, every manifest read went to the origin."""
+    origin = registry_factory.start()
+    mirror = registry_factory.start()
+    digest, _manifest, _blobs = push_and_read_back(origin, checkpoint, "faults/down")
+    transfer.cp(origin.ref("faults/down", "v1"), mirror.ref("faults/down", "v1"), progress="off")
+    origin.kill()
+    mark = mirror.log_mark()
+    env = _env(tmp_path)
+    base = ["--mirror", f"http://{mirror.host}", "--retry-for", "2s"]
+    pinned = subprocess.run(
+        _cli("pull", "--cache", str(tmp_path / "cache"), *base, f"{origin.host}/faults/down@{digest}"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert pinned.returncode == 0, pinned.stderr
+    snapshot = Path(pinned.stdout.strip().splitlines()[-1])
+    for f in checkpoint.glob("*.safetensors"):
+        assert (snapshot / f.name).read_bytes() == f.read_bytes()
+    tagged = subprocess.run(
+        _cli("pull", "--cache", str(tmp_path / "cache2"), *base, f"{origin.host}/faults/down:v1"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert tagged.returncode != 0
+    assert origin.host in tagged.stderr and "Traceback" not in tagged.stderr, tagged.stderr
+    # the mirror served the manifest by digest, and was never asked what a tag names
+    asked = [p for m, p, _ in mirror.requests_since(mark) if "/manifests/" in p]
+    assert f"/v2/faults/down/manifests/{digest}" in asked
+    assert not [p for p in asked if not p.rsplit("/", 1)[1].startswith("sha256:")], asked
+
+
+def test_a_mirror_forging_a_manifest_by_digest_is_abandoned_for_the_origin(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    digest, _manifest, blobs = push_and_read_back(registry, checkpoint, "faults/forged")
+    target = open_readable(registry.ref("faults/forged", None))
+    raw, media_type = target.fetch_manifest(digest)
+    liar = HostileMirror(blobs, "zero", manifests={digest: (raw, media_type)})  # zeroed manifest too
+    crawler_for.append(liar)
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--mirror",
+            liar.url,
+            f"{registry.host}/faults/forged@{digest}",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    snapshot = Path(proc.stdout.strip().splitlines()[-1])
+    for f in checkpoint.glob("*.safetensors"):
+        assert (snapshot / f.name).read_bytes() == f.read_bytes()
+    assert ("GET", f"/v2/faults/forged/manifests/{digest}") in liar.requests
+    assert f"abandoned for {digest}" in proc.stderr, proc.stderr
+
+
+def test_a_lying_mirror_sends_the_blob_to_the_next_mirror_not_to_the_origin(
+    registry_factory: Any, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """A mirror whose bytes fail the digest is dropped for that blob and the next mirror asked;
+    the origin serves only what no honest mirror has. Before, the first mismatch sent the whole
+    blob to the origin (a corrupting storm peer cost the origin ~5 copies of the model)."""
+    origin = registry_factory.start()
+    honest = registry_factory.start()
+    digest, _manifest, blobs = push_and_read_back(origin, checkpoint, "faults/next")
+    transfer.cp(origin.ref("faults/next", "v1"), honest.ref("faults/next", "v1"), progress="off")
+    liar = HostileMirror(blobs, "zero")
+    crawler_for.append(liar)
+    mark = origin.log_mark()
+    mirrors = ["--mirror", liar.url, "--mirror", f"http://{honest.host}"]
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            *mirrors,
+            "--json",
+            f"{origin.host}/faults/next@{digest}",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for f in checkpoint.glob("*.safetensors"):
+        assert (Path(doc["path"]) / f.name).read_bytes() == f.read_bytes()
+    assert any("/blobs/" in p for _, p in liar.requests)  # the liar was asked, and lied
+    assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p and m == "GET"]
+    assert set(doc["bytesBySource"]) == {honest.host}, doc
