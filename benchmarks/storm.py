@@ -596,15 +596,18 @@ class Storm:
     def _corrupt_peer(self, work: Path) -> subprocess.Popen[Any]:
         """A peer whose store holds every layer of the model with zeroed bytes, committed as a
         genuine blob would be (read-only, the cache owner's): only the digest can tell."""
+        from modelpack.mount.modes import READ_ONLY_FILE_MODE
         from modelpack.mount.store import Store
 
         cache = work / "evil"
         store = Store(str(cache))
         for digest, size in self.model.blobs.items():
+            # placed by hand: the blob writer (rightly) refuses to commit bytes that fail the digest
             tmp = Path(store.ingest_dir) / f"evil-{digest[7:23]}"
             with open(tmp, "wb") as f:
                 f.truncate(size)
-            store.commit(str(tmp), digest)
+            os.chmod(tmp, READ_ONLY_FILE_MODE)
+            os.replace(tmp, store.blob_path(digest))
         out = open(work / "serve--1.log", "ab")
         proc = self.net.popen(
             self.evil_ns,

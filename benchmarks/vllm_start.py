@@ -203,9 +203,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
         print("|---|---|---|---|---|---|")
         for mode, r in rows.items():
             print(
-                f"| {mode} | {_s(r['t8-t0'], 'p50_ms')} / {_s(r['t8-t0'], 'p95_ms')} | "
-                f"{_s(r['t9-t0'], 'p50_ms')} / {_s(r['t9-t0'], 'p95_ms')} | "
-                f"{_ms(r['t4-t3'], 'p50_ms')} | {_ms(r['t5-t3'], 'p50_ms')} | "
+                f"| {mode} | {_s(r['t8-t0'], 'p50Ms')} / {_s(r['t8-t0'], 'p95Ms')} | "
+                f"{_s(r['t9-t0'], 'p50Ms')} / {_s(r['t9-t0'], 'p95Ms')} | "
+                f"{_ms(r['t4-t3'], 'p50Ms')} | {_ms(r['t5-t3'], 'p50Ms')} | "
                 f"{_ms({'v': r.get('vllm_weights_s_median', 0) * 1000 or None}, 'v')} |"
             )
     return 0

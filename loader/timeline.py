@@ -152,11 +152,11 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 def _summary(values: list[float]) -> dict[str, Any]:
     if not values:
-        return {"count": 0, "p50_ms": None, "p95_ms": None}
+        return {"count": 0, "p50Ms": None, "p95Ms": None}
     return {
         "count": len(values),
-        "p50_ms": round(percentile(values, 50), 3),
-        "p95_ms": round(percentile(values, 95), 3),
+        "p50Ms": round(percentile(values, 50), 3),
+        "p95Ms": round(percentile(values, 95), 3),
     }
 
 
@@ -217,20 +217,20 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 return "-" if v is None else f"{v:.1f} ms"
 
             lines.append(
-                f"  {stage + ' ' + s['name']:<22} {at['count']:>5} {ms(at['p50_ms']):>14} {ms(at['p95_ms']):>14} "
-                f"{ms(iv['p50_ms']):>10} {ms(iv['p95_ms']):>10}"
+                f"  {stage + ' ' + s['name']:<22} {at['count']:>5} {ms(at['p50Ms']):>14} {ms(at['p95Ms']):>14} "
+                f"{ms(iv['p50Ms']):>10} {ms(iv['p95Ms']):>10}"
             )
         for span, sm in doc.get("spans", {}).items():
             if sm["count"]:
                 end, begin = span.split("-")
                 lines.append(
-                    f"  {'span ' + end + '−' + begin:<22} {sm['count']:>5} {ms(sm['p50_ms']):>14} "
-                    f"{ms(sm['p95_ms']):>14}"
+                    f"  {'span ' + end + '−' + begin:<22} {sm['count']:>5} {ms(sm['p50Ms']):>14} "
+                    f"{ms(sm['p95Ms']):>14}"
                 )
     for asset_state, doc in summary.get("assets", {}).items():
         iv = doc["t6"]["interval"]
-        p50 = "-" if iv["p50_ms"] is None else f"{iv['p50_ms']:.1f} ms"
-        p95 = "-" if iv["p95_ms"] is None else f"{iv['p95_ms']:.1f} ms"
+        p50 = "-" if iv["p50Ms"] is None else f"{iv['p50Ms']:.1f} ms"
+        p95 = "-" if iv["p95Ms"] is None else f"{iv['p95Ms']:.1f} ms"
         lines.append(
             f"compile (t6) with runtime assets {asset_state}: {doc['starts']} starts, step p50 {p50}, p95 {p95}"
         )

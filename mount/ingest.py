@@ -1,32 +1,30 @@
 """Ingest blobs into the store: one verified, resumable download per digest on this node.
 
-A blob is written to ``ingest/<hex>.partial`` (same filesystem as the store) under its digest
-lock (``locks/<hex>.lock``), checked for size and sha256, fsynced and committed by the store
-(read-only, renamed, directory fsynced). A partial download is resumed by re-hashing the bytes
-already on disk (the hash state cannot be saved, and disk content after a crash is not to be
-trusted blindly), then asking the source for the rest with a Range request. A resumed blob that
-fails the final check is thrown away and fetched once more from zero. A lock taken over from a
-stale holder writes to a private temp file, since that holder may still be writing the partial.
+The download itself is the one blob writer (``modelpack.transfer.blob_writer``: resume by
+re-hash, Range request for the rest, size and sha256 checked, fsync, read-only, atomic rename,
+directory fsync). What is the node cache's own lives here: the partial is ``ingest/<hex>.partial``
+(same filesystem as the store) guarded by the digest lock (``locks/<hex>.lock``, ``IngestSlot``);
+after taking that lock the store is checked again, so a waiter finds the blob its holder
+committed instead of downloading it a second time; a lock taken over from a stale holder writes
+to a private temp file, since that holder may still be writing the partial.
 
 Before any download a pull is admitted against the cache quota and the free disk space.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import errno
 import os
-import stat
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire
+from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.reports import to_ms
-from modelpack.mount.store import Store
+from modelpack.mount.store import FULL_CACHE_HINT, Store
 
 from modelpack.errors import (
     DigestMismatchError,
@@ -34,14 +32,12 @@ from modelpack.errors import (
     QuotaExceededError,
     SizeMismatchError,
 )
-from modelpack.files import TEMP_PREFIX, write_error
+from modelpack.files import write_error
 from modelpack.oci.descriptor import Descriptor
-from modelpack.oci.digest import HASH_CHUNK, Digest
+from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget
-
-# Network reads block until this many bytes arrived: small enough that a partial file grows
-# steadily (what a resume can reuse after a crash), large enough to keep per-call overhead low.
-INGEST_CHUNK = 256 * 1024
+from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
+from modelpack.transfer.staging import private_file
 
 
 @dataclass
@@ -100,17 +96,9 @@ class BlobIngest:
         try:
             if held.stale and on_event:
                 on_event("cache.lock_stale", blob=str(desc.digest), lock=held.path)
-            if self.store.has(desc):  # the holder we waited for committed it
+            if self.store.has(desc):  # the holder we waited for committed it: one download per node
                 return IngestResult(desc.digest, desc.size, existed=True, waited_s=held.waited_s)
-            if held.exclusive:
-                partial = self.store.partial_path(desc.digest)
-            else:
-                # Stale holder may still be writing the shared partial: use a private file.
-                partial = os.path.join(
-                    self.store.ingest_dir,
-                    f"{TEMP_PREFIX}{desc.digest.hex[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                )
-            result = self._download(desc, source, partial, held, on_event, on_bytes)
+            result = self._download(desc, source, held, on_event, on_bytes)
             result.waited_s = held.waited_s
             result.lock_stale = held.stale
             result.seconds = time.monotonic() - start
@@ -122,81 +110,36 @@ class BlobIngest:
         self,
         desc: Descriptor,
         source: ReadableTarget,
-        partial: str,
         held: HeldLock,
         on_event: Callable[..., Any] | None,
         on_bytes: Callable[[int], None] | None,
     ) -> IngestResult:
-        result = IngestResult(desc.digest, desc.size)
-        for attempt in (0, 1):
-            h = hashlib.sha256()
-            offset = _rehash_prefix(partial, desc, h) if attempt == 0 else 0
-            if attempt == 1 or offset == 0:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(partial)
-            if offset:
-                result.resumed_from = offset
-                if on_event:
-                    on_event("cache.resume", blob=str(desc.digest), offset=offset, size=desc.size)
-            fd = os.open(
-                partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
-            try:
-                n = offset
-                extra = 0  # a complete partial (killed before its rename) needs no fetch at all
-                if n < desc.size:
-                    with source.fetch_blob(desc, n) as stream:
-                        buf = bytearray(INGEST_CHUNK)
-                        view = memoryview(buf)
-                        while n < desc.size:
-                            want = min(len(buf), desc.size - n)
-                            got = _readinto(stream, view[:want])
-                            if not got:
-                                break
-                            try:
-                                _write_all(fd, view[:got])
-                            except OSError as exc:  # a full disk: the partial stays for a resume
-                                raise write_error(
-                                    partial,
-                                    exc,
-                                    kept=f"the {n} bytes of {desc.digest} written so far stay there "
-                                    "for the next pull to resume; free space or run 'modelpack cache gc'",
-                                ) from exc
-                            h.update(view[:got])
-                            n += got
-                            result.downloaded += got
-                            if on_bytes:
-                                on_bytes(got)
-                            held.heartbeat()
-                        # one byte past the declared size means the source lies about the size
-                        extra = _readinto(stream, memoryview(bytearray(1))) if n == desc.size else 0
-                if n != desc.size or extra:
-                    os.close(fd)
-                    fd = -1
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(partial)
-                    actual = n + 1 if extra else n
-                    raise SizeMismatchError(desc.digest, desc.size, actual, source=source.name)
-                actual_digest = "sha256:" + h.hexdigest()
-                if actual_digest != desc.digest:
-                    os.close(fd)
-                    fd = -1
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(partial)
-                    if offset and attempt == 0:
-                        # The reused prefix may be what is wrong (torn write, disk error): retry once clean.
-                        if on_event:
-                            on_event("cache.resume_discarded", blob=str(desc.digest), offset=offset)
-                        result.resumed_from = 0
-                        continue
-                    raise DigestMismatchError(desc.digest, actual_digest, source=source.name)
-                os.fsync(fd)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-            self.store.commit(partial, desc.digest)
-            return result
-        raise AssertionError("unreachable")  # pragma: no cover
+        def fetched(n: int) -> None:
+            if on_bytes:
+                on_bytes(n)
+            held.heartbeat()
+
+        def resumed(offset: int) -> None:
+            if on_event:
+                on_event("cache.resume", blob=str(desc.digest), offset=offset, size=desc.size)
+
+        def discarded(offset: int) -> None:
+            if on_event:
+                on_event("cache.resume_discarded", blob=str(desc.digest), offset=offset)
+
+        got = fetch_verified(
+            source,
+            desc,
+            IngestSlot(self.store, desc.digest, held),
+            Landing(
+                self.store.blob_path(desc.digest),
+                mode=READ_ONLY_FILE_MODE,
+                full_disk_hint=FULL_CACHE_HINT,
+                name_partial=True,
+            ),
+            WriteHooks(on_bytes=fetched, on_resume=resumed, on_discard=discarded),
+        )
+        return IngestResult(desc.digest, desc.size, downloaded=got.fetched, resumed_from=got.resumed)
 
     def ingest_all(
         self,
@@ -294,46 +237,39 @@ def check_space(
         raise InsufficientSpaceError(cache_root, needed, available, reserve_bytes)
 
 
-def _rehash_prefix(partial: str, desc: Descriptor, h: Any) -> int:
-    """Feed an existing partial file into ``h``; returns its length (0 = start over).
+class IngestSlot:
+    """The node cache's ``PartialSlot``: ``ingest/<hex>.partial``, guarded by the digest lock the
+    caller holds. Something at that name that is not the cache's private file (a symlink, another
+    uid's, a hard link) is never written into: it is replaced. A lock taken over from a stale
+    holder (``held.exclusive`` false) writes to a private temp file, which is not resumable."""
 
-    Only a regular file of this process's uid with a single link is resumed: anything else in
-    ``ingest/`` (a symlink to a file we must never append to, another uid's file) is started over.
-    """
-    try:
-        st = os.lstat(partial)
-    except FileNotFoundError:
-        return 0
-    size = st.st_size
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-        return 0
-    if size == 0 or size > desc.size:
-        return 0
-    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with open(fd, "rb", buffering=0) as f:
-        buf = bytearray(HASH_CHUNK)
-        view = memoryview(buf)
-        n = 0
-        while n < size:
-            got = f.readinto(view[: min(len(buf), size - n)])
-            if not got:
-                break
-            h.update(view[:got])
-            n += got
-    return n
+    def __init__(self, store: Store, digest: Digest, held: HeldLock) -> None:
+        self.store = store
+        self.digest = digest
+        self.held = held
 
-
-def _readinto(stream: Any, view: memoryview) -> int:
-    readinto = getattr(stream, "readinto", None)
-    if readinto is not None:
-        n = readinto(view)
-        return int(n or 0)
-    data = stream.read(len(view))
-    view[: len(data)] = data
-    return len(data)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
+    def open(self) -> Partial:
+        if not self.held.exclusive:
+            return PrivateTemp(self.store.ingest_dir, self.digest).open()
+        path = self.store.partial_path(self.digest)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise write_error(path, exc) from exc
+            fd = -1
+        if fd >= 0 and private_file(os.fstat(fd)):
+            return Partial(fd, path, resumable=True)
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise write_error(path, exc) from exc
+        return Partial(fd, path, resumable=True)

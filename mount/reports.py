@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpack.oci.digest import Digest
+from modelpack.timestamps import rfc3339_utc, rfc3339_utc_or_none
 
 
 def to_ms(seconds: float) -> float:
@@ -54,16 +55,16 @@ class PullResult:
                 "resumed": self.bytes_resumed,
             },
             "blobs": {"downloaded": self.blobs_downloaded, "reused": self.blobs_reused},
-            "timings_ms": dict(self.timings),
-            "start_id": self.start_id,
+            "timingsMs": dict(self.timings),
+            "startId": self.start_id,
             "signature": self.signature,
         }
         if self.hold_path:
-            out["hold"] = {"path": self.hold_path, "until": self.hold_until}
+            out["hold"] = {"path": self.hold_path, "until": rfc3339_utc(self.hold_until)}
         if self.variant is not None:
             out["variant"] = self.variant
         if self.bytes_by_source:
-            out["bytes_by_source"] = dict(self.bytes_by_source)
+            out["bytesBySource"] = dict(self.bytes_by_source)
         return out
 
 
@@ -83,7 +84,19 @@ class CacheEntry:
     indexes: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {
+            "digest": self.digest,
+            "path": self.path,
+            "size": self.size,
+            "files": self.files,
+            "references": list(self.references),
+            "repository": self.repository,
+            "pinned": self.pinned,
+            "inUse": self.in_use,
+            "lastUsed": rfc3339_utc_or_none(self.last_used),
+            "created": rfc3339_utc_or_none(self.created),
+            "indexes": list(self.indexes),
+        }
 
 
 @dataclass
@@ -122,4 +135,17 @@ class GCResult:
     bytes_after: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {
+            "evicted": list(self.evicted),
+            "keptInUse": list(self.kept_in_use),
+            "keptPinned": list(self.kept_pinned),
+            "keptPulling": list(self.kept_pulling),
+            "keptHeld": list(self.kept_held),
+            "keptYoung": list(self.kept_young),
+            "refsRemoved": self.refs_removed,
+            "blobsRemoved": self.blobs_removed,
+            "bytesFreed": self.bytes_freed,
+            "swept": list(self.swept),
+            "bytesBefore": self.bytes_before,
+            "bytesAfter": self.bytes_after,
+        }

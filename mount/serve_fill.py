@@ -44,24 +44,23 @@ for its next one at once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from modelpack.mount.store import Store
+from modelpack.mount.modes import READ_ONLY_FILE_MODE
+from modelpack.mount.store import FULL_CACHE_HINT, Store
 
 from modelpack.errors import CacheServeError, ModelpackError
-from modelpack.files import TEMP_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import Closable, ReadableTarget
 from modelpack.targets.options import TargetOptions
+from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
 
 log = logging.getLogger("modelpack.mount.serve")
 
@@ -332,49 +331,62 @@ class Filler:
             fill._end(state)
 
     def _fetch(self, target: ReadableTarget, desc: Descriptor, fill: Fill) -> None:
-        """Stream ``desc`` from the origin into a private temp file that ``fill``'s readers
-        follow as it grows; commit only if it verifies (the temp file is gone on any failure
-        before ``fill`` ends, so a failed fill leaves nothing behind)."""
-        tmp = os.path.join(
-            self.store.ingest_dir, f"{TEMP_PREFIX}fill-{desc.digest.hex[:16]}-{uuid.uuid4().hex[:8]}"
-        )
-        h = hashlib.sha256()
-        n = 0
+        """Stream ``desc`` from the origin through the blob writer into a private temp file that
+        ``fill``'s readers follow as it grows; committed only if it verifies (the temp file is
+        gone on any failure before ``fill`` ends, so a failed fill leaves nothing behind)."""
         start = time.monotonic()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with contextlib.closing(os.fdopen(fd, "wb", buffering=0)) as f, target.fetch_blob(desc) as stream:
-                fill._opened(os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
-                while n <= desc.size:
-                    data = stream.read(min(_FILL_CHUNK, desc.size + 1 - n))
-                    if not data:
-                        break
-                    with self._lock:
-                        self.stats.origin_bytes += len(data)
-                    h.update(data)
-                    view = memoryview(data)
-                    while view:  # unbuffered: what ``_landed`` announces is in the file
-                        view = view[f.write(view) or 0 :]
-                    n += len(data)
-                    fill._landed(n)
-                if n != desc.size:
-                    raise CacheServeError(f"origin sent {n} bytes for {desc.digest}, expected {desc.size}")
-                if "sha256:" + h.hexdigest() != desc.digest:
-                    raise CacheServeError(f"origin's bytes for {desc.digest} hash to sha256:{h.hexdigest()}")
-                os.fsync(f.fileno())
-            self.store.commit(tmp, desc.digest)
-            log.info(
-                "fill: %s (%d bytes) from %s in %.2f s", desc.digest, n, target.name, time.monotonic() - start
-            )
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        landed = 0
+
+        def wrote(n: int) -> None:  # unbuffered writes: what ``_landed`` announces is in the file
+            nonlocal landed
+            landed += n
+            with self._lock:
+                self.stats.origin_bytes += n
+            fill._landed(landed)
+
+        fetch_verified(
+            target,
+            desc,
+            _FillSlot(self.store, desc.digest, fill),
+            Landing(
+                self.store.blob_path(desc.digest), mode=READ_ONLY_FILE_MODE, full_disk_hint=FULL_CACHE_HINT
+            ),
+            WriteHooks(on_bytes=wrote),
+            chunk=_FILL_CHUNK,
+        )
+        log.info(
+            "fill: %s (%d bytes) from %s in %.2f s",
+            desc.digest,
+            landed,
+            target.name,
+            time.monotonic() - start,
+        )
 
     def close(self) -> None:
         for pin in self._pinned:
             if isinstance(pin.target, Closable):
                 with contextlib.suppress(Exception):
                     pin.target.close()
+
+
+class _FillSlot:
+    """A fill's ``PartialSlot``: a private temp file in ``ingest/`` (never resumed: a failed fill
+    leaves nothing), opened a second time read-only for the fill's readers to follow."""
+
+    def __init__(self, store: Store, digest: Digest, fill: Fill) -> None:
+        self.store = store
+        self.digest = digest
+        self.fill = fill
+
+    def open(self) -> Partial:
+        partial = PrivateTemp(self.store.ingest_dir, self.digest, tag="fill-").open()
+        try:
+            self.fill._opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except BaseException:
+            os.close(partial.fd)
+            os.unlink(partial.path)
+            raise
+        return partial
 
 
 def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:

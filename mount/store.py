@@ -11,7 +11,8 @@ A blob becomes visible at ``blobs/sha256/<hex>`` only after its size and sha256 
 written to ``ingest/`` (same filesystem), fsynced, made read-only, renamed, and the directory
 fsynced. A blob counts as present only if it is a regular, read-only file of the cache owner
 that nobody else can write (``mount.modes``): a same-size file someone else put there is fetched
-and verified again. Downloading and resuming live in ``mount.ingest``; this module owns the
+and verified again. Downloading and resuming live in ``mount.ingest`` (through the one blob
+writer, ``modelpack.transfer.blob_writer``); this module owns the
 paths, the commit step, ``index.json``, quarantine and deletion.
 
 A blob found corrupt is moved out of ``blobs/`` into ``quarantine/`` with one rename before
@@ -28,7 +29,6 @@ import json
 import os
 import stat
 import time
-import uuid
 from typing import Any
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
@@ -48,10 +48,11 @@ from modelpack.mount.modes import (
 )
 
 from modelpack.boundedjson import loads_object
-from modelpack.errors import FileWriteError, ModelpackError, NotFoundError, StoreError
-from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, write_error
+from modelpack.errors import ModelpackError, NotFoundError, StoreError
+from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
+from modelpack.transfer.blob_writer import Landing, PrivateTemp, open_writer
 
 PARTIAL_SUFFIX = ".partial"
 LAYOUT_FILE = b'{"imageLayoutVersion":"1.0.0"}'
@@ -59,6 +60,8 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_SMALL_BLOB_BYTES = 4 * 1024 * 1024
 #: quarantined blobs are kept this long (evidence for a person), then swept
 QUARANTINE_TTL_S = 7 * 86400.0
+#: what a person does about a full disk under the cache
+FULL_CACHE_HINT = "free space or run 'modelpack cache gc'"
 
 
 class Store:
@@ -140,32 +143,18 @@ class Store:
         return st.st_size == desc.size and self.trusted(st, read_only=True)
 
     # ------------------------------------------------------------------ committing
-    def commit(self, tmp: str, digest: str) -> None:
-        """Publish verified content written to ``tmp`` (same filesystem) as blob ``digest``."""
-        final = self.blob_path(digest)
-        os.chmod(tmp, READ_ONLY_FILE_MODE)
-        os.replace(tmp, final)  # replaces whatever another uid may have left at the final path
-        fsync_dir(self.blobs_dir)
-
     def put_bytes(self, desc: Descriptor, data: bytes) -> None:
-        """Commit small already-verified content (manifests, configs). On any failure (a full
-        disk included) the temp file is removed and the error names the path it was writing."""
+        """Commit small content (manifests, configs) through the blob writer: checked against
+        ``desc``, fsynced, read-only, renamed, directory fsynced. On any failure (a full disk
+        included) the temp file is removed and the error names the blob's path."""
         if self.has(desc):
             return
-        tmp = os.path.join(self.ingest_dir, f"{TEMP_PREFIX}{desc.digest.hex[:16]}-{uuid.uuid4().hex[:8]}")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            self.commit(tmp, desc.digest)
-        except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise store_write_error(self.blob_path(desc.digest), exc, tmp) from exc
-            raise
+        landing = Landing(
+            self.blob_path(desc.digest), mode=READ_ONLY_FILE_MODE, full_disk_hint=FULL_CACHE_HINT
+        )
+        with open_writer(PrivateTemp(self.ingest_dir, desc.digest), desc) as w:
+            w.write(data, landing)
+            w.commit(desc.size, desc.digest, landing)
 
     def read_small(self, digest: str, limit: int = MAX_SMALL_BLOB_BYTES) -> bytes:
         """A small committed blob (manifest, config); callers verify it against its digest."""
@@ -368,13 +357,6 @@ class Store:
                     with contextlib.suppress(FileNotFoundError):
                         total += entry.stat(follow_symlinks=False).st_size
         return total
-
-
-def store_write_error(path: str, exc: OSError, tmp: str) -> FileWriteError:
-    """A failed write into the cache as one line naming the path, and the temp file (removed)."""
-    return write_error(
-        path, exc, kept=f"its temp file {tmp} was removed; free space or run 'modelpack cache gc'"
-    )
 
 
 def _empty_index() -> dict[str, Any]:

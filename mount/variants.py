@@ -314,7 +314,7 @@ class VariantResolver:
         if not ref.digest:  # the tag stands for the entry this node uses (open_snapshot, load)
             puller.refs.record(ref, Digest(selection.digest))
         result.reference = str(ref)
-        result.variant = {**selection.to_json(), "index_signature": index_signature}
+        result.variant = {**selection.to_json(), "indexSignature": index_signature}
         return result
 
     def record(self, vi: VariantIndex, media_type: str, reference: str, selection: Selection) -> None:
@@ -352,7 +352,7 @@ class ResolvedVariant:
         return {
             **self.selection.to_json(),
             "reference": self.reference,
-            "index_signature": self.index_signature,
+            "indexSignature": self.index_signature,
         }
 
 

@@ -46,7 +46,7 @@ from modelpack.signing.keyless_trust import KeylessTrust, keyless_from_policy
 from modelpack.signing.keys import PublicKey, load_public_key
 
 from modelpack.errors import ModelpackError, PolicyError
-from modelpack.oci.reference import Reference, canonical_host, parse_reference
+from modelpack.oci.reference import OCI_REGISTRY_SCHEME, Reference, canonical_host, parse_reference
 
 MAX_POLICY_BYTES = 1024 * 1024
 
@@ -178,7 +178,9 @@ _GLOB_CHARS = frozenset("*?[")
 
 
 def canonical_glob(glob: str, where: str) -> str:
-    """A rule's glob in the spelling references are matched in (see ``Reference.canonical``)."""
+    """A rule's glob in the spelling references are matched in (see ``Reference.canonical``);
+    ``oci://HOST/REPO*`` is a registry glob, as ``oci://`` is a registry in a reference."""
+    glob = glob.removeprefix(OCI_REGISTRY_SCHEME)
     if glob.startswith("oci:"):
         path = glob[4:]
         if path[:1] in _GLOB_CHARS:

@@ -19,7 +19,6 @@ when its referrers stay undiscoverable.
 
 from __future__ import annotations
 
-import datetime
 import random
 import time
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import EMPTY_JSON, Descriptor, Manifest, empty_config_descriptor
 from modelpack.oci.digest import Digest, verify_bytes
 from modelpack.targets.base import ReadableTarget, Target, bytes_blob_source
+from modelpack.timestamps import now_rfc3339_utc
 
 ANNOTATION_BUNDLE_CONTENT = "dev.sigstore.bundle.content"
 ANNOTATION_BUNDLE_PREDICATE = "dev.sigstore.bundle.predicateType"
@@ -76,7 +76,7 @@ def push_bundle_referrer(
     config_blob = Descriptor(config.media_type, config.digest, config.size)
     target.push_blob(bytes_blob_source(config_blob, EMPTY_JSON))
     target.push_blob(bytes_blob_source(layer, data))
-    created = created or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    created = created or now_rfc3339_utc()
     manifest = Manifest.build(
         config,
         [layer],

@@ -20,6 +20,7 @@ import time
 from modelpack.mediatypes.annotations import PROJECT_PREFIX
 
 from modelpack.errors import BundleError
+from modelpack.timestamps import rfc3339_utc
 
 ANNOTATION_SIGNED_AT = PROJECT_PREFIX + "signed-at"
 UNTIMED = 0.0
@@ -28,9 +29,9 @@ _MAX_TEXT = 32
 
 
 def format_signing_time(seconds: float) -> str:
-    """``seconds`` since the epoch as RFC 3339 UTC with microseconds."""
-    when = dt.datetime.fromtimestamp(seconds, tz=dt.timezone.utc)
-    return when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """``seconds`` since the epoch as RFC 3339 UTC with microseconds (two signatures within a
+    second are still ordered)."""
+    return rfc3339_utc(seconds, fraction=True)
 
 
 def signing_time_now() -> str:

@@ -10,7 +10,6 @@ asset nobody can use only costs every later pull a fetch.
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from modelpack.signing.manifest_signature import sign_manifest
 from modelpack.signing.referrers import confirm_referrers, subject_descriptor
 from modelpack.targets.base import bytes_blob_source, file_blob_source
 from modelpack.targets.opener import TargetOptions, open_target
+from modelpack.timestamps import rfc3339_utc
 
 FingerprintSource = EnvironmentFingerprint | str | os.PathLike[str]
 
@@ -76,7 +76,7 @@ def created_timestamp() -> str:
     """``SOURCE_DATE_EPOCH`` when set (reproducible CI), else now, as RFC 3339 UTC."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = float(epoch) if epoch and epoch.isdigit() else time.time()
-    return datetime.datetime.fromtimestamp(when, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return rfc3339_utc(when)
 
 
 def load_fingerprint(source: FingerprintSource) -> EnvironmentFingerprint:

@@ -23,6 +23,7 @@ from modelpack.cli.options import (
 )
 from modelpack.cli.trust_options import key_policy_options, trust_policy_from
 from modelpack.errors import InvalidReferenceError, ModelpackError
+from modelpack.exit_codes import ExitCode
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.targets.base import Catalog
 from modelpack.targets.opener import TargetOptions, open_readable
@@ -239,7 +240,7 @@ def audit_cmd(
             if d.get("cut"):
                 click.echo(f"CUT {d['repository']}: {d['cut']}", err=True)
     if moved:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILURE)
 
 
 @click.command("diff")

@@ -9,7 +9,6 @@ so a mistyped ``--cache`` is an error, not a new empty cache.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -17,6 +16,7 @@ import click
 from modelpack import settings as env_settings
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import SIZE, emit_json, handle_errors, human_size, json_option
+from modelpack.exit_codes import ExitCode
 from modelpack.mount.cache import NodeCache, PullResult, default_cache_dir
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S
 from modelpack.terminal import for_terminal
@@ -128,9 +128,9 @@ def cache_pull(
 
 
 def _when(ts: float) -> str:
-    if not ts:
-        return "-"
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    from modelpack.timestamps import rfc3339_utc_or_none
+
+    return rfc3339_utc_or_none(ts) or "-"
 
 
 @click.group(
@@ -231,7 +231,7 @@ def cache_verify(
             for p in r.problems:
                 click.echo(f"  {for_terminal(p)}")  # names found in the cache: inert
     if any(not r.ok for r in reports):
-        raise SystemExit(1)
+        raise SystemExit(ExitCode.FAILURE)
 
 
 @cache_group.command("pin")

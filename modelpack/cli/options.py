@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import click
 
 from modelpack.errors import ModelpackError
+from modelpack.exit_codes import ExitCode, for_signal
 
 if TYPE_CHECKING:
     from modelpack.targets.opener import TargetOptions
@@ -124,7 +125,7 @@ def exit_on_closed_pipe() -> NoReturn:
         os.dup2(devnull, sys.stderr.fileno())
     except (OSError, ValueError):
         pass
-    sys.exit(1)
+    sys.exit(ExitCode.OUTPUT_CLOSED)
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -170,7 +171,7 @@ def report_failure(exc: BaseException) -> NoReturn:
     """
     if isinstance(exc, KeyboardInterrupt):
         _say("interrupted")
-        sys.exit(130)
+        sys.exit(ExitCode.SIGINT)
     if _closed_pipe(exc):
         exit_on_closed_pipe()
     debug = debug_requested()
@@ -184,10 +185,10 @@ def report_failure(exc: BaseException) -> NoReturn:
         sys.exit(exc.exit_code)
     if isinstance(exc, OSError) and (exc.filename is not None or exc.strerror):
         _say(f"error: {one_line(describe_os_error(exc))}")
-        sys.exit(1)
+        sys.exit(ExitCode.FAILURE)
     hint = "" if debug else "; run with --debug for details"
     _say(f"error: unexpected {type(exc).__name__}: {_first_line(str(exc))}{hint}")
-    sys.exit(1)
+    sys.exit(ExitCode.FAILURE)
 
 
 #: What click raises on purpose (usage errors, --help, aborts): click prints those itself.
@@ -209,7 +210,7 @@ def signals_interrupt() -> Iterator[None]:
     def interrupt(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         stopping.request_stop()  # worker threads blocked in a read or a retry sleep stop too
-        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=128 + signum)
+        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=for_signal(signum))
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -248,7 +249,13 @@ def progress_option(fn: F) -> F:
 
 
 def json_option(fn: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")(fn)
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print machine-readable JSON on stdout (camelCase keys, RFC 3339 UTC times; its JSON "
+        "Schema is modelpack/cli/schemas/<command>.json in the installed package).",
+    )(fn)
 
 
 def jobs_option(fn: F) -> F:
@@ -392,6 +399,9 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
 def _registry_host(value: str) -> str | None:
     """The registry host a command argument names (``HOST/REPO:TAG`` or a bare ``HOST[:PORT]``),
     or None for anything else (a directory, ``oci:``, ``s3://``, a file)."""
+    from modelpack.oci.reference import OCI_REGISTRY_SCHEME
+
+    value = value.removeprefix(OCI_REGISTRY_SCHEME)
     if not value or value.startswith(("oci:", "s3://", ".", "/", "~")) or os.path.exists(value):
         return None
     first = value.split("/", 1)[0]

@@ -28,6 +28,7 @@ from modelpack.cli.options import (
 )
 from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
 from modelpack.cli.trust_options import push_sign_options, push_signing_key
+from modelpack.exit_codes import ExitCode
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.opener import TargetOptions
 from modelpack.targets.registry.hosts import same_registry
@@ -376,4 +377,4 @@ def logout_cmd(registry: str) -> None:
         click.echo(f"removed credentials for {registry}")
     else:
         click.echo(f"no credentials stored for {registry}", err=True)
-        sys.exit(1)
+        sys.exit(ExitCode.FAILURE)

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+from modelpack.exit_codes import ExitCode
+
 
 class ModelpackError(Exception):
     """Base of every error modelpack raises on purpose; the CLI maps it to exit code 1."""
 
-    exit_code = 1
+    exit_code: int = ExitCode.FAILURE
 
 
 class InvalidReferenceError(ModelpackError, ValueError):
     """A reference string that cannot be parsed (``host/repo:tag``, ``oci:DIR:TAG``, ``s3://…``)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class InvalidDigestError(ModelpackError, ValueError):
     """A digest string that is not ``sha256:<64 lowercase hex>``."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class DigestMismatchError(ModelpackError):

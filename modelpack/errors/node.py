@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpack.errors.base import ModelpackError
+from modelpack.exit_codes import ExitCode
 
 
 class LockTimeoutError(ModelpackError):
@@ -16,7 +17,7 @@ class StoreError(ModelpackError):
 class CacheServeError(ModelpackError):
     """``cache serve`` cannot start: TLS files that do not load, an address that cannot be bound."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class SnapshotError(ModelpackError):
@@ -69,4 +70,4 @@ class StorageInitializerError(ModelpackError):
     argument count, a setting that does not parse, a policy or docker config named but not
     mounted); names the argument or environment variable."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE

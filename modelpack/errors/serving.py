@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from modelpack.errors.base import ModelpackError
+from modelpack.exit_codes import ExitCode
 
 
 class AssetError(ModelpackError):
@@ -15,7 +16,7 @@ class AssetError(ModelpackError):
 class AssetKindError(AssetError, ValueError):
     """An asset kind nobody registered (``inductor``, ``triton``, ``vllm`` are built in)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class AssetFingerprintError(AssetError):
@@ -50,7 +51,7 @@ class ServingConfigError(ServingError, ValueError):
     key, a wrong type, an unpinned source, or config/tokenizer files that are not the pinned
     artifact's."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class ReadinessError(ServingError):

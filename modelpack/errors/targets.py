@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpack.errors.base import ModelpackError, NotFoundError
+from modelpack.exit_codes import ExitCode
 
 
 class LayoutError(ModelpackError):
@@ -72,7 +73,7 @@ class RegistryTLSError(RegistryConnectionError):
 class InsecureRegistryError(RegistryError):
     """Plain HTTP asked for a non-loopback registry without --plain-http."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class UploadError(RegistryError):
@@ -94,7 +95,7 @@ class MirrorConfigError(RegistryError):
     """A mirror list that cannot be used: a ``hosts.toml`` that does not parse, a mirror URL with
     a path prefix modelpack cannot address; ``target`` names the file or the flag at fault."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class S3Error(ModelpackError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpack.errors.base import ModelpackError
+from modelpack.exit_codes import ExitCode
 
 
 class UnsafeTarError(ModelpackError):
@@ -68,7 +69,7 @@ class DiskFullError(FileWriteError):
 class TransferInterrupted(ModelpackError):
     """A transfer stopped on a signal (SIGTERM, SIGINT); its temp files were removed first."""
 
-    def __init__(self, message: str, *, exit_code: int = 130) -> None:
+    def __init__(self, message: str, *, exit_code: int = ExitCode.SIGINT) -> None:
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -82,4 +83,4 @@ class OutputClosedError(TransferInterrupted):
     """stdout/stderr was closed under us (``| head``): stop at once, like a process on SIGPIPE."""
 
     def __init__(self, message: str = "output closed") -> None:
-        super().__init__(message, exit_code=141)
+        super().__init__(message, exit_code=ExitCode.OUTPUT_CLOSED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from modelpack.errors.base import DigestMismatchError, ModelpackError
+from modelpack.exit_codes import ExitCode
 
 
 class SigningError(ModelpackError):
@@ -81,4 +82,4 @@ class ChunkDigestMismatch(DigestMismatchError):
 class PolicyError(ModelpackError):
     """A policy file that cannot be read or is malformed (names the file and the field)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE

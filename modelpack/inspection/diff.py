@@ -123,8 +123,8 @@ _MISSING = object()
 
 def _files(manifest: Manifest) -> dict[str, Descriptor]:
     out = {}
-    for i, layer in enumerate(manifest.layers):
-        out[layer_filepath(layer.annotations) or f"<layer {i}: {layer.digest}>"] = layer
+    for i, layer in enumerate(manifest.layers, start=1):
+        out[layer_filepath(layer.annotations) or f"<layer #{i}: {layer.digest}>"] = layer
     return out
 
 

@@ -195,7 +195,9 @@ class Manifest:
         if len(layers_doc) > MAX_LAYERS:
             raise ManifestError(f"{what}: {len(layers_doc)} layers; the limit is {MAX_LAYERS}")
         config = Descriptor.from_dict(doc["config"], where=f"{what} config")
-        layers = tuple(Descriptor.from_dict(x, where=f"{what} layer {i}") for i, x in enumerate(layers_doc))
+        layers = tuple(
+            Descriptor.from_dict(x, where=f"{what} layer #{i}") for i, x in enumerate(layers_doc, start=1)
+        )
         return cls(
             raw=raw,
             media_type=mt,
@@ -263,7 +265,7 @@ class Index:
             raw=raw,
             media_type=mt,
             manifests=tuple(
-                Descriptor.from_dict(x, where=f"{what} entry {i}") for i, x in enumerate(entries)
+                Descriptor.from_dict(x, where=f"{what} entry #{i}") for i, x in enumerate(entries, start=1)
             ),
             annotations=_annotations(doc.get("annotations"), what),
             artifact_type=_optional_str(doc, "artifactType", what),

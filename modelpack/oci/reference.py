@@ -3,7 +3,9 @@
 Forms:
   ``host[:port]/repo/path[:tag][@sha256:…]``  a registry repository (Docker Hub short names are
                                                expanded as docker does: ``docker.io/library/x``)
-  ``oci:PATH[:TAG|@sha256:…]``                an OCI image layout directory
+  ``oci://host[:port]/repo[:tag][@sha256:…]`` the same registry repository, spelled as KServe's
+                                               storage URIs (and ORAS) spell one
+  ``oci:PATH[:TAG|@sha256:…]``                an OCI image layout directory (no ``//``)
   ``s3://BUCKET[/PREFIX][:TAG|@sha256:…]``    an OCI image layout stored in an S3 bucket
 """
 
@@ -183,9 +185,36 @@ def _split_tag(text: str) -> tuple[str, str | None]:
     return head, validate_tag(tail)
 
 
+#: ``oci://HOST/REPO`` names a registry repository everywhere (CLI, API, storage initializer)
+OCI_REGISTRY_SCHEME = "oci://"
+
+
+def _parse_oci_registry(text: str) -> Reference:
+    """``oci://HOST[:PORT]/REPO[:TAG][@sha256:…]``: the host must look like one (a dot, a port or
+    ``localhost``), so ``oci://./dir`` is refused with the layout spelling, never read as the
+    directory ``//./dir`` nor as a Docker Hub name."""
+    rest = text[len(OCI_REGISTRY_SCHEME) :]
+    host = rest.split("/", 1)[0]
+    hint = (
+        f"reference {text!r}: oci://HOST[:PORT]/REPO names a registry repository and needs its host "
+        "(a dot, a port or localhost); an OCI layout directory is written oci:DIR[:TAG]"
+    )
+    if "/" not in rest or not ("." in host or ":" in host or host == "localhost" or host.startswith("[")):
+        raise InvalidReferenceError(hint)
+    try:
+        ref = parse_reference(rest)
+    except InvalidReferenceError as exc:
+        raise InvalidReferenceError(f"{hint} ({exc})") from exc
+    if ref.scheme != "registry":
+        raise InvalidReferenceError(hint)
+    return ref
+
+
 def parse_reference(text: str) -> Reference:
     if not isinstance(text, str) or not text or len(text) > 4096:
         raise InvalidReferenceError(f"invalid reference {text!r}")
+    if text.startswith(OCI_REGISTRY_SCHEME):
+        return _parse_oci_registry(text)
     if text.startswith("oci:"):
         body, digest = _split_digest(text[4:])
         path, tag = (body, None) if digest else _split_tag(body)
@@ -204,7 +233,7 @@ def parse_reference(text: str) -> Reference:
         return Reference("s3", loc, tag=tag, digest=digest)
     if "://" in text:
         raise InvalidReferenceError(
-            f"reference {text!r}: unknown scheme; use host/repo:tag, oci:DIR:TAG or s3://…"
+            f"reference {text!r}: unknown scheme; use host/repo:tag, oci://host/repo:tag, oci:DIR:TAG or s3://…"
         )
     body, digest = _split_digest(text)
     name, tag = _split_tag(body)

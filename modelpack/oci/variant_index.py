@@ -34,7 +34,8 @@ _INDEX_ENTRY_MEDIA_TYPES = (MEDIA_TYPE_OCI_MANIFEST,)
 
 @dataclass(frozen=True)
 class VariantEntry:
-    """One entry: its position in the index, its descriptor, and its checked variant fields."""
+    """One entry: its position in the index (from 1, the N of ``index create --variant N:`` and of
+    every message), its descriptor, and its checked variant fields."""
 
     position: int
     descriptor: Descriptor
@@ -94,7 +95,7 @@ def variant_index(index: Index) -> VariantIndex:
     if not index.manifests:
         raise VariantIndexError(f"{what}: no entries")
     entries = []
-    for i, desc in enumerate(index.manifests):
+    for i, desc in enumerate(index.manifests, start=1):
         where = f"{what} entry #{i} {str(desc.digest)[:19]}"
         if is_index_media_type(desc.media_type):
             raise VariantIndexError(f"{where}: is an index inside an index; nesting is refused")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Mapping
 
 from modelpack.errors import PackError
@@ -50,9 +49,4 @@ def source_date_epoch(environ: Mapping[str, str] | None = None) -> int:
     return int(text)
 
 
-def rfc3339(seconds: int) -> str:
-    """Seconds since the epoch as the UTC RFC 3339 form Go's ``time.Time`` marshals to."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-
-
-__all__ = ["DEFAULT_MODE", "EPOCH_RFC3339", "file_identity", "file_mode", "rfc3339", "source_date_epoch"]
+__all__ = ["DEFAULT_MODE", "EPOCH_RFC3339", "file_identity", "file_mode", "source_date_epoch"]

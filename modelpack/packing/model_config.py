@@ -33,10 +33,11 @@ from modelpack.mediatypes import (
 from modelpack.mediatypes.annotations import ANNOTATION_HF_ARCHITECTURE, ANNOTATION_TRANSFORMER
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
-from modelpack.packing.file_metadata import rfc3339, source_date_epoch
+from modelpack.packing.file_metadata import source_date_epoch
 from modelpack.packing.packed_artifact import PackedFile, PackOptions
 from modelpack.packing.safetensors_format import SafetensorsHeader
 from modelpack.packing.sharded_state import describe_sharded_state
+from modelpack.timestamps import rfc3339_utc
 
 #: A Hugging Face config.json: a few KiB in practice, nested a few levels (quantization_config,
 #: rope_scaling, text_config of multimodal models).
@@ -255,7 +256,7 @@ def describe_model(
         flag = _FLAGS.get(exc.path)
         raise PackError(f"{flag}: {exc}" if flag else str(exc)) from None
     config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
-    mtime = rfc3339(opts.mtime if opts.mtime is not None else source_date_epoch())
+    mtime = rfc3339_utc(opts.mtime if opts.mtime is not None else source_date_epoch())
     # vLLM's per-rank files: the manifest names the layout, each rank file's layer its rank
     sharded = describe_sharded_state([f.relpath for f in packed], headers, where=default_name)
     layers = [

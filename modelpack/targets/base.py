@@ -9,7 +9,7 @@ caller except where noted: the copy engine wraps every read in a ``VerifyingRead
 What only some backings can do is a named capability Protocol, checked with ``isinstance`` (as
 oras-go's ``content.Fetcher``/``registry.ReferrerLister`` and go-containerregistry's
 ``remote.Mountable``), never probed by attribute name: mypy sees the call, and a backing that
-loses a method loses the capability in ``tests/test_capabilities.py``, not silently at run time.
+loses a method loses the capability in ``tests/targets/test_capabilities.py``, not silently at run time.
 A wrapper target (``CountingTarget``) declares the capabilities it forwards as methods: Python
 3.12 checks Protocols with ``inspect.getattr_static``, which does not see ``__getattr__``.
 """

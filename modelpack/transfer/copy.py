@@ -22,7 +22,7 @@ from modelpack.errors import RegistryError
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import BlobMounter, BlobSource, LocalBlobSource, ReadableTarget, Target
-from modelpack.transfer.download import Cancel, CancellableReader
+from modelpack.transfer.cancel import Cancel, CancellableReader
 from modelpack.transfer.pushed_blobs import PushedBlobs, mount_candidates
 from modelpack.transfer.workers import run_all
 

@@ -43,11 +43,12 @@ from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget, SourceAccounting
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.transfer import destination
+from modelpack.transfer.blob_writer import Downloaded, Landing, WriteHooks, fetch_verified
+from modelpack.transfer.cancel import Cancel, CancellableReader
 from modelpack.transfer.dest_lock import destination_locked
-from modelpack.transfer.download import Cancel, CancellableReader, Downloaded, download_raw
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
 from modelpack.transfer.pull_options import PullOptions
-from modelpack.transfer.staging import StagingDir, partial_path, sweep
+from modelpack.transfer.staging import BesideFinal, StagingDir, partial_path, sweep
 from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_files
 from modelpack.transfer.workers import run_all
 
@@ -360,15 +361,16 @@ def _pull_locked(target: ReadableTarget, identifier: str, dest_dir: str, options
             destination.make_parents(dest, job.relpath)
             bar = prog.transfer(job.descriptor.size, job.relpath) if prog.enabled else None
             try:
-                return download_raw(
+                return fetch_verified(
                     target,
                     job.descriptor,
-                    job.final_path,
-                    partials[job.relpath],
-                    cancel=cancel,
-                    bar=bar,
-                    dirs=dirs,
-                    root=dest,
+                    BesideFinal(partials[job.relpath]),
+                    Landing(job.final_path, dirs=dirs, root=dest, what=f"blob for {job.final_path}"),
+                    WriteHooks(
+                        cancel=cancel,
+                        on_bytes=bar.update if bar is not None else None,
+                        on_resume=bar.update if bar is not None else None,
+                    ),
                 )
             finally:
                 if bar is not None:

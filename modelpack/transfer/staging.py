@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from modelpack.errors import PullError
 from modelpack.files import TEMP_PREFIX, write_error
 from modelpack.oci.digest import Digest
+from modelpack.transfer.blob_writer import Partial
 
 PULL_PREFIX = TEMP_PREFIX + "pull-"
 PARTIAL_SUFFIX = ".partial"
@@ -67,7 +68,7 @@ def _still_at(fd: int, path: str) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def _private_file(st: os.stat_result) -> bool:
+def private_file(st: os.stat_result) -> bool:
     """This user's regular file, one link, not writable by anyone else: safe to write into and
     to rename to a final path (no one else can change it after it was verified)."""
     return (
@@ -100,7 +101,7 @@ def open_partial(path: str) -> tuple[int, str]:
             if exc.errno not in (errno.ELOOP, errno.EACCES, errno.EPERM):
                 raise write_error(path, exc) from exc
             fd = -1
-        if fd < 0 or not _private_file(os.fstat(fd)):
+        if fd < 0 or not private_file(os.fstat(fd)):
             if fd >= 0:
                 os.close(fd)
             try:
@@ -117,6 +118,19 @@ def open_partial(path: str) -> tuple[int, str]:
             return fd, path
         os.close(fd)  # swept between open and lock: open the new one
     raise PullError(f"{path}: the partial download keeps disappearing (is something else sweeping it?)")
+
+
+class BesideFinal:
+    """The directory pull's ``PartialSlot``: the partial is ``path`` (``partial_path``, next to
+    the final file), locked with its own ``flock``; a private temp file when the name is not safe
+    to write (``open_partial``), which is not resumable."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def open(self) -> Partial:
+        fd, path = open_partial(self.path)
+        return Partial(fd, path, resumable=path.endswith(PARTIAL_SUFFIX))
 
 
 class StagingDir:
@@ -200,4 +214,13 @@ def sweep(dest: str, *, keep: Iterable[str] = ()) -> list[str]:
     return removed
 
 
-__all__ = ["PARTIAL_SUFFIX", "PULL_PREFIX", "StagingDir", "open_partial", "partial_path", "sweep"]
+__all__ = [
+    "PARTIAL_SUFFIX",
+    "PULL_PREFIX",
+    "BesideFinal",
+    "StagingDir",
+    "open_partial",
+    "partial_path",
+    "private_file",
+    "sweep",
+]

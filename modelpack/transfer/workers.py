@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from modelpack.errors import TransferCancelled
-from modelpack.transfer.download import Cancel
+from modelpack.transfer.cancel import Cancel
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -133,6 +133,10 @@ def test_the_wheel_holds_every_module_of_the_source_folders_and_nothing_else(bui
     missing = sorted(expected - names)
     assert not missing, f"the wheel lacks {missing}"
     assert "modelpack/py.typed" in names and "modelpack/mediatypes/config-schema.json" in names
+    assert {
+        "modelpack/cli/schemas/pull.json",
+        "modelpack/cli/schemas/cache-gc.json",
+    } <= names  # --json contracts
     top = {n.split("/", 1)[0] for n in names}
     assert top == {"modelpack", "modelpack_oci-0.1.0.dist-info"}, top  # no tests/, benchmarks/, mount/
 

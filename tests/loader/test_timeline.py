@@ -94,17 +94,17 @@ def test_percentiles_and_states_from_merged_logs(tmp_path: Path) -> None:
     # t4 since t0 for hits: 15, 25, …, 205 ms → nearest-rank p50 = 10th = 105, p95 = 19th = 195
     assert hit["stages"]["t4"]["at"] == {
         "count": 20,
-        "p50_ms": pytest.approx(105, abs=0.01),
-        "p95_ms": pytest.approx(195, abs=0.01),
+        "p50Ms": pytest.approx(105, abs=0.01),
+        "p95Ms": pytest.approx(195, abs=0.01),
     }
-    assert hit["stages"]["t3"]["interval"]["p50_ms"] == pytest.approx(3, abs=0.01)
+    assert hit["stages"]["t3"]["interval"]["p50Ms"] == pytest.approx(3, abs=0.01)
     # cold: the cache's download start is the first t3 (first event wins for start points)
-    assert cold["stages"]["t3"]["at"]["p50_ms"] == pytest.approx(51, abs=0.01)
-    assert cold["stages"]["t4"]["at"]["p50_ms"] == pytest.approx(3000, abs=0.01)
+    assert cold["stages"]["t3"]["at"]["p50Ms"] == pytest.approx(51, abs=0.01)
+    assert cold["stages"]["t4"]["at"]["p50Ms"] == pytest.approx(3000, abs=0.01)
     # streamed starts never confirmed a version through the cache
     assert streamed["stages"]["t2"]["at"]["count"] == 0
     # their t0 is the loader's read start (no pull events): t9 comes 1.59 s later
-    assert streamed["stages"]["t9"]["at"]["p95_ms"] == pytest.approx(1590, abs=0.01)
+    assert streamed["stages"]["t9"]["at"]["p95Ms"] == pytest.approx(1590, abs=0.01)
     assert s["states"]["all"]["stages"]["t9"]["at"]["count"] == 28
     runner = CliRunner()
     res = runner.invoke(main, ["timeline", str(cache_log), str(loader_log), "--json"])

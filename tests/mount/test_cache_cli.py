@@ -47,7 +47,7 @@ def test_pull_cache_json_then_hit_and_maintenance(registry, checkpoint: Path, tm
     assert _run("cache", "verify", "--cache", cache)[0] == 0
     assert _run("cache", "pin", ref, "--cache", cache)[0] == 0
     code, out, _ = _run("cache", "gc", "--cache", cache, "--max-bytes", "1", "--min-age", "0", "--json")
-    assert code == 0 and json.loads(out)["kept_pinned"] == [digest]
+    assert code == 0 and json.loads(out)["keptPinned"] == [digest]
     assert _run("cache", "rm", ref, "--cache", cache)[0] == 1  # pinned
     assert _run("cache", "unpin", ref, "--cache", cache)[0] == 0
     code, out, _ = _run("cache", "gc", "--cache", cache, "--max-bytes", "1", "--min-age", "0", "--json")

@@ -8,6 +8,7 @@ its expanded size.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -114,7 +115,10 @@ def test_pull_hold_keeps_the_snapshot_through_gc_until_it_expires(
     code, out, err = _run("pull", ref, "--cache", cache, "--hold", "2s", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["hold"]["until"] > time.time()
+    until = datetime.datetime.strptime(doc["hold"]["until"], "%Y-%m-%dT%H:%M:%SZ")
+    assert (
+        until.replace(tzinfo=datetime.timezone.utc).timestamp() > time.time() - 1
+    )  # RFC 3339 UTC, whole seconds
     res = NodeCache(cache).gc(max_bytes=0, min_age=0)
     assert res.evicted == [] and res.kept_held == [str(manifest.digest)]
     time.sleep(2.2)

@@ -299,7 +299,7 @@ def test_another_uid_cannot_pin_a_snapshot_against_gc_forever(shared: Path, how:
     try:
         # a foreign reader that arrived just now keeps the snapshot (bounded, not forever)
         res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "0", "--json")
-        assert res.returncode == 0 and json.loads(res.stdout)["kept_in_use"] == [str(manifest.digest)]
+        assert res.returncode == 0 and json.loads(res.stdout)["keptInUse"] == [str(manifest.digest)]
         # the owner has not used it for two hours: a foreign lease no longer pins it
         two_hours_ago = time.time() - 7200
         os.utime(lease, (two_hours_ago, two_hours_ago))
@@ -325,7 +325,7 @@ def test_the_owners_own_lease_keeps_a_snapshot_however_old(shared: Path) -> None
         long_ago = time.time() - 30 * 86400
         os.utime(lease, (long_ago, long_ago))
         res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "0", "--json")
-        assert res.returncode == 0 and json.loads(res.stdout)["kept_in_use"] == [str(manifest.digest)]
+        assert res.returncode == 0 and json.loads(res.stdout)["keptInUse"] == [str(manifest.digest)]
     finally:
         holder.kill()
         holder.wait()
@@ -494,7 +494,7 @@ def test_a_lease_mtime_in_the_future_does_not_make_a_snapshot_unevictable(shared
     assert cli("pull", ref, "--cache", str(cache_root)).returncode == 0
     os.utime(lease, (future, future))
     res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "2s", "--json")
-    assert res.returncode == 0 and json.loads(res.stdout)["kept_young"] == [str(manifest.digest)]
+    assert res.returncode == 0 and json.loads(res.stdout)["keptYoung"] == [str(manifest.digest)]
     time.sleep(2.2)
     res = cli("cache", "gc", "--cache", str(cache_root), "--max-bytes", "1", "--min-age", "2s", "--json")
     assert json.loads(res.stdout)["evicted"] == [str(manifest.digest)], res.stdout

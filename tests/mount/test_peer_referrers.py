@@ -70,7 +70,7 @@ def test_a_signed_pinned_pull_succeeds_from_a_peer_with_the_origin_down(
     doc = json.loads(b.stdout)
     assert doc["signature"] == "verified" and doc["digest"] == model.digest
     # every blob byte came from the peer; the one origin attempt cost one short retry budget
-    assert set(doc["bytes_by_source"]) == {peer.host}, doc
+    assert set(doc["bytesBySource"]) == {peer.host}, doc
     assert time.monotonic() - started < 30
     listed = [e for e in events(log) if e["event"] == "registry.referrers_listed"]
     assert listed and all(e["source"] == peer.url and e["source_kind"] == "mirror" for e in listed), listed

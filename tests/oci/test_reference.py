@@ -57,3 +57,28 @@ def test_identifier_prefers_digest_and_defaults_to_latest() -> None:
 def test_invalid_references_are_refused(text: str) -> None:
     with pytest.raises(InvalidReferenceError):
         parse_reference(text)
+
+
+@pytest.mark.parametrize(
+    "text, location, repo, tag",
+    [
+        ("oci://127.0.0.1:5000/models/llama:v1", "127.0.0.1:5000", "models/llama", "v1"),
+        ("oci://ghcr.io/org/m", "ghcr.io", "org/m", None),
+        ("oci://localhost/m:2", "localhost", "m", "2"),
+    ],
+)
+def test_oci_double_slash_names_a_registry_as_kserve_does(
+    text: str, location: str, repo: str, tag: str
+) -> None:
+    """``oci://HOST/REPO`` is a registry repository, as KServe's storage URIs spell one; a layout
+    directory is ``oci:DIR`` (no ``//``)."""
+    ref = parse_reference(text)
+    assert (ref.scheme, ref.location, ref.repository, ref.tag) == ("registry", location, repo, tag)
+
+
+@pytest.mark.parametrize("text", ["oci://./layout", "oci://models/llama", "oci://", "oci://127.0.0.1:5000"])
+def test_oci_double_slash_without_a_registry_host_is_refused(text: str) -> None:
+    """``oci://`` followed by anything but ``HOST/REPO`` is refused with the layout spelling, never
+    read as a directory called ``//…``."""
+    with pytest.raises(InvalidReferenceError, match="oci:DIR"):
+        parse_reference(text)

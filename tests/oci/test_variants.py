@@ -167,6 +167,26 @@ def test_index_create_keeps_each_variant_exactly_and_the_registry_and_skopeo_rea
     assert [e["digest"] for e in version["variants"]] == [v.bf16, v.f32]
 
 
+def test_index_entries_are_numbered_from_one_as_variant_n_counts_them(variants: Variants) -> None:
+    """``index create`` and ``index show`` number the first entry #1, the N that ``--variant N:``
+    gives it; ``--json`` says the same position."""
+    v = variants
+    made = _cli(
+        "index",
+        "create",
+        f"{v.host}/variants/idx-numbers:v1",
+        f"{v.host}/variants/src:bf16",
+        f"{v.host}/variants/src:f32",
+        "--variant",
+        "2:accelerator=cpu",
+    )
+    lines = [line.split() for line in made.stderr.splitlines() if line.strip().startswith("#")]
+    assert [(n, d) for n, d, *_ in lines] == [("#1", v.bf16), ("#2", v.f32)]
+    assert "accelerator=cpu" in " ".join(lines[1])
+    shown = json.loads(_cli("index", "show", f"{v.host}/variants/idx-numbers:v1", "--json").stdout)
+    assert [(e["position"], e["digest"]) for e in shown["variants"]] == [(1, v.bf16), (2, v.f32)]
+
+
 def test_an_index_in_an_oci_layout_and_in_s3_reads_the_same(variants: Variants, tmp_path: Path, s3) -> None:  # type: ignore[no-untyped-def]
     v = variants
     layout = tmp_path / "layout"
@@ -240,14 +260,14 @@ def test_selection_by_variant_by_fingerprint_most_specific_and_the_refusals_name
     )
     h200 = "cuda-sm_90-NVIDIA H200"
     # the node's device arch: the longer accelerator prefix wins over 'cuda'
-    assert VariantSelector.from_options(accelerator=h200).select(vi).chosen.position == 1
-    assert VariantSelector.from_options(accelerator="cuda-sm_80-NVIDIA A100").select(vi).chosen.position == 0
-    assert VariantSelector.from_options(accelerator=NODE_ARCH).select(vi).chosen.position == 2
+    assert VariantSelector.from_options(accelerator=h200).select(vi).chosen.position == 2
+    assert VariantSelector.from_options(accelerator="cuda-sm_80-NVIDIA A100").select(vi).chosen.position == 1
+    assert VariantSelector.from_options(accelerator=NODE_ARCH).select(vi).chosen.position == 3
     # --variant: exact; the sharded entry needs TP 2 and the engine
     sel = VariantSelector.from_options(["layout=sharded_state"], accelerator=h200, tp_size=2, engine="vllm")
-    assert sel.select(vi).chosen.position == 3
+    assert sel.select(vi).chosen.position == 4
     assert (
-        VariantSelector.from_options(["precision=bfloat16"], accelerator=h200).select(vi).chosen.position == 1
+        VariantSelector.from_options(["precision=bfloat16"], accelerator=h200).select(vi).chosen.position == 2
     )
     with pytest.raises(VariantSelectionError) as nothing:
         VariantSelector.from_options(["layout=sharded_state"], accelerator=h200, tp_size=4).select(vi)
@@ -263,7 +283,7 @@ def test_selection_by_variant_by_fingerprint_most_specific_and_the_refusals_name
     with pytest.raises(VariantSelectionError, match="2 variants fit equally") as tied:
         VariantSelector.from_options(accelerator=NODE_ARCH).select(tie)
     assert tied.value.candidates == [e.label for e in tie.entries]
-    assert VariantSelector.from_options(["precision=f32"]).select(tie).chosen.position == 1
+    assert VariantSelector.from_options(["precision=f32"]).select(tie).chosen.position == 2
     with pytest.raises(VariantSelectionError, match="layout: sharded_state without a tp-size"):
         VariantSelector.from_options().select(_entries({"layout": "sharded_state"}))
     # the prefix rule is on whole '-' parts
@@ -477,11 +497,11 @@ def test_signed_index_and_entries_are_verified_and_an_unsigned_entry_or_other_ke
             "--json",
         ).stdout
     )
-    assert got["signature"] == "verified" and got["variant"]["index_signature"] == "verified"
+    assert got["signature"] == "verified" and got["variant"]["indexSignature"] == "verified"
     out = _cli(
         "pull", ref, str(tmp_path / "dir"), "--key", str(v.pub), "--variant", "precision=f32", "--json"
     )
-    assert json.loads(out.stdout)["variant"]["index_signature"] == "verified"
+    assert json.loads(out.stdout)["variant"]["indexSignature"] == "verified"
     other = _cli(
         "pull",
         ref,

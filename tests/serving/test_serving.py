@@ -321,9 +321,9 @@ def test_timeline_reports_the_seed_spans_from_t0() -> None:
         ]
     s = summarize(group_starts(events))
     spans = s["states"]["streamed"]["spans"]
-    assert spans["t4-t3"] == {"count": 2, "p50_ms": 1000.0, "p95_ms": 2000.0}
-    assert spans["t5-t3"]["p95_ms"] == 3000.0
-    assert spans["t8-t0"]["p50_ms"] == 10000.0 and spans["t9-t0"]["p50_ms"] == 11000.0
+    assert spans["t4-t3"] == {"count": 2, "p50Ms": 1000.0, "p95Ms": 2000.0}
+    assert spans["t5-t3"]["p95Ms"] == 3000.0
+    assert spans["t8-t0"]["p50Ms"] == 10000.0 and spans["t9-t0"]["p50Ms"] == 11000.0
     assert "span t9−t0" in format_table(s)
 
 

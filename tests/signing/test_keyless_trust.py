@@ -99,7 +99,7 @@ def test_keyless_signature_is_trusted_by_its_identity_and_pulls(
         outcomes.append(json.loads(res.output))
     assert [(o["state"], o["signature"]) for o in outcomes] == [("cold", "verified"), ("hit", "verified")]
     # the pinned hit was trusted from the cache's record of the identity: no signature fetched
-    assert "signature" not in outcomes[1]["timings_ms"]
+    assert "signature" not in outcomes[1]["timingsMs"]
 
     # a pattern matches the whole SAN (anchored by fullmatch), so the same rule by regex works
     regex_policy = _policy(
@@ -331,7 +331,7 @@ def test_keyless_signed_pinned_start_through_a_peer_with_the_origin_down(
     )  # fmt: skip
     assert b.returncode == 0, b.stderr
     doc = json.loads(b.stdout)
-    assert doc["signature"] == "verified" and set(doc["bytes_by_source"]) == {peer.host}, doc
+    assert doc["signature"] == "verified" and set(doc["bytesBySource"]) == {peer.host}, doc
     # a peer cannot vouch for an identity the policy does not name: node C trusts another subject
     other = _policy(tmp_path / "other", sigstore, f"subject: {WORKFLOW}-other")
     c = run(

@@ -41,6 +41,7 @@ STRICT = "strict"
         ("oci:/srv/./models/x:v1", "oci:/srv/models/x"),
         ("oci:/srv//models/../models/x@sha256:" + "a" * 64, "oci:/srv/models/x"),
         ("s3://bucket/models/x:v1", "s3://bucket/models/x"),
+        ("oci://Registry.Example.COM/models/x:v1", "registry.example.com/models/x"),
     ],
 )
 def test_canonical_names(text: str, canonical: str) -> None:
@@ -82,6 +83,7 @@ def _policy(tmp_path: Path, *globs: str) -> TrustPolicy:
         "oci:/srv/./models/x:v1",
         "oci:/srv//models/x",
         "oci:/srv/other/../models/x",
+        "oci://registry.example.com/models/x:v1",
     ],
 )
 def test_other_spellings_do_not_escape_a_strict_rule(text: str, tmp_path: Path) -> None:
@@ -104,6 +106,7 @@ def test_other_spellings_do_not_escape_a_strict_rule(text: str, tmp_path: Path) 
         "registry.example.com:443/models/*",
         "index.docker.io/library/*",
         "oci:/srv/./models/*",
+        "oci://registry.example.com/models/*",
     ],
 )
 def test_policy_globs_are_canonical_too(glob: str, tmp_path: Path) -> None:

@@ -286,4 +286,4 @@ def test_a_lying_mirror_sends_the_blob_to_the_next_mirror_not_to_the_origin(
         assert (Path(doc["path"]) / f.name).read_bytes() == f.read_bytes()
     assert any("/blobs/" in p for _, p in liar.requests)  # the liar was asked, and lied
     assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p and m == "GET"]
-    assert set(doc["bytes_by_source"]) == {honest.host}, doc
+    assert set(doc["bytesBySource"]) == {honest.host}, doc

@@ -65,3 +65,17 @@ def test_errors_have_meaningful_exit_codes(
     assert code == 2
     code, _, err = _run("push", str(checkpoint), f"{registry.ref('cli/push', None)}@sha256:{'0' * 64}")
     assert code == 2 and "digest" in err
+
+
+def test_pull_oci_double_slash_reference_reads_the_registry(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``modelpack pull oci://HOST/REPO:TAG`` pulls from the registry, the meaning the storage
+    initializer gives ``oci://``; no local directory is looked for."""
+    ref = registry.ref("cli/oci-scheme", "v1")
+    code, out, err = _run("push", str(checkpoint), ref, "--progress", "off")
+    assert code == 0, err
+    code, pulled, err = _run("pull", f"oci://{ref}", str(tmp_path / "m"), "--progress", "off")
+    assert code == 0, err
+    assert pulled.strip() == out.strip()
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == sorted(p.name for p in checkpoint.iterdir())

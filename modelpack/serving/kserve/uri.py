@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
 from modelpack.errors import InvalidReferenceError
-from modelpack.oci.reference import Reference, parse_reference
+from modelpack.oci.reference import OCI_REGISTRY_SCHEME, Reference, parse_reference
 
 MODELPACK_SCHEME = "modelpack://"
-OCI_REGISTRY_SCHEME = "oci://"
 
 
 @dataclass(frozen=True)
@@ -65,21 +64,15 @@ def _filters(text: str, query: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _parse_body(text: str, body: str) -> StorageUri:
-    for prefix in (MODELPACK_SCHEME, OCI_REGISTRY_SCHEME):
-        if body.startswith(prefix):
-            rest = body[len(prefix) :]
-            host = rest.split("/", 1)[0]
-            if "/" not in rest or not ("." in host or ":" in host or host == "localhost"):
-                raise InvalidReferenceError(
-                    f"{text!r}: expected {prefix}HOST[:PORT]/REPO(:TAG|@sha256:…) with the registry "
-                    "host named (a dot, a port or localhost)"
-                )
-            ref = parse_reference(rest)
-            if ref.scheme != "registry":
-                raise InvalidReferenceError(f"{text!r} does not name a registry repository")
-            return StorageUri(text, ref)
-    if body.startswith(("oci:", "s3://")) and not body.startswith(OCI_REGISTRY_SCHEME):
-        return StorageUri(text, parse_reference(body))
+    """``modelpack://`` is this initializer's own spelling of ``oci://``; every other form is
+    parsed by ``parse_reference``, so a URI means here what it means to the CLI."""
+    if body.startswith(MODELPACK_SCHEME):
+        body = OCI_REGISTRY_SCHEME + body[len(MODELPACK_SCHEME) :]
+    if body.startswith(("oci:", "s3://")):
+        try:
+            return StorageUri(text, parse_reference(body))
+        except InvalidReferenceError as exc:
+            raise InvalidReferenceError(f"{text!r}: {exc}") from exc
     raise InvalidReferenceError(
         f"{text!r}: not a modelpack storage URI (modelpack://HOST/REPO:TAG|@sha256:…, oci://HOST/REPO…, "
         "oci:DIR[:TAG], s3://BUCKET/PREFIX[:TAG])"
