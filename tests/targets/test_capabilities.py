@@ -52,7 +52,7 @@ CAPABILITIES: dict[str, type] = {
 SOURCE_ROOTS = ("modelpack", "mediatypes", "signing", "mount", "loader")
 #: named parameters annotated exactly ``Any`` (``*args``/``**kwargs`` not counted). Lower it when
 #: you give one a real type; never raise it: a new parameter gets the type it has.
-MAX_ANY_PARAMETERS = 163
+MAX_ANY_PARAMETERS = 162
 
 
 def _capabilities(obj: object) -> set[str]:
