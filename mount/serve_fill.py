@@ -51,7 +51,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from modelpack.mount.store import Store
 
@@ -386,10 +385,6 @@ def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:
     if isinstance(target, RegistryTarget):
         target.mirrors = None
     return target
-
-
-def fill_stats(filler: Filler | None) -> dict[str, Any]:
-    return {} if filler is None else dict(vars(filler.stats))
 
 
 __all__ = [

@@ -78,9 +78,6 @@ class ChunkTable:
     chunk_size: int
     layers: dict[str, LayerChunks] = field(default_factory=dict)
 
-    def chunk_count(self, layer_digest: str) -> int:
-        return len(self._layer(layer_digest).digests)
-
     def chunk_range(self, layer_digest: str, index: int) -> tuple[int, int]:
         """(offset, length) of chunk ``index`` in the layer blob."""
         layer = self._layer(layer_digest)
