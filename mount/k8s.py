@@ -1,4 +1,4 @@
-"""Kubernetes objects for the three ways a model reaches a pod (DESIGN §5).
+"""Kubernetes objects for the three ways a model reaches a pod (docs/node.md#three-ways-to-mount-a-model).
 
 1. **image volume** (``volumes[].image``; the ``ImageVolume`` feature gate: alpha in Kubernetes
    1.31, beta but off by default in 1.33 and 1.34, beta and on by default from 1.35): the kubelet

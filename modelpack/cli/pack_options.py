@@ -78,7 +78,7 @@ def modelfile_option(fn: Any) -> Any:
 
 
 def format_options(fn: Any) -> Any:
-    """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
+    """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, docs/node.md#the-image-shaped-variant)."""
     fn = click.option(
         "--compression",
         type=click.Choice(["zstd"]),
