@@ -96,10 +96,12 @@ def test_every_docs_section_cited_from_source_exists() -> None:
 
 
 def test_every_relative_link_between_docs_and_from_the_readme_exists() -> None:
-    """A ``[text](file.md#section)`` link in docs/*.md or the README lands on a real file and heading."""
+    """A ``[text](file.md#section)`` link in docs/*.md, the README or the changelog lands on a real
+    file and heading."""
     broken: list[str] = []
     anchored = 0
-    for page in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+    pages = [REPO_ROOT / "README.md", REPO_ROOT / "CHANGELOG.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    for page in pages:
         in_fence = False
         for lineno, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             if _FENCE.match(line):
