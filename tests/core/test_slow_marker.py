@@ -2,8 +2,8 @@
 
 ``make test`` runs everything; the marker only lets a developer skip what takes minutes (vLLM
 engines, torch.compile, the storm harness, containerd, the installed wheel, real-process outages,
-kill-at-every-syscall loops, a 2 GiB load). Modules are marked with a module-level
-``pytestmark`` so a new test in one of them is slow too. This list is the one place that says
+kill-at-every-syscall loops, a 2 GiB load) or was measured at tens of seconds a test. Modules are
+marked with a module-level ``pytestmark`` so a new test in one of them is slow too. This list is the one place that says
 which modules are slow: marking or unmarking a module without changing it fails here, so the
 marker cannot silently drop to zero.
 """
@@ -42,6 +42,11 @@ SLOW_MODULES = {
     # a 2 GiB model per subprocess; a process killed at every filesystem mutation
     "loader/test_loader_memory.py",
     "mount/test_cache_repair_kill.py",
+    # measured at 20-50 s a test on 2 cores: CI jobs run as written, endless catalogs and tag
+    # lists cut at their bounds, twenty racing pulls into one directory
+    "e2e/test_examples.py",
+    "inspection/test_audit_bounds.py",
+    "transfer/test_pull_dest_lock.py",
 }
 
 
