@@ -1,4 +1,4 @@
-"""The streaming loader: weights → GPU ranks, verified at every hop (DESIGN §6).
+"""The streaming loader: weights → GPU ranks, verified at every hop (docs/loader.md).
 
 ``iter_tensors`` / ``load_state_dict`` / ``load_into`` read a node-cache snapshot or stream a
 pinned reference by range reads, give each tensor-parallel rank only its shard, verify chunks

@@ -1,4 +1,5 @@
-"""Per-rank read plans: which bytes of which file a tensor-parallel rank needs (DESIGN §6).
+"""Per-rank read plans: which bytes of which file a tensor-parallel rank needs
+(docs/loader.md#tensor-parallel-read-plans).
 
 Built from the safetensors headers alone, before any tensor data is read. Each tensor gets one
 ``Span``: a contiguous range (replicated tensors and dim-0 shards) or a strided run of rows

@@ -1,4 +1,4 @@
-"""Byte readers behind the loader: a local file, or any Target's blob by range (DESIGN §6).
+"""Byte readers behind the loader: a local file, or any Target's blob by range (docs/loader.md#sources).
 
 Every reader fills caller-owned buffers (``read_into``) so the pipeline can reuse its staging
 ring or read straight into destination tensors; none allocates per read except the Target

@@ -1,23 +1,22 @@
-"""One bounded ring of staging buffers, allocated once and reused for the whole load (DESIGN §6).
+"""One bounded set of staging buffers, allocated once and reused for the whole load
+(docs/loader.md#pipeline).
 
 Why a ring: fresh allocations cost 3–6× a reused buffer here, and pinned (page-locked) host
 memory is what lets a host→device copy run asynchronously at full PCIe/NVLink speed — pinning is
 slow, so it is done once. The ring also bounds memory: at most ``slots × slot_bytes`` of staging
 is ever alive, whatever the model size.
 
-CUDA ordering: a slot is filled by a reader thread, then copied to the device on a side stream;
-the copy records an event and the slot returns to the ring together with that event. ``acquire``
-waits for the event before handing the slot out again, so a buffer is never overwritten while a
-copy from it is in flight. Each slot also owns a device scratch buffer of the same size: the
-host→device copy always moves one contiguous block, and strided shard rows are then gathered
-device-side (HBM bandwidth makes that copy free next to PCIe).
+This module only allocates and frees the buffers. Handing them out is the load's job: the engine
+(``loader/engine.py``, ``Load.next_slot`` / ``Load.release``) keeps the free list on its one
+scheduler thread, and on CUDA a returned slot carries the event of the last copy out of it, which
+is waited for before the slot is filled again. Each slot also owns a device scratch buffer of the
+same size: the host→device copy always moves one contiguous block, and strided shard rows are then
+gathered device-side (HBM bandwidth makes that copy free next to PCIe).
 """
 
 from __future__ import annotations
 
 import mmap
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,7 @@ class Slot:
 
 
 class StagingRing:
-    """``slots`` reusable buffers of ``slot_bytes``; ``acquire`` blocks while all are in use."""
+    """``slots`` reusable buffers of ``slot_bytes``, handed out by the load's own free list."""
 
     def __init__(self, slots: int, slot_bytes: int, device: torch.device | str = "cpu") -> None:
         if slots < 1 or slot_bytes < ALIGN:
@@ -45,17 +44,13 @@ class StagingRing:
         self.slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
         self.slots = slots
         self.cuda = self.device.type == "cuda"
-        self._free: queue.Queue[Slot] = queue.Queue()
         self._all: list[Slot] = []
         self._maps: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-        self.acquired = 0
         for i in range(slots):
             host, view = self._alloc_host()
             dev = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if self.cuda else None
             slot = Slot(i, host, view, dev)
             self._all.append(slot)
-            self._free.put(slot)
 
     def _alloc_host(self) -> tuple[torch.Tensor, memoryview]:
         if self.cuda:
@@ -71,25 +66,12 @@ class StagingRing:
 
     @property
     def buffers(self) -> list[Slot]:
-        """Every slot (for a single-threaded scheduler that keeps its own free list)."""
+        """Every slot, for the load's scheduler to keep in its own free list."""
         return list(self._all)
 
     @property
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
-
-    def acquire(self, timeout: float | None = None) -> Slot:
-        slot = self._free.get(timeout=timeout)
-        if slot.event is not None:
-            slot.event.synchronize()  # the previous H2D copy out of this buffer has finished
-            slot.event = None
-        with self._lock:
-            self.acquired += 1
-        return slot
-
-    def release(self, slot: Slot, event: Any = None) -> None:
-        slot.event = event
-        self._free.put(slot)
 
     def close(self) -> None:
         """Wait for in-flight copies, then drop the buffers (mmaps are unmapped)."""
@@ -100,8 +82,6 @@ class StagingRing:
         for slot in self._all:
             slot.view.release()
         self._all.clear()
-        while not self._free.empty():
-            self._free.get_nowait()
         for m in self._maps:
             try:
                 m.close()

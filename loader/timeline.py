@@ -1,4 +1,4 @@
-"""Model start-up timelines from event logs (DESIGN §7): p50/p95 per stage, per cache state.
+"""Model start-up timelines from event logs (docs/loader.md#events-and-modelpack-timeline): p50/p95 per stage, per cache state.
 
 Stages: t2 version confirmed (manifest digest resolved and verified) → t3 read start → t4 read
 done → t5 device load done → t6 compile done (JIT/autotune) → t8 serving engine healthy (its

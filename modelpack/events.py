@@ -2,7 +2,7 @@
 
 One line per event: ``{"ts": <unix seconds>, "event": "<area>.<what>", ...fields}``. Fields
 used across the project: ``reference``, ``digest`` (manifest), ``blob``, ``bytes``,
-``duration_ms``, ``reason``, ``stage`` (t2…t9, DESIGN §7), ``state`` (cold | hit | streamed),
+``duration_ms``, ``reason``, ``stage`` (t2…t9, docs/vllm.md#the-timeline-t0--t9), ``state`` (cold | hit | streamed),
 ``start_id`` (groups the events of one model start). Credentials never go in an event.
 """
 

@@ -30,10 +30,6 @@ _sync_file_range: Any = None  # libc's sync_file_range, looked up on first use; 
 _sfr_lock = threading.Lock()
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in _NO_SPACE
-
-
 def write_error(path: str, exc: OSError, *, kept: str = "") -> FileWriteError:
     """The typed error for an OS error while writing ``path``: the path a person has to look at,
     what is in the way, and (``kept``) what was kept for a resume."""
@@ -198,31 +194,3 @@ def link_or_copy(src: str, dst_tmp: str, *, mode: str = "auto") -> str:
                 raise
     shutil.copyfile(src, dst_tmp)
     return "copy"
-
-
-def same_filesystem(a: str, b: str) -> bool:
-    try:
-        return os.stat(a).st_dev == os.stat(b).st_dev
-    except OSError:
-        return False
-
-
-def sweep_temp_files(directory: str, *, older_than_s: float = 0.0) -> int:
-    """Remove our stale temp files in ``directory`` (not recursive); returns how many."""
-    import time
-
-    removed = 0
-    now = time.time()
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return 0
-    for entry in entries:
-        if entry.name.startswith(TEMP_PREFIX):
-            try:
-                if now - entry.stat(follow_symlinks=False).st_mtime >= older_than_s:
-                    os.unlink(entry.path)
-                    removed += 1
-            except FileNotFoundError:
-                pass
-    return removed

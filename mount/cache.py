@@ -1,4 +1,4 @@
-"""``NodeCache``: the node cache's facade; pull-and-verify, snapshots, pins, verify, GC (DESIGN §5).
+"""``NodeCache``: the node cache's facade; pull-and-verify, snapshots, pins, verify, GC (docs/node.md#the-node-cache).
 
 Layout under the cache root (default ``$MODELPACK_CACHE``, else ``$XDG_CACHE_HOME/modelpack``,
 else ``~/.cache/modelpack``), and the module that owns each part::

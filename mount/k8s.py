@@ -1,4 +1,4 @@
-"""Kubernetes objects for the three ways a model reaches a pod (DESIGN §5).
+"""Kubernetes objects for the three ways a model reaches a pod (docs/node.md#three-ways-to-mount-a-model).
 
 1. **image volume** (``volumes[].image``; the ``ImageVolume`` feature gate: alpha in Kubernetes
    1.31, beta but off by default in 1.33 and 1.34, beta and on by default from 1.35): the kubelet
@@ -37,17 +37,6 @@ DEFAULT_CACHE_MOUNT = "/var/cache/modelpack"
 POLICY_MOUNT = "/etc/modelpack/policy"
 DOCKER_CONFIG_MOUNT = "/etc/modelpack/docker"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-
-RUNTIME_TABLE = [
-    ("image volume, raw ModelPack artifact", "CRI-O >= 1.33", "files at their title paths under the mount"),
-    (
-        "image volume, image-shaped (--format image)",
-        "containerd >= 2.1, CRI-O >= 1.33",
-        "files under <mount>/models/",
-    ),
-    ("init container + node cache", "any runtime", "<cache>/snapshots/<manifest hex>/ (read-only)"),
-    ("pre-warm DaemonSet", "any runtime", "same node cache; pods start on a cache hit"),
-]
 
 IMAGE_VOLUME_NOTES = [
     "Image volumes need the ImageVolume feature gate: on by default from Kubernetes 1.35; on 1.31-1.34 "
@@ -491,9 +480,3 @@ def to_yaml(obj: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
 
     header = "".join(f"# {n}\n" for n in notes)
     return header + yaml.dump(dict(obj), Dumper=_dumper(), sort_keys=False, default_flow_style=False)
-
-
-def runtime_table_markdown() -> str:
-    lines = ["| how the model is mounted | runtime | where the files are |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in RUNTIME_TABLE]
-    return "\n".join(lines) + "\n"

@@ -290,21 +290,6 @@ def acquire(
         raise
 
 
-@contextlib.contextmanager
-def file_lock(
-    path: str,
-    *,
-    stale_after: float = DEFAULT_STALE_AFTER_S,
-    timeout: float | None = None,
-    on_wait: Callable[[str], None] | None = None,
-) -> Iterator[HeldLock]:
-    held = acquire(path, stale_after=stale_after, timeout=timeout, on_wait=on_wait)
-    try:
-        yield held
-    finally:
-        held.release()
-
-
 def is_locked(path: str) -> bool:
     """Whether some open file description holds any flock on ``path`` right now."""
     try:

@@ -49,7 +49,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.store import FULL_CACHE_HINT, Store
@@ -398,10 +397,6 @@ def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:
     if isinstance(target, RegistryTarget):
         target.mirrors = None
     return target
-
-
-def fill_stats(filler: Filler | None) -> dict[str, Any]:
-    return {} if filler is None else dict(vars(filler.stats))
 
 
 __all__ = [

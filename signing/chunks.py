@@ -1,4 +1,4 @@
-"""Chunk-digest tables (DESIGN §6): per weight layer, the sha256 of every fixed-size chunk.
+"""Chunk-digest tables (docs/signing.md#formats-what-is-stored): per weight layer, the sha256 of every fixed-size chunk.
 
 A range read cannot be checked against a whole-blob sha256, so the pusher publishes a table of
 chunk digests, signed and bound to the model manifest digest, and the loader checks every chunk
@@ -77,9 +77,6 @@ class ChunkTable:
     manifest_digest: str
     chunk_size: int
     layers: dict[str, LayerChunks] = field(default_factory=dict)
-
-    def chunk_count(self, layer_digest: str) -> int:
-        return len(self._layer(layer_digest).digests)
 
     def chunk_range(self, layer_digest: str, index: int) -> tuple[int, int]:
         """(offset, length) of chunk ``index`` in the layer blob."""

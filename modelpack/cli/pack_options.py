@@ -80,7 +80,7 @@ def modelfile_option(fn: Any) -> Any:
 
 
 def format_options(fn: Any) -> Any:
-    """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, DESIGN §2)."""
+    """``--format artifact|image`` and ``--compression zstd`` (image-shaped variant, docs/node.md#the-image-shaped-variant)."""
     fn = click.option(
         "--compression",
         type=click.Choice([str(f.compression) for f in WRITTEN_FORMATS if f.compression]),

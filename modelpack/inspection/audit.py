@@ -28,7 +28,7 @@ from modelpack.errors import DocumentError, ListingCutError, ModelpackError
 from modelpack.mediatypes import ANNOTATION_CREATED, ModelSpecConfig, is_model_config
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
-from modelpack.oci.reference import Reference, parse_reference
+from modelpack.oci.reference import Reference
 from modelpack.targets.base import Closable, ReadableTarget
 
 if TYPE_CHECKING:
@@ -343,7 +343,3 @@ def audit_registry(
 
 #: the name of the entry that reports a cut catalog (not a repository name: ``_`` cannot start one)
 CATALOG_ENTRY = "_catalog"
-
-
-def repository_reference(host: str, repo: str) -> Reference:
-    return parse_reference(f"{host}/{repo}")

@@ -30,10 +30,6 @@ class Digest(str):
         return super().__new__(cls, value)
 
     @property
-    def algorithm(self) -> str:
-        return "sha256"
-
-    @property
     def hex(self) -> str:
         return self[7:]
 

@@ -1,4 +1,5 @@
-"""The parts of an OCI image config the image-shaped model variant relies on (DESIGN §2).
+"""The parts of an OCI image config the image-shaped model variant relies on
+(docs/artifact.md#the-image-shaped-variant---format-image).
 
 Packing writes them and pull / the node cache read them back, so they live below both: the
 ``rootfs.diff_ids`` that tie each layer blob to its uncompressed tar, and the ``models/``

@@ -1,4 +1,4 @@
-"""The image-shaped variant of a model artifact (DESIGN §2), for runtimes that mount only images.
+"""The image-shaped variant of a model artifact (docs/node.md#the-image-shaped-variant), for runtimes that mount only images.
 
 containerd (2.1+) image volumes unpack image layers, so the model must look like an image: no
 ``artifactType``, an ``application/vnd.oci.image.config.v1+json`` config whose ``rootfs.diff_ids``

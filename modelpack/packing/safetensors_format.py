@@ -1,4 +1,4 @@
-"""Strict safetensors header parsing (DESIGN §6). Shared by the packer, diff and the loader.
+"""Strict safetensors header parsing (docs/artifact.md#layers). Shared by the packer, diff and the loader.
 
 Rules: an 8-byte little-endian header length N ≤ 100 MB; N bytes of UTF-8 JSON (an object, no
 duplicate keys, at most a few levels deep); every tensor has a known dtype, a shape of at most 64

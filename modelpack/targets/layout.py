@@ -331,12 +331,6 @@ class OCILayoutTarget:
             raise NotFoundError(f"{self.name}: cannot tag {descriptor.digest}: manifest not in the layout")
         self._update_index(descriptor.reference_only(), tag)
 
-    def untag(self, tag: str) -> None:
-        with self._index_lock():
-            doc = self._read_index()
-            doc["manifests"] = index_entries_without(doc["manifests"], tag)
-            atomic_write_bytes(self._index_path, json.dumps(doc, separators=(",", ":")).encode())
-
     def remove_blob(self, digest: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.blob_path(digest))

@@ -45,7 +45,7 @@ from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import RegistryServer, _stop_all, start_registry
 from tests.signing_helpers import referrers_index_clobbered
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # The compile both the cold and the warm processes run; with "fetch" it first asks the engine hook
 # (fetch_before_compile) for a matching asset and times the compile as t6 (compile_stage).

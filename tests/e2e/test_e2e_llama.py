@@ -27,6 +27,8 @@ from modelpack.events import EventLog
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import open_target
 
+pytestmark = pytest.mark.slow
+
 
 def _config() -> Any:
     return transformers.LlamaConfig(

@@ -36,6 +36,8 @@ from tests.paths import REPO_ROOT
 from tests.serving.test_kserve_manifests import SCHEMAS as KSERVE_SCHEMAS
 from tests.serving.test_kserve_manifests import _check_crd_object as check_kserve_object
 
+pytestmark = pytest.mark.slow
+
 ROOT = REPO_ROOT
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent

@@ -39,7 +39,7 @@ SOURCE_FOLDERS = {
 # modules that import an engine the `vllm` extra brings (not installed here); nothing else may fail
 NEEDS_VLLM = {"modelpack.serving.vllm_loader", "modelpack.serving.vllm_plugin"}
 EXTRAS = "loader,s3,image,k8s"
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _run(argv: list[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,8 @@ from modelpack.api import transfer
 from tests.fixtures.registry import RegistryServer
 from tests.paths import REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 ROOT = REPO_ROOT
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 

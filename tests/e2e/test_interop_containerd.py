@@ -24,6 +24,8 @@ import pytest
 from modelpack.api import transfer
 from tests.fixtures.registry import RegistryServer
 
+pytestmark = pytest.mark.slow
+
 CONTAINERD = shutil.which("containerd")
 CTR = shutil.which("ctr")
 NAMESPACE = "modelpack-test"

@@ -28,7 +28,7 @@ import requests
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.paths import REPO_ROOT
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = REPO_ROOT
 SIGSTORE_JS = ROOT / ".node" / "sigstore-js"

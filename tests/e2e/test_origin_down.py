@@ -25,7 +25,7 @@ import pytest
 from tests.kserve_support import Pod, kserve_env, pod_volumes, run_initializer
 from tests.origin_down_support import events, push_signed, run, serve, signed_peer, warm_node  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tests.paths import REPO_ROOT
 ROOT = REPO_ROOT
 STORM = [sys.executable, str(ROOT / "benchmarks" / "storm.py")]
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _netns() -> list[str]:

@@ -23,7 +23,7 @@ import pytest
 
 from tests.fixtures.loopback import LoopbackServer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 MANIFEST = json.dumps(
     {

@@ -20,6 +20,8 @@ import pytest
 from modelpack.packing.safetensors_format import build_header
 from tests.paths import REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 GiB = 1024**3
 MiB = 1024**2
 TENSOR = 128 * MiB  # 16 tensors of 128 MiB = 2 GiB

@@ -1,6 +1,6 @@
 """Node-cache fault tests against a real registry (distribution 2.8 on 127.0.0.1).
 
-Each test tries to break one DESIGN §5 guarantee and then checks that nothing was lost and
+Each test tries to break one guarantee of docs/node.md#guarantees-and-the-tests-that-try-to-break-them and then checks that nothing was lost and
 nothing false was marked ready. Bytes on the wire are counted by a loopback proxy in front of
 the registry (``FaultProxy``) and, where it matters, by the registry's own access log.
 """

@@ -28,7 +28,7 @@ from modelpack.cli import main
 from tests.fixtures.registry import RegistryServer
 from tests.mount.test_cache_support import push_model
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 MUTATIONS = ("unlink", "unlinkat", "rename", "renameat", "renameat2", "rmdir")
 MODELPACK = str(Path(sys.executable).with_name("modelpack"))

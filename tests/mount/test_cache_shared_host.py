@@ -31,6 +31,7 @@ from modelpack.targets.layout import OCILayoutTarget
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(180),
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"),
 ]

@@ -1,7 +1,10 @@
 """Node cache on an OCI-layout source: store layout, verified commit, resume, snapshots, markers.
 
 The registry-backed fault tests are in ``test_cache_registry.py``; these cover the guarantees
-that need no server (and run fast): DESIGN §5 items 1, 2, 3, 5, 6 and 8.
+that need no server (and run fast) from
+docs/node.md#guarantees-and-the-tests-that-try-to-break-them:
+the store's layout, verified commit and resume, interrupted downloads and temp files, atomic
+publish, tags resolved once.
 """
 
 from __future__ import annotations

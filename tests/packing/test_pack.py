@@ -1,4 +1,4 @@
-"""Packing a checkpoint into an OCI layout: the artifact DESIGN §2 describes, reproducibly."""
+"""Packing a checkpoint into an OCI layout: the artifact docs/artifact.md describes, reproducibly."""
 
 from __future__ import annotations
 

@@ -37,10 +37,13 @@ from tests.vllm_helpers import (
     write_tiny_llama,
 )
 
-pytestmark = pytest.mark.skipif(
-    not vllm_available(),
-    reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not vllm_available(),
+        reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
+    ),
+]
 
 REPO = "adapters-vllm/tiny-llama"
 

@@ -24,6 +24,7 @@ from tests.origin_down_support import serve  # noqa: F401 (the fixture)
 from tests.vllm_helpers import EngineRun, run_offline, tail, vllm_available, write_tiny_llama
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(
         not vllm_available(),
         reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",

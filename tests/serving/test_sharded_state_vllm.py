@@ -51,6 +51,7 @@ from tests.vllm_helpers import (
 )
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(
         not vllm_available(),
         reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",

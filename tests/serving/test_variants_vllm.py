@@ -20,6 +20,7 @@ from modelpack.events import read_events
 from tests.vllm_helpers import EngineRun, run_offline, tail, vllm_available, write_tiny_llama
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(
         not vllm_available(),
         reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",

@@ -56,6 +56,8 @@ from tests.vllm_helpers import (
     write_tiny_llama,
 )
 
+pytestmark = pytest.mark.slow
+
 # the engine starts need .venv-vllm; the rank-level tests at the end run without vLLM
 needs_vllm = pytest.mark.skipif(
     not vllm_available(),

@@ -21,7 +21,7 @@ from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_target
 from tests.vllm_helpers import EngineRun, events_of, run_offline, tail, vllm_available, write_tiny_llama
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason=".venv-vllm is not built")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not vllm_available(), reason=".venv-vllm is not built")]
 
 CHUNK = 64 * 1024
 CONFIG = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 16,

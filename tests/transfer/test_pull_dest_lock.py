@@ -22,7 +22,7 @@ import pytest
 
 from tests.pull_dir_helpers import raw_layer, temp_entries, write_artifact
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MODELPACK = str(Path(sys.executable).with_name("modelpack"))
 FILES = [f"model-0000{i}.bin" for i in range(4)]

@@ -229,10 +229,6 @@ class Authenticator:
         self.token_requests = 0  # how many tokens were fetched (tests and --debug read it)
 
     @property
-    def anonymous(self) -> bool:
-        return self._credentials is None
-
-    @property
     def scheme(self) -> str | None:
         return self._scheme
 

@@ -1,6 +1,7 @@
 """A thin HTTP client for the OCI distribution API, on one ``requests.Session``.
 
-Why not the PyPI ``oras`` client: see DESIGN §3. What this adds over bare ``requests``:
+Why not the PyPI ``oras`` client: docs/architecture.md#why-modelpack-has-its-own-registry-client.
+What this adds over bare ``requests``:
 scheme choice (HTTPS, plain HTTP only for loopback or an explicit ``--plain-http``), the auth
 dance (``modelpack.targets.registry.auth``), retries of idempotent requests within a time budget
 (``modelpack.targets.retry``: backoff with jitter, long enough to ride out a registry restart),

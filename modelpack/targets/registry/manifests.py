@@ -260,14 +260,3 @@ class ManifestStore:
         validate_tag(tag)
         raw, media_type, _ = self.get(str(descriptor.digest))
         self.put(raw, media_type, tag)
-
-    def delete(self, digest: str) -> None:
-        """Delete a manifest by digest (the registry must allow deletes)."""
-        self._repo.client.request(
-            "DELETE",
-            self._repo.path("manifests", Digest(digest)),
-            scopes=(f"repository:{self._repo.repository}:delete",),
-            ok=(202, 200),
-            idempotent=True,
-            what=f"delete {digest} from {self._repo.name}",
-        )

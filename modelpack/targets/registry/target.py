@@ -415,10 +415,6 @@ class RegistryTarget:
     def tag(self, descriptor: Descriptor, tag: str) -> None:
         self._manifests.tag(descriptor, tag)
 
-    def delete_manifest(self, digest: str) -> None:
-        """Delete a manifest by digest (the registry must allow deletes)."""
-        self._manifests.delete(digest)
-
     def close(self) -> None:
         if self.mirrors is not None:
             self.mirrors.close()

@@ -39,7 +39,6 @@ from modelpack.targets.base import BlobSource
 from modelpack.targets.layout import (
     descriptor_in_index,
     index_entries_with,
-    index_entries_without,
     referrers_from_index,
     tags_in_index,
 )
@@ -362,10 +361,6 @@ class S3Target:
         if not self.exists(descriptor):
             raise NotFoundError(f"{self.name}: cannot tag {descriptor.digest}: manifest not in the bucket")
         self._set_entry(descriptor.reference_only(), tag)
-
-    def untag(self, tag: str) -> None:
-        validate_tag(tag)
-        self._update_index(lambda entries: index_entries_without(entries, tag))
 
 
 __all__ = ["S3Target"]
