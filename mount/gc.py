@@ -174,14 +174,16 @@ class GarbageCollector:
         """Carry out ``plan`` under the GC lock, each item re-checked now; returns what was done.
         Leftovers were removed before the lock was taken (``plan.leftovers`` holds what went)."""
         done = list(plan.leftovers)
+        dirs = {path: d for d, (path, _) in scan.unmarked_dirs.items()}
         for r in plan.manifests:
-            if r.what in pulling or self._marked(r.what) or self.pins.is_pinned(r.what):
+            d = dirs.get(r.what, r.what)
+            if d in pulling or self._marked(d) or self.pins.is_pinned(d):
                 continue  # a pull finished (or someone pinned it) since the scan: not a leftover
-            if r.what in scan.unmarked_bytes:
+            if r.what in dirs:
                 with contextlib.suppress(SnapshotInUseError):
-                    self.snapshots.remove(r.what)
+                    self.snapshots.remove(d)
                     done.append(r)
-            elif self._forget_manifest(r.what):
+            elif self._forget_manifest(d):
                 done.append(r)
         self._evict(plan.eviction, rule, res)
         evicted = set(res.evicted)

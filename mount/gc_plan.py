@@ -171,11 +171,9 @@ def plan_removals(scan: CacheScan, eviction: Plan, pulling: set[str], leftovers:
             kept_models.add(m)
         else:
             manifests.append(Removal("leftover", m, 0, "a manifest a pull stored but never made ready"))
-    for d in scan.unmarked_dirs:
+    for d, (path, size) in scan.unmarked_dirs.items():
         if d not in pulling:
-            manifests.append(
-                Removal("leftover", d, scan.unmarked_bytes.get(d, 0), "a snapshot directory never made ready")
-            )
+            manifests.append(Removal("leftover", path, size, "a snapshot directory never made ready"))
     referrers: list[Removal] = []
     for r, subject in sorted(scan.subjects.items()):
         if subject in victims:

@@ -63,9 +63,9 @@ class CacheScan:
     now: float
     snapshots: list[ScannedSnapshot] = field(default_factory=list)  # least recently used first
     blob_sizes: dict[str, int] = field(default_factory=dict)
-    unmarked_dirs: list[str] = field(default_factory=list)  # snapshots/<hex> without a marker
+    #: snapshots/<hex> without a marker: digest -> (path, bytes its removal frees)
+    unmarked_dirs: dict[str, tuple[str, int]] = field(default_factory=dict)
     manifest_blobs: dict[str, frozenset[str]] = field(default_factory=dict)  # every index.json entry
-    unmarked_bytes: dict[str, int] = field(default_factory=dict)  # what removing each unmarked dir frees
     subjects: dict[str, str] = field(default_factory=dict)  # kept referrer -> the model it signs
     pinned_manifests: set[str] = field(default_factory=set)  # index entries pinned (fills included)
 
@@ -141,10 +141,11 @@ def scan_cache(store: Store, snapshots: Snapshots, pins: Pins, *, rewrite_clock:
             if info is not None:
                 scan.snapshots.append(_scanned(store, snapshots, pins, info, scan, rewrite_clock))
     ready = scan.ready
-    scan.unmarked_dirs = ["sha256:" + h for h in dirs if "sha256:" + h not in ready]
+    for h in dirs:
+        if "sha256:" + h not in ready:
+            path = snapshots.path("sha256:" + h)
+            scan.unmarked_dirs["sha256:" + h] = (path, tree_bytes(path))
     scan.snapshots.sort(key=lambda s: s.last_used)
-    for d in scan.unmarked_dirs:
-        scan.unmarked_bytes[d] = tree_bytes(snapshots.path(d))
     for entry in store.index_entries():
         m = entry.get("digest")
         if not isinstance(m, str):
