@@ -185,9 +185,9 @@ def plan_removals(scan: CacheScan, eviction: Plan, pulling: set[str], leftovers:
     for s in scan.snapshots:
         if s.digest not in victims:
             live |= s.blobs
-    for m, blobs in scan.manifest_blobs.items():
+    for m, needs in scan.manifest_blobs.items():
         if m in kept_models or (m in scan.subjects and m not in gone):
-            live |= blobs
+            live |= needs
     blobs = [
         Removal("blob", b, size, "no kept model needs it")
         for b, size in sorted(scan.blob_sizes.items())

@@ -146,12 +146,12 @@ def scan_cache(store: Store, snapshots: Snapshots, pins: Pins, *, rewrite_clock:
             path = snapshots.path("sha256:" + h)
             scan.unmarked_dirs["sha256:" + h] = (path, tree_bytes(path))
     scan.snapshots.sort(key=lambda s: s.last_used)
-    for entry in store.index_entries():
-        m = entry.get("digest")
+    for doc in store.index_entries():
+        m = doc.get("digest")
         if not isinstance(m, str):
             continue
         scan.manifest_blobs[m] = manifest_blobs(store, m)
-        annotations = entry.get("annotations")
+        annotations = doc.get("annotations")
         subject = annotations.get(SUBJECT_ANNOTATION) if isinstance(annotations, dict) else None
         if isinstance(subject, str):
             scan.subjects[m] = subject
