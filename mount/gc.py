@@ -6,6 +6,13 @@ being-pulled or held model, nor one used or published less than ``min_age`` seco
 pull that published it may not have handed it to its reader yet). Deletion order: refs →
 snapshot (marker first, then files) → manifest → blobs no remaining manifest or snapshot needs.
 
+One plan: GC lists every removal before it deletes anything (``mount.gc_plan.GCPlan``: crash
+leftovers, a dead pull's manifests and directories, victims, kept referrers whose model is not
+kept, blobs nothing kept needs; each with bytes and reason). The dry run returns that plan; the
+real run executes it item by item, re-checking each, and reports what it did in the same shape.
+What a node keeps for others stays: the signature referrers of a model it keeps, the manifests
+and blobs a ``cache serve --fill`` pin names, and any temp file whose writer holds its lock.
+
 Pulls take the same lock (shared) to register, so GC keeps the time it holds it short: the
 sweep and the scan of every marker, lease and blob (``mount.gc_scan``) run before it is taken;
 under it GC reads the running pulls and holds, chooses victims from what it scanned
