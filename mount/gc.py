@@ -6,6 +6,13 @@ being-pulled or held model, nor one used or published less than ``min_age`` seco
 pull that published it may not have handed it to its reader yet). Deletion order: refs →
 snapshot (marker first, then files) → manifest → blobs no remaining manifest or snapshot needs.
 
+One plan: GC lists every removal before it deletes anything (``mount.gc_plan.GCPlan``: crash
+leftovers, a dead pull's manifests and directories, victims, kept referrers whose model is not
+kept, blobs nothing kept needs; each with bytes and reason). The dry run returns that plan; the
+real run executes it item by item, re-checking each, and reports what it did in the same shape.
+What a node keeps for others stays: the signature referrers of a model it keeps, the manifests
+and blobs a ``cache serve --fill`` pin names, and any temp file whose writer holds its lock.
+
 Pulls take the same lock (shared) to register, so GC keeps the time it holds it short: the
 sweep and the scan of every marker, lease and blob (``mount.gc_scan``) run before it is taken;
 under it GC reads the running pulls and holds, chooses victims from what it scanned
@@ -21,7 +28,7 @@ import dataclasses
 import os
 import time
 
-from modelpack.mount.gc_plan import EvictionRule, Plan, choose_victims, protect
+from modelpack.mount.gc_plan import EvictionRule, GCPlan, Plan, choose_victims, plan_removals, protect
 from modelpack.mount.gc_scan import (
     DEFAULT_FOREIGN_LEASE_S,
     CacheScan,
@@ -34,6 +41,7 @@ from modelpack.mount.gc_scan import (
 from modelpack.mount.leases import PullLeases
 from modelpack.mount.listing import usage
 from modelpack.mount.refs import Pins, RefRecords
+from modelpack.mount.removals import LEFTOVER_KINDS, Removal
 from modelpack.mount.reports import GCResult, to_ms
 from modelpack.mount.snapshots import Snapshots
 from modelpack.mount.store import Store
@@ -111,12 +119,14 @@ class GarbageCollector:
         """Evict least-recently-used snapshots: beyond ``keep_versions`` per repository, then until
         the cache is under ``max_bytes``. Never a pinned, in-use, being-pulled or held model, nor
         one used less than ``min_age`` seconds ago; a lease held only by other uids counts for
-        ``foreign_lease_s`` past the last use. ``dry_run`` deletes nothing and reports what
-        would go."""
+        ``foreign_lease_s`` past the last use. One ``GCPlan`` lists every removal with its bytes
+        and reason; ``dry_run`` reports it and deletes nothing, the real run executes it."""
         res = GCResult()
-        res.swept = [] if dry_run else self.sweep()
+        leftovers = self.store.leftovers() + self.snapshots.leftovers()
         scan = scan_cache(self.store, self.snapshots, self.pins, rewrite_clock=not dry_run)
         res.bytes_before = scan.bytes_used(self.store)
+        if not dry_run:  # outside the GC lock: a dead build's tree may take a while
+            leftovers = [r for r in leftovers if self._remove_leftover(r)]
         with self.leases.gc_exclusive():
             pulling_manifests, pulling = self.leases.active()
             res.kept_pulling = sorted(set(pulling_manifests))
@@ -125,7 +135,7 @@ class GarbageCollector:
             protection = protect(scan, rule)
             res.kept_pinned, res.kept_in_use = protection.pinned, protection.in_use
             res.kept_held, res.kept_young = protection.held, protection.young
-            plan = choose_victims(
+            eviction = choose_victims(
                 scan,
                 protection.all(),
                 pulling,
@@ -133,21 +143,19 @@ class GarbageCollector:
                 keep_versions=keep_versions,
                 max_bytes=max_bytes,
             )
+            plan = plan_removals(scan, eviction, pulling, leftovers)
             if dry_run:
-                res.evicted = [s.digest for s in plan.victims]
-                res.bytes_freed = plan.bytes_freed
-                res.bytes_after = res.bytes_before - res.bytes_freed
-                return res
-            res.swept += self._remove_leftovers(scan, pulling)
-            freed = self._evict(plan, rule, res)
-            keep = set(pulling)
-            for s in scan.snapshots:
-                if s.digest not in res.evicted:
-                    keep |= s.blobs
-            removed, blob_bytes = self._delete_unreferenced_blobs(keep, set(scan.blob_sizes), scan)
-            res.blobs_removed = removed
-        res.bytes_freed = min(res.bytes_before, freed + blob_bytes)
+                res.evicted = [s.digest for s in eviction.victims]
+                done = plan.removals()
+            else:
+                done = self._execute(plan, scan, rule, pulling, res)
+        res.plan = done
+        res.swept = [r.what for r in done if r.kind in LEFTOVER_KINDS]
+        res.blobs_removed = sum(1 for r in done if r.kind == "blob")
+        res.bytes_freed = min(res.bytes_before, sum(r.bytes for r in done))
         res.bytes_after = res.bytes_before - res.bytes_freed
+        if dry_run:
+            return res
         self.events.emit(
             "cache.gc",
             evicted=len(res.evicted),
@@ -161,22 +169,52 @@ class GarbageCollector:
         )
         return res
 
-    # ------------------------------------------------------------------ under the lock
-    def _remove_leftovers(self, scan: CacheScan, pulling: set[str]) -> list[str]:
-        """Leftovers of pulls that died after storing their manifest or renaming their snapshot
-        directory but before the marker (or with a marker the cache did not write): never ready,
-        so never trusted. One that became ready since the scan (a pull that finished meanwhile)
-        is not a leftover."""
-        removed = []
-        for m in self.store.manifest_digests():
-            if m not in scan.ready and m not in pulling and not self._marked(m):
-                self._forget_manifest(m)
-        for d in scan.unmarked_dirs:
-            if d not in pulling and not self._marked(d):
+    # ------------------------------------------------------------------ executing the plan
+    def _remove_leftover(self, leftover: Removal) -> bool:
+        if leftover.what.startswith(self.snapshots.dir + os.sep):
+            return self.snapshots.remove_leftover(leftover)
+        return self.store.remove_leftover(leftover)
+
+    def _execute(
+        self, plan: GCPlan, scan: CacheScan, rule: EvictionRule, pulling: set[str], res: GCResult
+    ) -> list[Removal]:
+        """Carry out ``plan`` under the GC lock, each item re-checked now; returns what was done.
+        Leftovers were removed before the lock was taken (``plan.leftovers`` holds what went)."""
+        done = list(plan.leftovers)
+        dirs = {path: d for d, (path, _) in scan.unmarked_dirs.items()}
+        for r in plan.manifests:
+            d = dirs.get(r.what, r.what)
+            if d in pulling or self._marked(d) or self.pins.is_pinned(d):
+                continue  # a pull finished (or someone pinned it) since the scan: not a leftover
+            if r.what in dirs:
                 with contextlib.suppress(SnapshotInUseError):
                     self.snapshots.remove(d)
-                    removed.append(self.snapshots.path(d))
-        return removed
+                    done.append(r)
+            elif self._forget_manifest(d):
+                done.append(r)
+        self._evict(plan.eviction, rule, res)
+        evicted = set(res.evicted)
+        done += [r for r in plan.snapshots if r.what in evicted]
+        for r in plan.referrers:
+            subject = scan.subjects[r.what]
+            if subject in plan.eviction.reasons:  # a victim's referrers went with its index entry
+                if subject in evicted:
+                    done.append(r)
+            elif subject in pulling or self._marked(subject) or self.pins.is_pinned(subject):
+                continue  # its model is kept again since the scan
+            elif self._forget_manifest(r.what):
+                done.append(r)
+        # what needs a blob is read again now: a manifest stored since the scan keeps its blobs
+        keep = set(pulling)
+        for s in scan.snapshots:
+            if s.digest not in evicted:
+                keep |= s.blobs
+        for m in self.store.manifest_digests():
+            keep |= scan.manifest_blobs.get(m) or manifest_blobs(self.store, m)
+        for r in plan.blobs:
+            if r.what not in keep and self.store.remove_blob(r.what):
+                done.append(r)
+        return done
 
     def _marked(self, digest: str) -> bool:
         """Ready now (a valid marker of the owner): published since the scan, not a leftover."""
@@ -185,10 +223,9 @@ class GarbageCollector:
         except ModelpackError:
             return False
 
-    def _evict(self, plan: Plan, rule: EvictionRule, res: GCResult) -> int:
-        """Delete the victims that still may go (re-checked now); returns their extracted bytes."""
+    def _evict(self, plan: Plan, rule: EvictionRule, res: GCResult) -> None:
+        """Delete the victims that still may go (re-checked now), into ``res.evicted``."""
         rule = dataclasses.replace(rule, now=time.time())
-        freed = 0
         for victim in plan.victims:
             d = victim.digest
             t = time.monotonic()
@@ -206,7 +243,6 @@ class GarbageCollector:
                 continue
             self._forget_manifest(d)
             res.evicted.append(d)
-            freed += victim.extracted
             self.events.emit(
                 "cache.evict",
                 digest=d,
@@ -216,7 +252,6 @@ class GarbageCollector:
                 idle_s=round(time.time() - now_seen.last_used, 3),
                 duration_ms=to_ms(time.monotonic() - t),
             )
-        return freed
 
     def _rescan(self, victim: ScannedSnapshot, now: float) -> ScannedSnapshot:
         """The victim's pin, lease holders and last use as they are now (three small reads)."""
@@ -240,24 +275,20 @@ class GarbageCollector:
         )
         return lease_blocks_eviction(holders, self.store.owner, last_used, now, foreign_lease_s)
 
-    def _forget_manifest(self, digest: str) -> None:
-        """Drop a manifest from index.json without waiting for its lock: a held lock means this
-        GC leaves the entry (and so its blobs) for the next one."""
-        with contextlib.suppress(LockTimeoutError):
+    def _forget_manifest(self, digest: str) -> bool:
+        """Drop a manifest (and the referrers kept for it) from index.json without waiting for
+        its lock: a held lock means this GC leaves the entry (and so its blobs) for the next one."""
+        try:
             self.store.remove_manifest(digest, timeout=0)
+        except LockTimeoutError:
+            return False
+        return True
 
-    def _delete_unreferenced_blobs(
-        self, protected: set[str], candidates: set[str], scan: CacheScan | None = None
-    ) -> tuple[int, int]:
+    def _delete_unreferenced_blobs(self, protected: set[str], candidates: set[str]) -> None:
         """Delete the ``candidates`` that neither ``protected`` nor any manifest in ``index.json``
-        (read now) needs. What a manifest references never changes, so the scan's answers are
-        reused and only manifests stored since are read."""
-        known = scan.manifest_blobs if scan is not None else {}
+        (read now) needs."""
         live: set[str] = set(protected)
         for m in self.store.manifest_digests():
-            live |= known.get(m) or manifest_blobs(self.store, m)
-        removed = freed = 0
+            live |= manifest_blobs(self.store, m)
         for d in sorted(candidates - live):
-            freed += self.store.remove_blob(d)
-            removed += 1
-        return removed, freed
+            self.store.remove_blob(d)

@@ -5,6 +5,11 @@ Protection first (pinned, leased, being pulled, held, used within ``min_age``), 
 under ``max_bytes``. What evicting a snapshot frees is counted with one reference count per blob
 (a blob shared with a snapshot that stays frees nothing), decremented as victims are chosen, so
 the whole choice is O(snapshots + blobs) — not a recount of every snapshot per candidate.
+
+``plan_removals`` completes the choice into the one ``GCPlan``: the crash leftovers, the
+manifests a dead pull left, the kept signature referrers whose model is not kept (a referrer
+stays exactly as long as the model it signs: a snapshot, a pin, a running pull, a fill), and the
+blobs nothing kept needs. The dry run reports that plan; the real run executes it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpack.mount.gc_scan import CacheScan, ScannedSnapshot, lease_blocks_eviction
+from modelpack.mount.removals import Removal
 
 
 @dataclass
@@ -125,3 +131,66 @@ def choose_victims(
             total += freed.take(s)
     victims.sort(key=lambda s: s.last_used)
     return Plan(victims, reasons, min(bytes_before, total))
+
+
+@dataclass
+class GCPlan:
+    """Everything one GC removes, in the order it removes it, each with its bytes and reason:
+    the dry run reports it, the real run executes it (re-checking each item as it goes)."""
+
+    leftovers: list[Removal]  # crash leftovers (temp files, partials, dead builds), swept first
+    eviction: Plan
+    manifests: list[Removal]  # index.json entries and snapshot dirs a dead pull left
+    referrers: list[Removal]  # kept referrers whose model is not kept (those of victims included)
+    blobs: list[Removal]  # committed blobs nothing kept needs
+
+    @property
+    def snapshots(self) -> list[Removal]:
+        return [
+            Removal("snapshot", s.digest, s.extracted, self.eviction.reasons[s.digest])
+            for s in self.eviction.victims
+        ]
+
+    def removals(self) -> list[Removal]:
+        return [*self.leftovers, *self.manifests, *self.snapshots, *self.referrers, *self.blobs]
+
+
+def plan_removals(scan: CacheScan, eviction: Plan, pulling: set[str], leftovers: list[Removal]) -> GCPlan:
+    """What goes besides the victims, from the scan: index entries a dead pull left (not ready,
+    not being pulled, not pinned), kept referrers whose model stays nowhere (no snapshot that
+    stays, no pin, no pull, no fill), and every blob that neither a snapshot that stays, a
+    pull, nor an ``index.json`` entry that stays needs. Linear in the scan."""
+    victims = {s.digest for s in eviction.victims}
+    ready = scan.ready
+    manifests: list[Removal] = []
+    kept_models = (ready - victims) | pulling
+    for m in scan.manifest_blobs:
+        if m in scan.subjects or m in victims:
+            continue
+        if m in ready or m in pulling or m in scan.pinned_manifests:
+            kept_models.add(m)
+        else:
+            manifests.append(Removal("leftover", m, 0, "a manifest a pull stored but never made ready"))
+    for d, (path, size) in scan.unmarked_dirs.items():
+        if d not in pulling:
+            manifests.append(Removal("leftover", path, size, "a snapshot directory never made ready"))
+    referrers: list[Removal] = []
+    for r, subject in sorted(scan.subjects.items()):
+        if subject in victims:
+            referrers.append(Removal("referrer", r, 0, "the model it signs is evicted"))
+        elif subject not in kept_models:
+            referrers.append(Removal("referrer", r, 0, "the model it signs is not kept"))
+    gone = {r.what for r in referrers}
+    live: set[str] = set(pulling)
+    for s in scan.snapshots:
+        if s.digest not in victims:
+            live |= s.blobs
+    for m, needs in scan.manifest_blobs.items():
+        if m in kept_models or (m in scan.subjects and m not in gone):
+            live |= needs
+    blobs = [
+        Removal("blob", b, size, "no kept model needs it")
+        for b, size in sorted(scan.blob_sizes.items())
+        if b not in live
+    ]
+    return GCPlan(leftovers, eviction, manifests, referrers, blobs)

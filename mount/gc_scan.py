@@ -3,7 +3,8 @@
 Everything here is read once per GC, outside ``locks/gc.lock`` (pulls wait for that lock to
 register, so nothing slow happens under it): every ready marker, each snapshot's lease (mtime and
 holders), pins, the size of every blob, the blobs each stored manifest keeps alive, and the
-snapshot directories that have no marker. Facts that can change before GC acts on them are
+snapshot directories that have no marker, and which ``index.json`` entries are kept signature
+referrers (of which model) or pinned manifests a node fills for its peers. Facts that can change before GC acts on them are
 checked again under the lock for the chosen victims only (``mount.gc``); facts that cannot (what a
 manifest digest references) are reused.
 
@@ -28,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 
 from modelpack.mount.assets import version_kind
+from modelpack.mount.kept_referrers import SUBJECT_ANNOTATION
 from modelpack.mount.refs import Pins
-from modelpack.mount.snapshots import MARKER_SUFFIX, SnapshotInfo, Snapshots
+from modelpack.mount.snapshots import MARKER_SUFFIX, SnapshotInfo, Snapshots, tree_bytes
 from modelpack.mount.store import Store
 
 from modelpack.errors import ModelpackError
@@ -61,8 +63,11 @@ class CacheScan:
     now: float
     snapshots: list[ScannedSnapshot] = field(default_factory=list)  # least recently used first
     blob_sizes: dict[str, int] = field(default_factory=dict)
-    unmarked_dirs: list[str] = field(default_factory=list)  # snapshots/<hex> without a marker
-    manifest_blobs: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: snapshots/<hex> without a marker: digest -> (path, bytes its removal frees)
+    unmarked_dirs: dict[str, tuple[str, int]] = field(default_factory=dict)
+    manifest_blobs: dict[str, frozenset[str]] = field(default_factory=dict)  # every index.json entry
+    subjects: dict[str, str] = field(default_factory=dict)  # kept referrer -> the model it signs
+    pinned_manifests: set[str] = field(default_factory=set)  # index entries pinned (fills included)
 
     @property
     def ready(self) -> set[str]:
@@ -136,10 +141,22 @@ def scan_cache(store: Store, snapshots: Snapshots, pins: Pins, *, rewrite_clock:
             if info is not None:
                 scan.snapshots.append(_scanned(store, snapshots, pins, info, scan, rewrite_clock))
     ready = scan.ready
-    scan.unmarked_dirs = ["sha256:" + h for h in dirs if "sha256:" + h not in ready]
+    for h in dirs:
+        if "sha256:" + h not in ready:
+            path = snapshots.path("sha256:" + h)
+            scan.unmarked_dirs["sha256:" + h] = (path, tree_bytes(path))
     scan.snapshots.sort(key=lambda s: s.last_used)
-    for m in store.manifest_digests():
+    for doc in store.index_entries():
+        m = doc.get("digest")
+        if not isinstance(m, str):
+            continue
         scan.manifest_blobs[m] = manifest_blobs(store, m)
+        annotations = doc.get("annotations")
+        subject = annotations.get(SUBJECT_ANNOTATION) if isinstance(annotations, dict) else None
+        if isinstance(subject, str):
+            scan.subjects[m] = subject
+        elif pins.is_pinned(m):
+            scan.pinned_manifests.add(m)
     return scan
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.reports import to_ms
-from modelpack.mount.store import FULL_CACHE_HINT, Store
+from modelpack.mount.store import FULL_CACHE_HINT, LockedTemp, Store
 
 from modelpack.errors import (
     DigestMismatchError,
@@ -36,7 +36,7 @@ from modelpack.files import write_error
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget
-from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
+from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_verified
 from modelpack.transfer.staging import private_file
 
 
@@ -241,7 +241,8 @@ class IngestSlot:
     """The node cache's ``PartialSlot``: ``ingest/<hex>.partial``, guarded by the digest lock the
     caller holds. Something at that name that is not the cache's private file (a symlink, another
     uid's, a hard link) is never written into: it is replaced. A lock taken over from a stale
-    holder (``held.exclusive`` false) writes to a private temp file, which is not resumable."""
+    holder (``held.exclusive`` false) writes to a private temp file, which is not resumable (its
+    writer holds a lock on it, so GC keeps it while it is written)."""
 
     def __init__(self, store: Store, digest: Digest, held: HeldLock) -> None:
         self.store = store
@@ -250,7 +251,7 @@ class IngestSlot:
 
     def open(self) -> Partial:
         if not self.held.exclusive:
-            return PrivateTemp(self.store.ingest_dir, self.digest).open()
+            return LockedTemp(self.store.ingest_dir, self.digest).open()
         path = self.store.partial_path(self.digest)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelpack.mount.removals import Removal
+
 from modelpack.oci.digest import Digest
 from modelpack.timestamps import rfc3339_utc, rfc3339_utc_or_none
 
@@ -129,10 +131,12 @@ class GCResult:
     kept_young: list[str] = field(default_factory=list)  # used or published within ``min_age``
     refs_removed: int = 0
     blobs_removed: int = 0
-    bytes_freed: int = 0  # with ``dry_run``: what the eviction would free
+    bytes_freed: int = 0  # with ``dry_run``: what the run would free (the plan's bytes)
     swept: list[str] = field(default_factory=list)
     bytes_before: int = 0
     bytes_after: int = 0
+    #: every removal with its bytes and reason: with ``dry_run`` the plan, else what was done
+    plan: list[Removal] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,4 +152,5 @@ class GCResult:
             "swept": list(self.swept),
             "bytesBefore": self.bytes_before,
             "bytesAfter": self.bytes_after,
+            "plan": [r.to_json() for r in self.plan],
         }

@@ -51,7 +51,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
-from modelpack.mount.store import FULL_CACHE_HINT, Store
+from modelpack.mount.refs import Pins
+from modelpack.mount.store import FULL_CACHE_HINT, LockedTemp, Store
 
 from modelpack.errors import CacheServeError, ModelpackError
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -59,7 +60,7 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import Closable, ReadableTarget
 from modelpack.targets.options import TargetOptions
-from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, WriteHooks, fetch_verified
+from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_verified
 
 log = logging.getLogger("modelpack.mount.serve")
 
@@ -69,6 +70,8 @@ _CHUNK = 1024 * 1024
 _FILL_CHUNK = 256 * 1024
 #: pinned manifests a server fills for, at most
 MAX_PINNED = 64
+#: the index.json annotation naming the ``--fill`` reference a manifest is kept for
+FILL_ANNOTATION = "io.modelpack.cache.fill"
 #: the origin's retry budget and per-read timeout for a fill (a requester is waiting)
 ORIGIN_RETRY_FOR_S = 5.0
 ORIGIN_TIMEOUT_S = 30.0
@@ -91,6 +94,7 @@ class FillSettings:
 class _Pinned:
     target: ReadableTarget
     digest: str
+    reference: str
     raw: bytes = b""
     blobs: dict[str, Descriptor] = field(default_factory=dict)
 
@@ -196,7 +200,7 @@ class Filler:
                 retry_for=min(settings.options.retry_for or ORIGIN_RETRY_FOR_S, ORIGIN_RETRY_FOR_S),
                 timeout=min(settings.options.timeout or ORIGIN_TIMEOUT_S, ORIGIN_TIMEOUT_S),
             )
-            self._pinned.append(_Pinned(_origin_target(text, opts.bound_to(ref)), str(ref.digest)))
+            self._pinned.append(_Pinned(_origin_target(text, opts.bound_to(ref)), str(ref.digest), str(ref)))
         self._lock = threading.Lock()
         self._loaded = False
         self._load_again_at = 0.0  # after a failed manifest fetch: not before this (monotonic)
@@ -225,12 +229,24 @@ class Filler:
                     continue
                 pin.raw = raw
                 pin.blobs = {str(d.digest): d for d in (manifest.config, *manifest.layers)}
+                self._record(pin, media_type)
                 total += manifest.total_size + len(raw)
             self._loaded = all(pin.raw for pin in self._pinned)
             if not self._loaded:
                 self._load_again_at = time.monotonic() + self.settings.retry_after_s
             if self.settings.quota is None and self._loaded:
                 self._quota = 2 * total
+
+    def _record(self, pin: _Pinned, media_type: str) -> None:
+        """Pin the manifest and enter it in ``index.json`` (``FILL_ANNOTATION``: the reference):
+        GC keeps what a node fills for its peers while the pin stands, and frees it after
+        ``cache unpin`` or ``cache rm --force`` of that reference. A record that cannot be written
+        (a full disk) leaves the fill working; GC then may take its blobs, the peers refill."""
+        try:
+            self.store.add_manifest(pin.raw, media_type, annotations={FILL_ANNOTATION: pin.reference})
+            Pins(self.store.root, self.store.owner).add(pin.digest, pin.reference)
+        except (ModelpackError, OSError) as exc:
+            log.warning("fill: cannot record pinned manifest %s: %s", pin.digest, exc)
 
     _quota: int | None = None
 
@@ -378,7 +394,7 @@ class _FillSlot:
         self.fill = fill
 
     def open(self) -> Partial:
-        partial = PrivateTemp(self.store.ingest_dir, self.digest, tag="fill-").open()
+        partial = LockedTemp(self.store.ingest_dir, self.digest, tag="fill-").open()
         try:
             self.fill._opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except BaseException:
@@ -403,6 +419,7 @@ __all__ = [
     "BUSY",
     "DONE",
     "FAILED",
+    "FILL_ANNOTATION",
     "MISS",
     "READY",
     "RUNNING",

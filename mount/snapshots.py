@@ -41,6 +41,7 @@ from modelpack.mount.modes import (
     read_trusted,
     untrusted_reason,
 )
+from modelpack.mount.removals import Removal
 from modelpack.mount.snapshot_files import SnapshotFile, materialise
 from modelpack.mount.store import Store
 from modelpack.mount.treewalk import make_read_only
@@ -361,13 +362,18 @@ class Snapshots:
                 os.close(fd)
 
     def sweep(self, *, temp_ttl: float = TEMP_FILE_TTL_S) -> list[str]:
-        """Remove what crashed builders and writers left in ``snapshots/``; returns what was removed.
+        """Remove what crashed builders and writers left in ``snapshots/`` (``leftovers``);
+        returns what is really gone."""
+        return [r.what for r in self.leftovers(temp_ttl=temp_ttl) if self.remove_leftover(r)]
+
+    def leftovers(self, *, temp_ttl: float = TEMP_FILE_TTL_S) -> list[Removal]:
+        """What crashed builders and writers left in ``snapshots/``, removing nothing.
 
         ``.tmp-modelpack-*`` directories are snapshot builds (names end in ``-<pid>-<random>``):
         a live builder's is left alone. ``.tmp-modelpack-*`` files are markers and records being
-        written atomically (``mkstemp`` names, no pid): removed only when older than ``temp_ttl``,
-        as the store does. Only what is really gone is reported."""
-        removed = []
+        written atomically (``mkstemp`` names, no pid): only when older than ``temp_ttl``, as the
+        store does. Lease and trust files of snapshots that no longer exist, unless held."""
+        out: list[Removal] = []
         now = time.time()
         for entry in list(os.scandir(self.dir)):
             if not entry.name.startswith(TEMP_PREFIX):
@@ -378,11 +384,10 @@ class Snapshots:
                 continue
             age = age_since(entry.path, st.st_mtime, now)
             if not stat.S_ISDIR(st.st_mode):
-                if age < temp_ttl:
-                    continue  # possibly another process's marker, being written right now
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(entry.path)
+                if age >= temp_ttl:  # a younger one may be another process's marker, being written
+                    out.append(
+                        Removal("build", entry.path, st.st_size, "a record's temp file, older than the TTL")
+                    )
                 continue
             parts = entry.name[len(TEMP_PREFIX) :].split("-")
             pid = int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else None
@@ -390,9 +395,7 @@ class Snapshots:
                 continue
             if pid is None and age < temp_ttl:
                 continue  # not one of our build names: only when clearly abandoned
-            remove_tree(entry.path)
-            if not os.path.lexists(entry.path):
-                removed.append(entry.path)
+            out.append(Removal("build", entry.path, tree_bytes(entry.path), "its builder is gone"))
         # lease/trust files of snapshots that no longer exist (a reader asked for a missing one)
         for entry in list(os.scandir(self.dir)):
             for suffix in (LEASE_SUFFIX, ".trust.json"):
@@ -401,15 +404,47 @@ class Snapshots:
                 base = os.path.join(self.dir, entry.name[: -len(suffix)])
                 if os.path.lexists(base) or os.path.exists(base + MARKER_SUFFIX):
                     continue
-                fd = try_exclusive(entry.path)
-                if fd is None and suffix == LEASE_SUFFIX and os.path.lexists(entry.path):
+                if suffix == LEASE_SUFFIX and self._held(entry.path):
                     continue  # someone holds it right now
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(entry.path)
-                if fd is not None:
-                    os.close(fd)
-        return removed
+                    size = entry.stat(follow_symlinks=False).st_size
+                    out.append(Removal("record", entry.path, size, "its snapshot no longer exists"))
+        return out
+
+    @staticmethod
+    def _held(path: str) -> bool:
+        fd = try_exclusive(path)
+        if fd is None:
+            return os.path.lexists(path)
+        os.close(fd)
+        return False
+
+    def remove_leftover(self, leftover: Removal) -> bool:
+        """Remove one of ``leftovers`` (a lease someone took since stays); True when gone."""
+        path = leftover.what
+        if leftover.kind == "record" and path.endswith(LEASE_SUFFIX) and self._held(path):
+            return False
+        if os.path.isdir(path) and not os.path.islink(path):
+            remove_tree(path)
+            return not os.path.lexists(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes a tree's removal frees: its files that are not also linked elsewhere (a snapshot's
+    hard links to blobs free nothing while the blob stays). Symlinks are never followed."""
+    total = 0
+    for top, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(top, name))
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                    total += st.st_size
+    return total
 
 
 def _make_read_only(root: str) -> None:

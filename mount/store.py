@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -46,18 +47,22 @@ from modelpack.mount.modes import (
     read_trusted,
     trusted_file,
 )
+from modelpack.mount.removals import Removal
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import ModelpackError, NotFoundError, StoreError
 from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
-from modelpack.transfer.blob_writer import Landing, PrivateTemp, open_writer
+from modelpack.transfer.blob_writer import Landing, Partial, PrivateTemp, open_writer
 
 PARTIAL_SUFFIX = ".partial"
 LAYOUT_FILE = b'{"imageLayoutVersion":"1.0.0"}'
 MAX_INDEX_BYTES = 64 * 1024 * 1024
 MAX_SMALL_BLOB_BYTES = 4 * 1024 * 1024
+#: an unlocked temp file this old is a dead writer's; an unheld partial this old is not resumed
+TEMP_TTL_S = 3600.0
+PARTIAL_TTL_S = 86400.0
 #: quarantined blobs are kept this long (evidence for a person), then swept
 QUARANTINE_TTL_S = 7 * 86400.0
 #: what a person does about a full disk under the cache
@@ -152,7 +157,7 @@ class Store:
         landing = Landing(
             self.blob_path(desc.digest), mode=READ_ONLY_FILE_MODE, full_disk_hint=FULL_CACHE_HINT
         )
-        with open_writer(PrivateTemp(self.ingest_dir, desc.digest), desc) as w:
+        with open_writer(LockedTemp(self.ingest_dir, desc.digest), desc) as w:
             w.write(data, landing)
             w.commit(desc.size, desc.digest, landing)
 
@@ -292,58 +297,76 @@ class Store:
             return 0
         return st.st_size if stat.S_ISREG(st.st_mode) and st.st_uid in (self.owner, 0) else 0
 
-    def sweep(self, *, temp_ttl: float = 3600.0, partial_ttl: float = 86400.0) -> list[str]:
-        """Remove what a crash left behind; returns the removed paths.
+    def sweep(self, *, temp_ttl: float = TEMP_TTL_S, partial_ttl: float = PARTIAL_TTL_S) -> list[str]:
+        """Remove what a crash left behind (``leftovers``); returns the removed paths."""
+        return [
+            r.what
+            for r in self.leftovers(temp_ttl=temp_ttl, partial_ttl=partial_ttl)
+            if self.remove_leftover(r)
+        ]
 
-        Temp files (``.tmp-modelpack-*``) older than ``temp_ttl`` go; a ``.partial`` goes when
-        nobody holds its digest lock and either its blob is committed or it is older than
-        ``partial_ttl`` (a younger one is kept so the next pull can resume it); a quarantined
-        blob goes after ``QUARANTINE_TTL_S``.
+    def leftovers(self, *, temp_ttl: float = TEMP_TTL_S, partial_ttl: float = PARTIAL_TTL_S) -> list[Removal]:
+        """What a crash left behind, without removing anything (GC's plan and its dry run).
+
+        A temp file (``.tmp-modelpack-*``) goes when no writer holds its lock (``LockedTemp``:
+        its writer holds a flock on it while it writes, so liveness never rests on an mtime a
+        clock step or a restored backup can move) and it is older than ``temp_ttl``; a
+        ``.partial`` goes when nobody holds its digest lock and either its blob is committed or
+        it is older than ``partial_ttl`` (a younger one is kept so the next pull can resume it);
+        a quarantined blob goes after ``QUARANTINE_TTL_S``.
         """
-        removed: list[str] = []
+        out: list[Removal] = []
         now = time.time()
         with contextlib.suppress(FileNotFoundError, PermissionError):
             for entry in list(os.scandir(self.quarantine_dir)):
                 with contextlib.suppress(FileNotFoundError):
-                    if (
-                        age_since(entry.path, entry.stat(follow_symlinks=False).st_ctime, now)
-                        >= QUARANTINE_TTL_S
-                    ):
-                        os.unlink(entry.path)
-                        removed.append(entry.path)
+                    st = entry.stat(follow_symlinks=False)
+                    if age_since(entry.path, st.st_ctime, now) >= QUARANTINE_TTL_S:
+                        out.append(Removal("quarantined", entry.path, st.st_size, "past the quarantine TTL"))
         for directory in (self.blobs_dir, self.ingest_dir, self.root):
             for entry in list(os.scandir(directory)):
                 if not entry.name.startswith(TEMP_PREFIX):
                     continue
-                try:
-                    if entry.is_file(follow_symlinks=False) and (
-                        age_since(entry.path, entry.stat(follow_symlinks=False).st_mtime, now) >= temp_ttl
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat(follow_symlinks=False)
+                    if (
+                        stat.S_ISREG(st.st_mode)
+                        and age_since(entry.path, st.st_mtime, now) >= temp_ttl
+                        and not is_locked(entry.path)
                     ):
-                        os.unlink(entry.path)
-                        removed.append(entry.path)
-                except FileNotFoundError:
-                    pass
+                        out.append(
+                            Removal("temp", entry.path, st.st_size, "no writer holds it, older than the TTL")
+                        )
         for entry in list(os.scandir(self.ingest_dir)):
             if not entry.name.endswith(PARTIAL_SUFFIX):
                 continue
-            hexd = entry.name[: -len(PARTIAL_SUFFIX)]
             try:
-                digest = Digest.from_hex(hexd)
+                digest = Digest.from_hex(entry.name[: -len(PARTIAL_SUFFIX)])
             except ModelpackError:
                 continue
             if is_locked(self.lock_path(digest)):
                 continue
-            try:
-                committed = os.path.exists(self.blob_path(digest))
-                if (
-                    committed
-                    or age_since(entry.path, entry.stat(follow_symlinks=False).st_mtime, now) >= partial_ttl
-                ):
-                    os.unlink(entry.path)
-                    removed.append(entry.path)
-            except FileNotFoundError:
-                pass
-        return removed
+            with contextlib.suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                if os.path.exists(self.blob_path(digest)):
+                    out.append(Removal("partial", entry.path, st.st_size, "its blob is committed"))
+                elif age_since(entry.path, st.st_mtime, now) >= partial_ttl:
+                    out.append(Removal("partial", entry.path, st.st_size, "nobody resumed it within the TTL"))
+        return out
+
+    def remove_leftover(self, leftover: Removal) -> bool:
+        """Remove one of ``leftovers``, unless a writer took its lock since; True when gone."""
+        if leftover.kind == "temp" and is_locked(leftover.what):
+            return False
+        if leftover.kind == "partial":
+            hexd = os.path.basename(leftover.what)[: -len(PARTIAL_SUFFIX)]
+            if is_locked(self.lock_path(Digest.from_hex(hexd))):
+                return False
+        try:
+            os.unlink(leftover.what)
+        except FileNotFoundError:
+            return False
+        return True
 
     def size_on_disk(self) -> int:
         total = 0
@@ -357,6 +380,20 @@ class Store:
                     with contextlib.suppress(FileNotFoundError):
                         total += entry.stat(follow_symlinks=False).st_size
         return total
+
+
+class LockedTemp:
+    """A ``PrivateTemp`` whose writer holds an exclusive flock on it while it writes: the lock is
+    how GC tells a live writer's temp file from a dead one's (``Store.leftovers``), whatever its
+    mtime says. The lock goes with the file descriptor, so a writer that dies releases it."""
+
+    def __init__(self, directory: str, digest: Digest, *, tag: str = "") -> None:
+        self._temp = PrivateTemp(directory, digest, tag=tag)
+
+    def open(self) -> Partial:
+        partial = self._temp.open()
+        fcntl.flock(partial.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh O_EXCL file: nobody else has it
+        return partial
 
 
 def _empty_index() -> dict[str, Any]:

@@ -284,7 +284,11 @@ def cache_unpin(reference: str, cache_dir: str | None) -> None:
     help="A reader lease held only by other users' processes keeps a snapshot at most DURATION "
     "after the cache owner last used it (the owner's and root's leases count however old).",
 )
-@click.option("--dry-run", is_flag=True, help="Say what would be evicted and freed; delete nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (each removal, its size and reason) the real run would execute; delete nothing.",
+)
 @events_option
 @json_option
 @handle_errors
@@ -319,8 +323,11 @@ def cache_gc(
         emit_json(res.to_json())
         return
     if dry_run:
+        for r in res.plan:  # the plan the real run executes, item by item
+            click.echo(f"would remove {r.kind} {r.what} ({human_size(r.bytes)}): {r.reason}")
         click.echo(
-            f"would evict {len(res.evicted)} snapshots; would free {human_size(res.bytes_freed)} "
+            f"would evict {len(res.evicted)} snapshots, remove {res.blobs_removed} blobs and "
+            f"{len(res.swept)} leftovers; would free {human_size(res.bytes_freed)} "
             f"of {human_size(res.bytes_before)}; kept {len(res.kept_in_use)} in use, "
             f"{len(res.kept_pinned)} pinned, {len(res.kept_pulling)} being pulled, "
             f"{len(res.kept_held)} held, {len(res.kept_young)} younger than --min-age"
