@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -318,7 +317,7 @@ def pull_trusted(
     result = pull_to_directory(pinned.target, pinned.digest, dest_dir, options)
     pinned.accept()
     result.reference = str(ref)
-    result.start_id = resolve_start_id() or uuid.uuid4().hex
+    result.start_id = resolve_start_id()
     if pinned.verification is not None:
         result.signature = str(pinned.verification.status)
     if pinned.variant is not None:
