@@ -144,7 +144,7 @@ def main() -> None:
             )
         )
         digest = pulled["digest"]
-        print(f"snapshot {pulled['path']}\n  state {pulled['state']}, digest {digest}")
+        print(f"snapshot {pulled['path']}\n  state {pulled['cache']['state']}, digest {digest}")
 
         pub = load_public_key(str(OUT / "ci.pub"))
 
@@ -169,7 +169,7 @@ def main() -> None:
                 raise SystemExit("t9 check failed: logits differ")
 
         step("5. load the snapshot through the streaming loader, t9 check against the original logits")
-        start("start-1", pulled["path"], state=pulled["state"])
+        start("start-1", pulled["path"], state=pulled["cache"]["state"])
 
         step("6. start 2: the same pull is a node-cache hit (no hashing, no download)")
         pinned = f"{ref.rsplit(':', 1)[0]}@{digest}"  # consumers pin digests: no tag lookup at all
@@ -188,8 +188,8 @@ def main() -> None:
                 show=False,
             )
         )
-        print(f"  state {again['state']}")
-        start("start-2", again["path"], state=again["state"])
+        print(f"  state {again['cache']['state']}")
+        start("start-2", again["path"], state=again["cache"]["state"])
 
         if server is not None:
             step("7. start 3: stream straight from the registry by range reads, chunk-verified")

@@ -12,7 +12,6 @@ untouched (it loads into fresh tensors and swaps them in at the end).
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack
@@ -204,7 +203,7 @@ def iter_tensors(
     st = stats if stats is not None else LoadStats()
     # one start = one id across the node cache's and the loader's events (the k8s recipes set
     # MODELPACK_START_ID to the pod UID in both containers)
-    st.start_id = resolve_start_id(req.start_id) or uuid.uuid4().hex
+    st.start_id = resolve_start_id(req.start_id)
     log = _event_log(req.events)
     try:
         prep = prepare(

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -560,7 +561,7 @@ START_ID = _setting(
     word,
     None,
     "Groups one model start's events across processes (init container → engine; the pod UID in "
-    "the generated manifests); else a fresh id.",
+    "the generated manifests); else a fresh id (32 hex characters) made by each entry point.",
     kind="id",
     group=_EVENTS,
 )
@@ -582,10 +583,11 @@ DEBUG = _setting(
 )
 
 
-def resolve_start_id(given: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
-    """The start id: ``given`` (a flag, a setting), else ``MODELPACK_START_ID``, else None (the
-    caller makes a fresh one, of its own length). The one place the start id is read."""
-    return given or START_ID.get(environ)
+def resolve_start_id(given: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The start id: ``given`` (a flag, a setting), else ``MODELPACK_START_ID`` verbatim, else a
+    fresh one (32 lowercase hex characters, a uuid4). The one place a start id is read or made,
+    so a pull's, a load's and an asset lookup's ids have one form whichever made them."""
+    return given or START_ID.get(environ) or uuid.uuid4().hex
 
 
 def share_with_child_processes(*, t0: float, start_id: str) -> None:

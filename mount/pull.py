@@ -22,7 +22,6 @@ import dataclasses
 import errno
 import os
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -94,7 +93,7 @@ class Puller:
         ref = parse_reference(reference) if isinstance(reference, str) else reference
         ref_text = str(ref)
         # one start_id groups a model start's events across processes (init container → loader)
-        sid = resolve_start_id(start_id) or uuid.uuid4().hex[:16]
+        sid = resolve_start_id(start_id)
         timings: dict[str, float] = {}
 
         def ev(name: str, **fields: Any) -> None:

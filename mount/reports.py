@@ -13,6 +13,7 @@ from modelpack.mount.removals import Removal
 
 from modelpack.oci.digest import Digest
 from modelpack.timestamps import rfc3339_utc, rfc3339_utc_or_none
+from modelpack.transfer.pull_document import pull_document
 
 
 def to_ms(seconds: float) -> float:
@@ -44,30 +45,29 @@ class PullResult:
     variant: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "reference": self.reference,
-            "digest": str(self.digest),
-            "path": self.path,
+        """``pull --json`` for the node cache (``pull_document``: the same keys as a directory
+        pull; hit or cold, what the store already had and the GC hold under ``cache``)."""
+        details: dict[str, Any] = {
             "state": self.state,
-            "files": self.files,
-            "bytes": {
-                "total": self.bytes_total,
-                "downloaded": self.bytes_downloaded,
-                "reused": self.bytes_reused,
-                "resumed": self.bytes_resumed,
-            },
+            "bytes": {"total": self.bytes_total, "reused": self.bytes_reused, "resumed": self.bytes_resumed},
             "blobs": {"downloaded": self.blobs_downloaded, "reused": self.blobs_reused},
-            "timingsMs": dict(self.timings),
-            "startId": self.start_id,
-            "signature": self.signature,
         }
         if self.hold_path:
-            out["hold"] = {"path": self.hold_path, "until": rfc3339_utc(self.hold_until)}
-        if self.variant is not None:
-            out["variant"] = self.variant
-        if self.bytes_by_source:
-            out["bytesBySource"] = dict(self.bytes_by_source)
-        return out
+            details["hold"] = {"path": self.hold_path, "until": rfc3339_utc(self.hold_until)}
+        return pull_document(
+            mode="cache",
+            reference=self.reference,
+            digest=str(self.digest),
+            path=self.path,
+            files=self.files,
+            bytes_downloaded=self.bytes_downloaded,
+            bytes_by_source=self.bytes_by_source,
+            timings_ms=self.timings,
+            signature=self.signature,
+            start_id=self.start_id,
+            variant=self.variant,
+            details=details,
+        )
 
 
 @dataclass

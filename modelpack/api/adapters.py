@@ -208,11 +208,11 @@ class BasePullResult:
     base: Any = None  # the base's own PullResult (directory or node cache)
 
     def to_json(self) -> dict[str, Any]:
+        """``pull --with-adapters --json``: the base's pull document (the one ``pull --json``
+        prints, under the reference as asked for) with the adapters taken and those left out."""
         return {
+            **self.base.to_json(),
             "reference": self.reference,
-            "digest": self.digest,
-            "path": self.path,
-            "base": self.base.to_json() if self.base is not None else None,
             "adapters": [a.to_json() for a in self.adapters],
             "skippedAdapters": self.skipped,
         }

@@ -21,6 +21,7 @@ from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.oci.variant_selection import VariantSelector
 from modelpack.packing.packer import PackOptions
+from modelpack.settings import resolve_start_id
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.transfer.copy import CopyResult, copy
 from modelpack.transfer.materialize import PullOptions, PullResult, pull_to_directory
@@ -315,6 +316,12 @@ def pull_trusted(
     )
     result = pull_to_directory(pinned.target, pinned.digest, dest_dir, options)
     pinned.accept()
+    result.reference = str(ref)
+    result.start_id = resolve_start_id()
+    if pinned.verification is not None:
+        result.signature = str(pinned.verification.status)
+    if pinned.variant is not None:
+        result.variant = pinned.variant.to_json()
     return pinned, result
 
 

@@ -21,7 +21,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,7 +222,7 @@ def _from_cache(
     ref: Reference,
     asset: StoredAsset,
     policy: PolicyOrKeys | None,
-    start_id: str | None,
+    start_id: str,
     outcome: dict[str, str],
     max_bytes: int | None,
 ) -> Fill:
@@ -240,7 +239,7 @@ def _from_cache(
                 policy=_asset_policy(policy, ref) if policy is not None else None,
                 source=target,
                 # its own start: the asset's cold/hit must not read as the model's in a timeline
-                start_id=f"{start_id}.assets" if start_id else uuid.uuid4().hex[:16],
+                start_id=f"{start_id}.assets",
             )
         except SignatureRefused as exc:
             raise _Refusal(f"signature: {exc.reason}", SIGNATURE_REFUSED) from exc

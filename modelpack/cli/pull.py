@@ -72,11 +72,11 @@ def pull_into_directory(
     options: PullOptions,
     kwargs: dict[str, Any],
     selector: VariantSelector,
-) -> tuple[PullResult, dict[str, Any] | None]:
+) -> PullResult:
     """``pull REF DIR``: the trust flags (--key/--policy/--events) become the policy of
     ``modelpack.pull``'s trusted-resolve step (index verified, entry selected and verified,
     pinned by digest before a file is written); ``--signature`` is written afterwards with the
-    policy's keys. Returns the pull and the variant taken (None: not an index)."""
+    policy's keys."""
     if kwargs.pop("allow_rollback", False):
         raise click.UsageError(
             "--allow-rollback applies to --cache pulls (the node cache keeps the tag history)"
@@ -104,7 +104,7 @@ def pull_into_directory(
 
         desc = pinned.target.resolve(pinned.digest)
         write_directory_signature(pinned.target, desc, signature, list(pinned.keys) or None)
-    return result, pinned.variant.to_json() if pinned.variant is not None else None
+    return result
 
 
 def pull_into_cache(
@@ -344,12 +344,12 @@ def pull_cmd(
         max_bytes=max_bytes,
         keep_prefix=keep_prefix,
     )
-    result, chosen = pull_into_directory(reference, dest_dir, options, kwargs, selector)
+    result = pull_into_directory(reference, dest_dir, options, kwargs, selector)
     if as_json:
-        emit_json({**result.to_json(), **({"variant": chosen} if chosen else {})})
+        emit_json(result.to_json())
         return
-    if chosen:
-        fields = " ".join(f"{k}={v}" for k, v in chosen["variant"].items())
-        click.echo(f"variant {for_terminal(fields)} of index {chosen['index']}", err=True)
+    if result.variant:
+        fields = " ".join(f"{k}={v}" for k, v in result.variant["variant"].items())
+        click.echo(f"variant {for_terminal(fields)} of index {result.variant['index']}", err=True)
     report_pull(result)
     click.echo(result.digest)

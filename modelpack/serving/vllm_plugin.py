@@ -4,7 +4,6 @@ checks ``--model`` before vLLM reads anything from it."""
 from __future__ import annotations
 
 import functools
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +26,9 @@ def register() -> None:
     artifact first (``model_dir.check_before_vllm_reads``).
     """
     from modelpack.serving.weights import process_start_time
-    from modelpack.settings import share_with_child_processes
+    from modelpack.settings import resolve_start_id, share_with_child_processes
 
-    share_with_child_processes(t0=process_start_time(), start_id=uuid.uuid4().hex)
+    share_with_child_processes(t0=process_start_time(), start_id=resolve_start_id())
     guard_model_directory()
     from modelpack.serving import vllm_loader  # noqa: F401  (the decorator registers the format)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +180,8 @@ def open_rank_load(
     Writes t0 (``serving.start``) first, so even a refused start shows in ``modelpack timeline``.
     """
     env = os.environ if environ is None else environ
-    sid_default = env_settings.resolve_start_id(None, env) or uuid.uuid4().hex
     events: EventLog = NullEventLog()
-    start_id = sid_default
+    start_id = env_settings.resolve_start_id(None, env)  # the settings may name another
     try:
         settings = ServingSettings.from_extra_config(extra_config, env)
     except ModelpackError as exc:
@@ -195,7 +193,7 @@ def open_rank_load(
         raise
     if settings.events:
         events = EventLog(settings.events)
-    start_id = settings.start_id or sid_default
+    start_id = settings.start_id or start_id
     events.emit(
         "serving.start",
         ts=start_time(env),

@@ -47,6 +47,7 @@ from modelpack.transfer.blob_writer import Downloaded, Landing, WriteHooks, fetc
 from modelpack.transfer.cancel import Cancel, CancellableReader
 from modelpack.transfer.dest_lock import destination_locked
 from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
+from modelpack.transfer.pull_document import pull_document
 from modelpack.transfer.pull_options import PullOptions
 from modelpack.transfer.staging import BesideFinal, StagingDir, partial_path, sweep
 from modelpack.transfer.untar import ClaimedPaths, ExpansionBudget, extract_tar_files
@@ -136,22 +137,37 @@ class PullResult:
     swept: list[str] = field(default_factory=list)  # temp entries of dead pulls removed
     bytes_by_source: dict[str, int] = field(default_factory=dict)  # mirror/origin → blob bytes
     seconds: float = 0.0
+    #: set by the trusted pull (``api.transfer.pull_trusted``): the reference as asked for, the
+    #: trust step's verdict, the index entry taken, and the start these events belong to
+    reference: str = ""
+    signature: str = "not-checked"
+    variant: dict[str, Any] | None = None
+    start_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "digest": self.digest,
-            "destination": self.dest_dir,
-            "files": self.files,
-            "downloaded": self.downloaded,
-            "present": self.present,
-            "replaced": self.replaced,
-            "bytesDownloaded": self.bytes_downloaded,
-            "resumedBytes": self.resumed_bytes,
-            "extraFiles": self.extra_files,
-            "deleted": self.deleted,
-            "bytesBySource": self.bytes_by_source,
-            "seconds": round(self.seconds, 3),
-        }
+        """``pull --json`` for a directory (``pull_document``: the same keys as a cache pull)."""
+        return pull_document(
+            mode="directory",
+            reference=self.reference,
+            digest=self.digest,
+            path=self.dest_dir,
+            files=len(self.files),
+            bytes_downloaded=self.bytes_downloaded,
+            bytes_by_source=self.bytes_by_source,
+            timings_ms={"total": round(self.seconds * 1000.0, 3)},
+            signature=self.signature,
+            start_id=self.start_id,
+            variant=self.variant,
+            details={
+                "paths": self.files,
+                "downloaded": self.downloaded,
+                "present": self.present,
+                "replaced": self.replaced,
+                "resumedBytes": self.resumed_bytes,
+                "extraFiles": self.extra_files,
+                "deleted": self.deleted,
+            },
+        )
 
 
 def _budget(dest: str, max_bytes: int | None, raw_bytes: int) -> ExpansionBudget:

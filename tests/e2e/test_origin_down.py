@@ -105,7 +105,7 @@ def test_offline_starts_from_the_local_cache_and_the_kserve_initializer_through_
     )
     assert again.returncode == 0, again.stderr
     hit = json.loads(again.stdout)
-    assert hit["state"] == "hit" and hit["signature"] == "verified"
+    assert hit["cache"]["state"] == "hit" and hit["signature"] == "verified"
     loaded = run(tmp_path, "load", hit["path"], "--expected-digest", model.digest, "--json")
     assert loaded.returncode == 0, loaded.stderr
     assert json.loads(loaded.stdout)["tensors"] > 0

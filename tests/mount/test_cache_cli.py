@@ -32,8 +32,8 @@ def test_pull_cache_json_then_hit_and_maintenance(registry, checkpoint: Path, tm
     code, out, err = _run("pull", ref, "--cache", cache, "--json", "--plain-http")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["digest"] == digest and doc["state"] == "cold" and Path(doc["path"]).is_dir()
-    assert doc["bytes"]["downloaded"] == doc["bytes"]["total"] > 0
+    assert doc["digest"] == digest and doc["cache"]["state"] == "cold" and Path(doc["path"]).is_dir()
+    assert doc["bytesDownloaded"] == doc["cache"]["bytes"]["total"] > 0
     code, out, err = _run("pull", f"{ref.rsplit(':', 1)[0]}@{digest}", "--cache", cache, "--events", "-")
     assert code == 0, err
     assert out.strip() == doc["path"]  # plain output: the snapshot path on stdout

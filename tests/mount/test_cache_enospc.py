@@ -121,6 +121,6 @@ def test_full_disk_mid_download_keeps_the_partial_and_names_it(
             again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
             assert again.returncode == 0, again.stderr
             doc = json.loads(again.stdout)
-            assert doc["bytes"]["resumed"] > 0, doc["bytes"]
+            assert doc["cache"]["bytes"]["resumed"] > 0, doc["cache"]
     finally:
         proxy.close()

@@ -83,8 +83,9 @@ def test_json_counters_count_a_complete_partial_once(layout: tuple[str, Manifest
     half = min((x for x in manifest.layers if x.size > 1000), key=lambda x: x.size)
     with open(OCILayoutTarget(ref[4:].rsplit(":", 1)[0]).blob_path(half.digest), "rb") as f:
         Path(cache.store.partial_path(half.digest)).write_bytes(f.read(half.size // 2))
-    res = cache.pull(ref).to_json()["bytes"]
-    assert res["downloaded"] + res["reused"] == res["total"], res
+    doc = cache.pull(ref).to_json()
+    res = doc["cache"]["bytes"]
+    assert doc["bytesDownloaded"] + res["reused"] == res["total"], doc
     assert res["resumed"] == big.size + half.size // 2
 
 
@@ -115,7 +116,7 @@ def test_pull_hold_keeps_the_snapshot_through_gc_until_it_expires(
     code, out, err = _run("pull", ref, "--cache", cache, "--hold", "2s", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    until = datetime.datetime.strptime(doc["hold"]["until"], "%Y-%m-%dT%H:%M:%SZ")
+    until = datetime.datetime.strptime(doc["cache"]["hold"]["until"], "%Y-%m-%dT%H:%M:%SZ")
     assert (
         until.replace(tzinfo=datetime.timezone.utc).timestamp() > time.time() - 1
     )  # RFC 3339 UTC, whole seconds

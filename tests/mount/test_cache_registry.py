@@ -143,15 +143,15 @@ def test_eight_processes_one_download_per_blob(registry, proxy, tmp_path: Path) 
     results = [finish(p) for p in procs]
     assert {r["digest"] for r in results} == {digest}
     assert len({r["path"] for r in results}) == 1
-    total = results[0]["bytes"]["total"]
-    assert sum(r["bytes"]["downloaded"] for r in results) == total  # downloaded once in all
+    total = results[0]["cache"]["bytes"]["total"]
+    assert sum(r["bytesDownloaded"] for r in results) == total  # downloaded once in all
     assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values())
     assert proxy.total_blob_bytes() == total
     gets = _blob_gets(registry, mark)
     assert gets and all(n == 1 for n in gets.values()), gets
     # they really overlapped: others waited on the lock of the one downloading, then reused it
     assert len(_events(cache_dir, "cache.lock_wait")) >= 1
-    assert sum(r["state"] == "cold" for r in results) >= 1
+    assert sum(r["cache"]["state"] == "cold" for r in results) >= 1
     cache = NodeCache(str(cache_dir))
     assert [e.digest for e in cache.ls()] == [digest]
     assert all(r.ok for r in cache.verify())
@@ -245,7 +245,7 @@ def test_gc_during_pull_and_while_in_use_deletes_neither(registry, proxy, tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert done["digest"] == new and done["state"] == "cold"
+    assert done["digest"] == new and done["cache"]["state"] == "cold"
     ready = {e.digest for e in cache.ls()}
     assert ready == {used, new}
     assert all(r.ok for r in cache.verify())

@@ -91,7 +91,7 @@ def test_kill_at_every_step_of_the_repair_never_republishes_a_bad_blob(
             assert rc in (-9, 137), (name, k, rc)
             kills += 1
             doc = _pull(ref, cache)
-            if doc["state"] == "hit":
+            if doc["cache"]["state"] == "hit":
                 # killed before the repair changed anything: the damage found before is still
                 # there as it was (a hit trusts its marker), and the next verify finds it again
                 assert _sha256(cache / "blobs" / "sha256" / bad.split(":")[1]) != bad, (name, k)
@@ -100,7 +100,7 @@ def test_kill_at_every_step_of_the_repair_never_republishes_a_bad_blob(
                 doc = _pull(ref, cache)
             snapshot = Path(doc["path"])
             got = {rel: _sha256(snapshot / rel) for rel in truth}
-            assert got == truth, (name, k, doc["state"], doc["bytes"])
+            assert got == truth, (name, k, doc["cache"])
             shutil.rmtree(cache)
     assert kills >= 2 and untouched < kills
-    assert first["bytes"]["downloaded"] > 0
+    assert first["bytesDownloaded"] > 0

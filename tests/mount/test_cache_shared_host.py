@@ -182,10 +182,10 @@ def test_a_reader_of_another_uid_uses_roots_cache_and_nobody_uses_its_own(shared
     os.chmod(roots, 0o755)  # the operator opened it to every local user
     res = cli("pull", ref, "--cache", str(roots), "--json", user="nobody")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["state"] == "hit"
+    assert json.loads(res.stdout)["cache"]["state"] == "hit"
     own = shared / "tmp" / "own"
     res = cli("pull", ref, "--cache", str(own), "--json", user="nobody")
-    assert res.returncode == 0 and json.loads(res.stdout)["state"] == "cold", res.stderr
+    assert res.returncode == 0 and json.loads(res.stdout)["cache"]["state"] == "cold", res.stderr
 
 
 # ------------------------------------------------------------------------ 22.7 tree walks
@@ -343,7 +343,7 @@ def test_a_new_cache_root_is_not_world_readable_and_a_serving_group_reads_it(sha
     os.chown(cache_root, 0, NOGROUP_GID)
     res = cli("pull", ref, "--cache", str(cache_root), "--json", user="nobody")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["state"] == "hit"
+    assert json.loads(res.stdout)["cache"]["state"] == "hit"
     assert stat.S_IMODE(os.stat(cache_root).st_mode) == 0o750
 
 

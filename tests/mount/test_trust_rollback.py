@@ -173,7 +173,7 @@ def test_a_tag_moved_back_to_an_older_signed_version_is_refused(
         )
     accepted = _state(published.pull(cache))
     assert accepted["digest"] == published.digests["v2"]
-    assert _state(published.pull(cache))["state"] == "hit"  # the same version again: fine
+    assert _state(published.pull(cache))["cache"]["state"] == "hit"  # the same version again: fine
     published.retag("v1")
 
     refused = published.pull(cache)

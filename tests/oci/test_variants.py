@@ -428,7 +428,7 @@ def test_the_node_cache_keeps_each_variant_once_records_the_index_and_a_pinned_p
     hit = json.loads(
         _cli("pull", dead, "--cache", str(cache), "--variant", "precision=bf16", "--json").stdout
     )
-    assert hit["state"] == "hit" and hit["digest"] == v.bf16
+    assert hit["cache"]["state"] == "hit" and hit["digest"] == v.bf16
     off = _cli("pull", dead, "--cache", str(cache), "--variant", "precision=f16", ok=False)
     assert "no variant fits" in off.stderr  # selection still fails closed offline
 

@@ -92,6 +92,27 @@ def test_the_kserve_initializer_takes_the_entry_the_environment_names_with_and_w
     assert not pod.files(pod.dest("none"))
 
 
+def test_the_kserve_initializer_selects_from_the_environ_it_was_given_not_the_process_one(
+    index: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``InitializerSettings.from_environ(env)`` carries the variant selector of ``env``: the
+    initializer takes the entry that mapping names even when the process environment names
+    another, as it does for every other setting."""
+    from modelpack.serving.kserve.initializer import StorageInitializer, parse_pairs
+    from modelpack.serving.kserve.settings import InitializerSettings
+
+    monkeypatch.setenv("MODELPACK_VARIANT", "precision=f32")
+    settings = InitializerSettings.from_environ(
+        {"MODELPACK_PLAIN_HTTP": "true", "MODELPACK_VARIANT": "precision=bf16"}
+    )
+    dest = tmp_path / "model"
+    pairs = parse_pairs([f"modelpack://{index['host']}/variants/serving:v1", str(dest)])
+    (result,) = StorageInitializer(settings, say=lambda _: None).run(pairs)
+    assert result.digest == index["bf16"]
+    got = {p.name: "sha256:" + hashlib.sha256(p.read_bytes()).hexdigest() for p in dest.iterdir()}
+    assert got == _files(index["host"], index["bf16"])
+
+
 def test_the_vllm_load_format_streams_the_entry_for_its_tp_size_and_checks_the_model_dir(
     index: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -97,7 +97,10 @@ def test_keyless_signature_is_trusted_by_its_identity_and_pulls(
         res = CliRunner().invoke(main, ["pull", r, "--cache", str(cache), "--policy", str(policy), "--json"])
         assert res.exit_code == 0, res.output
         outcomes.append(json.loads(res.output))
-    assert [(o["state"], o["signature"]) for o in outcomes] == [("cold", "verified"), ("hit", "verified")]
+    assert [(o["cache"]["state"], o["signature"]) for o in outcomes] == [
+        ("cold", "verified"),
+        ("hit", "verified"),
+    ]
     # the pinned hit was trusted from the cache's record of the identity: no signature fetched
     assert "signature" not in outcomes[1]["timingsMs"]
 

@@ -69,7 +69,7 @@ def test_a_crawling_mirror_is_abandoned_below_its_floor_and_the_origin_finishes(
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    for rel in doc["files"]:
+    for rel in doc["directory"]["paths"]:
         assert (out / rel).read_bytes() == (checkpoint / rel).read_bytes(), rel
     assert "too slow" in proc.stderr and "floor 65536 B/s over 2 s" in proc.stderr, proc.stderr
     # the crawler delivered a few bytes; the origin continued from the byte reached

@@ -308,7 +308,7 @@ def test_pull_through_registry_is_a_real_mirror_and_hosts_toml_selects_it(
             ],
         )
         assert out.exit_code == 0, out.output
-        _same_files(tmp_path / f"out{n}", checkpoint, json.loads(out.stdout)["files"])
+        _same_files(tmp_path / f"out{n}", checkpoint, json.loads(out.stdout)["directory"]["paths"])
         assert json.loads(out.stdout)["bytesBySource"] == {cache.host: sum(d.size for d in blobs)}
         assert len([p for m, p, s in cache.requests_since(mark) if m == "GET" and "/blobs/" in p]) == len(
             blobs

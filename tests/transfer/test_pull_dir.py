@@ -95,8 +95,8 @@ def test_pull_v2_over_v1_refuses_differing_files_then_force_and_delete(
     code, out, err = _run("pull", r2, str(dest), "--force", "--json", "--progress", "off")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["replaced"] == ["config.json"]
-    assert doc["extraFiles"] == ["model.safetensors"] and doc["deleted"] == []
+    assert doc["directory"]["replaced"] == ["config.json"]
+    assert doc["directory"]["extraFiles"] == ["model.safetensors"] and doc["directory"]["deleted"] == []
     for p in v2.iterdir():
         assert (dest / p.name).read_bytes() == p.read_bytes()
     assert (dest / "model.safetensors").exists()  # kept: only --delete removes it
@@ -107,7 +107,7 @@ def test_pull_v2_over_v1_refuses_differing_files_then_force_and_delete(
 
     code, out, err = _run("pull", r2, str(dest), "--delete", "--json", "--progress", "off")
     assert code == 0, err
-    assert json.loads(out)["deleted"] == ["model.safetensors"]
+    assert json.loads(out)["directory"]["deleted"] == ["model.safetensors"]
     assert sorted(os.listdir(dest)) == sorted(os.listdir(v2))
     assert (v1 / "model.safetensors").exists()
 

@@ -43,7 +43,9 @@ def test_pull_cp_tag_commands(registry: RegistryServer, checkpoint: Path, tmp_pa
     code, out, err = _run("pull", ref, str(tmp_path / "m"), "--json", "--progress", "off")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["digest"] == digest and sorted(doc["files"]) == sorted(p.name for p in checkpoint.iterdir())
+    assert doc["digest"] == digest and sorted(doc["directory"]["paths"]) == sorted(
+        p.name for p in checkpoint.iterdir()
+    )
     code, out, err = _run("cp", ref, f"oci:{tmp_path / 'layout'}:v1", "--progress", "off")
     assert code == 0 and out.strip() == digest, err
     code, out, err = _run(

@@ -226,7 +226,8 @@ def test_image_pull_counts_the_files_it_wrote(image_artifact: str, checkpoint: P
     r = CliRunner().invoke(main, ["pull", image_artifact, str(tmp_path / "m"), "--json", "--progress", "off"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert sorted(doc["files"]) == names and doc["downloaded"] == len(names) and doc["present"] == 0
+    placed = doc["directory"]
+    assert sorted(placed["paths"]) == names and placed["downloaded"] == len(names) and placed["present"] == 0
     r = CliRunner().invoke(main, ["pull", image_artifact, str(tmp_path / "m"), "--progress", "off"])
     assert r.exit_code == 0, r.output
     assert f"pulled {len(names)} files" in r.stderr and f"{len(names)} already present" in r.stderr

@@ -37,7 +37,6 @@ from modelpack.serving.kserve.placement import DIR_MODE, place_snapshot
 from modelpack.serving.kserve.progress_lines import CountingTarget, ProgressLines, human_size
 from modelpack.serving.kserve.settings import InitializerSettings
 from modelpack.serving.kserve.uri import StorageUri, parse_storage_uri
-from modelpack.serving.variant_settings import selector_from_environ
 from modelpack.targets.opener import TargetOptions, open_readable
 from modelpack.transfer.materialize import PullOptions, pull_to_directory
 
@@ -101,8 +100,7 @@ class StorageInitializer:
         self.say = say
         self.target_options = settings.target_options(timeout=timeout, retry_for=retry_for)
         self.policy: TrustPolicy | None = _load_policy(settings)
-        # an index of variants: the entry for this node ($MODELPACK_VARIANT, _TP_SIZE, _ENGINE, _ACCELERATOR)
-        self.variant = selector_from_environ()
+        self.variant = settings.variant  # an index of variants: the entry for this node
         self.cache = (
             NodeCache(settings.cache_dir, events=settings.events_path) if settings.cache_dir else None
         )

@@ -6,7 +6,9 @@ KServe sets the argv pairs and, for registry credentials and TLS, ``KSERVE_OCI_D
 ClusterStorageContainer adds the ``MODELPACK_*`` settings: ``MODELPACK_CACHE`` (a node cache on a
 hostPath), ``MODELPACK_POLICY`` (a mounted trust policy; or ``MODELPACK_POLICY_YAML``, its text), ``MODELPACK_PLAIN_HTTP`` (the only way
 to speak plain HTTP to a registry that is not on loopback), ``MODELPACK_CA_FILE``,
-``MODELPACK_EVENTS``, ``MODELPACK_JOBS``, ``MODELPACK_PROGRESS_INTERVAL``, ``MODELPACK_LINK``.
+``MODELPACK_EVENTS``, ``MODELPACK_JOBS``, ``MODELPACK_PROGRESS_INTERVAL``, ``MODELPACK_LINK``, and
+for an index of variants ``MODELPACK_VARIANT``, ``_TP_SIZE``, ``_ENGINE``, ``_ACCELERATOR``
+(``serving.variant_settings``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 from modelpack import settings
 from modelpack.errors import StorageInitializerError
+from modelpack.oci.variant_selection import VariantSelector
+from modelpack.serving.variant_settings import selector_from_environ
 from modelpack.settings import Setting
 from modelpack.targets.options import TargetOptions
 
@@ -50,6 +54,9 @@ class InitializerSettings:
     environment_options: TargetOptions = field(
         default_factory=TargetOptions.from_environ, repr=False, compare=False
     )
+    #: an index of variants: the entry for this node (``MODELPACK_VARIANT``, ``_TP_SIZE``,
+    #: ``_ENGINE``, ``_ACCELERATOR``), read by ``from_environ`` from the environ it was given
+    variant: VariantSelector = field(default_factory=selector_from_environ, repr=False, compare=False)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> InitializerSettings:
@@ -68,6 +75,7 @@ class InitializerSettings:
             progress_interval=settings.PROGRESS_INTERVAL.get(env),
             link=settings.LINK.get(env),
             environment_options=TargetOptions.from_environ(env),
+            variant=selector_from_environ(env),
         )
 
     def target_options(
