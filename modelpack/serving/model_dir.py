@@ -216,10 +216,9 @@ def _source_files(settings: ServingSettings) -> tuple[str, list[ListedFile]]:
     # (vLLM's TP size is not known yet here: $MODELPACK_TP_SIZE, else 1; the loader checks again
     # with vLLM's own)
     from modelpack.mount.resolve import resolve_trusted
-    from modelpack.serving.variant_settings import selector_from_environ
 
     trusted = resolve_trusted(
-        ref.with_digest(pinned), policy=policy, selector=selector_from_environ(engine="vllm"), target=target
+        ref.with_digest(pinned), policy=policy, selector=settings.variant_selector(), target=target
     )
     pinned = trusted.digest
     manifest, _ = fetch_manifest(target, pinned)

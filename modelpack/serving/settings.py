@@ -56,6 +56,7 @@ from modelpack.errors import ServingConfigError
 from modelpack.mediatypes.variants import LAYOUTS
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
+from modelpack.oci.variant_selection import VariantSelector
 from modelpack.targets.options import TargetOptions
 
 _STR_KEYS = (
@@ -169,6 +170,15 @@ class ServingSettings:
     environment_options: TargetOptions = field(
         default_factory=TargetOptions.from_environ, repr=False, compare=False
     )
+    #: the environ ``from_extra_config`` read (the variant a start asks for comes from it too)
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
+
+    def variant_selector(self, tp_size: int | None = None) -> VariantSelector:
+        """The index entry this start asks for (``MODELPACK_VARIANT``, ``_TP_SIZE``, ``_ACCELERATOR``
+        of the environ it was read from), for the vLLM engine; ``tp_size`` is vLLM's own when known."""
+        from modelpack.serving.variant_settings import selector_from_environ
+
+        return selector_from_environ(self.environ, tp_size=tp_size, engine="vllm")
 
     def target_options(self) -> TargetOptions:
         """The options every registry read of this start uses: the environment's
@@ -261,6 +271,7 @@ class ServingSettings:
             layout=layout,
             into_parameters=bool(doc.get("into_parameters", True)),
             environment_options=TargetOptions.from_environ(env),
+            environ=env,
         )
 
     @property

@@ -31,7 +31,6 @@ from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
 from modelpack.serving.param_destinations import ParameterDestinations
 from modelpack.serving.settings import ServingSettings
 from modelpack.serving.shard_rules import vllm_shard_rules
-from modelpack.serving.variant_settings import selector_from_environ
 
 
 @dataclass
@@ -251,7 +250,7 @@ def _resolve(
             check_snapshot_dir(model_dir, settings)  # again here: vllm_plugin checked it first
     else:
         # vLLM's own TP size and name select among variants ($MODELPACK_VARIANT, _ACCELERATOR)
-        selector = selector_from_environ(tp_size=tp_size, engine="vllm")
+        selector = settings.variant_selector(tp_size)
         source, state = _remote_source(settings, model_dir, keys, events, target_factory, selector)
     return RankLoad(
         settings,

@@ -137,3 +137,23 @@ def test_the_vllm_load_format_streams_the_entry_for_its_tp_size_and_checks_the_m
     monkeypatch.setenv("MODELPACK_VARIANT", "precision=bf16,tp-size=2")
     with pytest.raises(VariantSelectionError, match="tp-size: wanted 2, entry declares none"):
         open_rank_load(extra, str(base / "bf16"), hf_config(spec), 1, 0)
+
+
+def test_the_vllm_load_format_selects_from_the_environ_it_was_given_not_the_process_one(
+    index: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``open_rank_load`` and vLLM's config hook (``check_before_vllm_reads``) take the variant of
+    the environ they are given, as every other setting of the start: with bf16 asked there and f32
+    in the process environment, both check and stream the bf16 entry."""
+    from modelpack.serving.model_dir import check_before_vllm_reads
+    from modelpack.serving.weights import open_rank_load
+
+    base = Path(index["base"])
+    source = f"{index['host']}/variants/serving@{index['index']}"
+    extra = {"source": source, "plain_http": True}
+    spec = SyntheticSpec(dtype="BF16", **SPEC)  # type: ignore[arg-type]
+    monkeypatch.setenv("MODELPACK_VARIANT", "precision=f32")
+    environ = {"MODELPACK_VARIANT": "precision=bf16"}
+    assert check_before_vllm_reads(str(base / "bf16"), extra, environ=environ)
+    rank = open_rank_load(extra, str(base / "bf16"), hf_config(spec), 1, 0, environ=environ)
+    assert [name for name, _ in rank.tensors()] and rank.stats.digest == index["bf16"]
