@@ -226,11 +226,13 @@ class BlobWriter:
             raise write_error(landing.final, exc) from exc
 
     def close(self, exc: BaseException | None = None) -> None:
-        """Drop the lock; an uncommitted partial is kept only when resumable and ``exc`` allows."""
+        """Drop the lock; an uncommitted partial is kept only when resumable, ``exc`` allows and
+        it holds bytes (an empty one resumes nothing)."""
         if self.fd < 0:
             return
         try:
-            if not self._committed and not (self.resumable and exc is not None and keeps_partial(exc)):
+            keep = self.resumable and exc is not None and keeps_partial(exc) and os.fstat(self.fd).st_size > 0
+            if not self._committed and not keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
         finally:

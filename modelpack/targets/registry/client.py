@@ -249,9 +249,11 @@ class RegistryClient:
                         "--plain-http if it serves HTTP)",
                         target=self.host,
                     ) from None
+                self._mark_answered()  # a TLS handshake failed: something listens there
                 return "http"
             except requests.exceptions.ConnectionError as exc:
                 if "SSL" in str(exc) or "EOF occurred" in str(exc):
+                    self._mark_answered()  # something listens there, speaking plain HTTP
                     return "http"
                 if not self._cannot_heal(exc) and budget.wait():  # a GET: retried like any GET
                     self.count_retry()
