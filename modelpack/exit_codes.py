@@ -28,10 +28,10 @@ MEANING: dict[ExitCode, str] = {
     ExitCode.FAILURE: "the command failed or refused: a signature or policy refusal, a digest mismatch, "
     "a missing tag, a registry that refused the credentials, a network or disk failure",
     ExitCode.USAGE: "usage: a flag, argument, reference, policy file or setting that cannot be used as given",
-    ExitCode.SIGHUP: "stopped by SIGHUP (a closed terminal); temp files removed",
-    ExitCode.SIGINT: "stopped by SIGINT (Ctrl-C); temp files removed",
+    ExitCode.SIGHUP: "stopped by SIGHUP (a closed terminal); temp files removed, partial downloads kept to resume",
+    ExitCode.SIGINT: "stopped by SIGINT (Ctrl-C); temp files removed, partial downloads kept to resume",
     ExitCode.OUTPUT_CLOSED: "stdout or stderr was closed under the command (its reader, e.g. `head`, left)",
-    ExitCode.SIGTERM: "stopped by SIGTERM (a CI timeout, a pod stopped); temp files removed",
+    ExitCode.SIGTERM: "stopped by SIGTERM (a CI timeout, a pod stopped); temp files removed, partial downloads kept to resume",
 }
 
 

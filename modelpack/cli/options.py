@@ -197,10 +197,13 @@ PASS_THROUGH = (click.exceptions.ClickException, click.exceptions.Exit, click.ex
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP (a CI timeout, a pod stopped, a terminal closed) end a command like Ctrl-C
-    does: a ``TransferInterrupted`` (exit 128 + signal) is raised in the main thread, so every
-    ``finally`` on the way out runs, transfers stop within one chunk and temp files and staging
-    directories are removed before the process exits."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP (a CI timeout, a pod stopped, a terminal closed) end a
+    command alike: every transfer thread is asked to stop (``stopping.request_stop``: blocked
+    reads and retry sleeps end at once) and a ``TransferInterrupted`` (exit 128 + signal) is
+    raised in the main thread, so every ``finally`` on the way out runs. Temp files and staging
+    directories are removed; partial downloads are kept for the rerun to resume (their prefix is
+    re-hashed then). Python's own ``KeyboardInterrupt`` stopped only the main thread, and a pull
+    went on downloading in its workers until the whole download was done."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -210,9 +213,16 @@ def signals_interrupt() -> Iterator[None]:
     def interrupt(signum: int, _frame: Any) -> None:
         name = signal.Signals(signum).name
         stopping.request_stop()  # worker threads blocked in a read or a retry sleep stop too
-        raise TransferInterrupted(f"interrupted by {name}; temp files removed", exit_code=for_signal(signum))
+        raise TransferInterrupted(
+            f"interrupted by {name}; temp files removed, partial downloads kept for the rerun",
+            exit_code=for_signal(signum),
+        )
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # a signal the parent set to be ignored (``nohup``, a background job's SIGINT) stays ignored
+    caught = [
+        s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN
+    ]
+    previous = {sig: signal.signal(sig, interrupt) for sig in caught}
     try:
         yield
     finally:
@@ -222,8 +232,8 @@ def signals_interrupt() -> Iterator[None]:
 
 
 def handle_errors(fn: F) -> F:
-    """Map every failure to a one-line message and a meaningful exit code (no traceback); a
-    SIGTERM or SIGHUP cleans up like Ctrl-C (``signals_interrupt``)."""
+    """Map every failure to a one-line message and a meaningful exit code (no traceback); SIGINT,
+    SIGTERM and SIGHUP stop the command alike (``signals_interrupt``)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

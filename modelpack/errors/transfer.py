@@ -67,7 +67,8 @@ class DiskFullError(FileWriteError):
 
 
 class TransferInterrupted(ModelpackError):
-    """A transfer stopped on a signal (SIGTERM, SIGINT); its temp files were removed first."""
+    """A transfer stopped on a signal (SIGINT, SIGTERM, SIGHUP); its temp files were removed first
+    and its partial downloads kept for the rerun to resume."""
 
     def __init__(self, message: str, *, exit_code: int = ExitCode.SIGINT) -> None:
         super().__init__(message)

@@ -239,6 +239,14 @@ def parse_reference(text: str) -> Reference:
     name, tag = _split_tag(body)
     parts = name.split("/")
     first = parts[0]
+    if len(parts) == 1 and tag is not None and tag.isdigit() and ("." in first or first == "localhost"):
+        # Docker's grammar reads HOST:PORT as Docker Hub's library/HOST at tag PORT: a registry
+        # typed where a repository belongs, which would wait on Docker Hub instead of failing
+        raise InvalidReferenceError(
+            f"reference {text!r} names a registry (HOST:PORT), not a repository: write "
+            f"{text}/REPOSITORY (HOST:PORT/REPOSITORY; Docker Hub's library/{first} at tag {tag} is "
+            f"docker.io/library/{text})"
+        )
     if len(parts) > 1 and ("." in first or ":" in first or first == "localhost" or first.startswith("[")):
         host, repo_parts = first, parts[1:]
     else:

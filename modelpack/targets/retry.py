@@ -24,6 +24,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from modelpack import stopping
 
@@ -65,7 +66,13 @@ class RetryBudget:
     With ``shared`` (the command's ``OutageClock``), the budget is also spent when the command
     as a whole has been failing for ``retry_for``, whichever operation did the failing."""
 
-    def __init__(self, retry_for: float | None = None, *, shared: OutageClock | None = None) -> None:
+    def __init__(
+        self,
+        retry_for: float | None = None,
+        *,
+        shared: OutageClock | None = None,
+        on_outage: Callable[[float], None] | None = None,
+    ) -> None:
         self.retry_for = DEFAULT_RETRY_FOR if retry_for is None else max(0.0, float(retry_for))
         self.attempts = 0  # failures since the last progress
         self.retries = 0  # failures retried over the whole operation (reported by callers)
@@ -73,6 +80,10 @@ class RetryBudget:
         self._spent = 0.0  # seconds of earlier outages of this operation
         self._shared = shared
         self.exhausted = False  # a retry was refused: this operation's or the command's time is spent
+        #: told the seconds the budget has left when a wait starts an outage (after progress, or
+        #: the first failure): the client says once what it waits for and until when
+        self._on_outage = on_outage
+        self._left = self.retry_for
 
     def progressed(self) -> None:
         if self._since is not None:
@@ -101,6 +112,7 @@ class RetryBudget:
         if left <= 0:
             self.exhausted = True
             return None
+        self._left = left
         self.retries += 1
         delay = min(delay, left)
         if self._shared is not None:
@@ -113,6 +125,8 @@ class RetryBudget:
         delay = self.next_delay(hint)
         if delay is None:
             return False
+        if self.attempts == 1 and self._on_outage is not None:
+            self._on_outage(self._left)
         stopping.sleep(delay)
         return True
 

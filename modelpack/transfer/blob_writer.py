@@ -120,14 +120,15 @@ class WriteHooks:
 
 def keeps_partial(exc: BaseException) -> bool:
     """Whether a failure leaves the partial for a resume: kept when its bytes were right and only
-    the disk or the source failed; removed on a mismatch, a cancel or signal (``BaseException``s
-    such as ``KeyboardInterrupt`` too), an output that refused the write, or a source that said
-    the blob is not there for us (an HTTP 4xx)."""
-    if isinstance(exc, DiskFullError):
+    the disk, the source or the person stopped it (a full disk, a cut connection, a 5xx, Ctrl-C,
+    SIGTERM, a sibling's failure): a rerun re-hashes the kept prefix before it appends, so keeping
+    costs nothing but disk. Removed on a digest or size mismatch, an output that refused the write,
+    or a source that said the blob is not there for us (an HTTP 4xx)."""
+    if isinstance(exc, (DiskFullError, TransferInterrupted, KeyboardInterrupt)):
         return True
     if not isinstance(exc, Exception):
         return False
-    if isinstance(exc, (TransferInterrupted, DigestMismatchError, SizeMismatchError, FileWriteError)):
+    if isinstance(exc, (DigestMismatchError, SizeMismatchError, FileWriteError)):
         return False
     if isinstance(exc, RegistryError):
         return exc.status is None or exc.status >= 500
@@ -225,11 +226,13 @@ class BlobWriter:
             raise write_error(landing.final, exc) from exc
 
     def close(self, exc: BaseException | None = None) -> None:
-        """Drop the lock; an uncommitted partial is kept only when resumable and ``exc`` allows."""
+        """Drop the lock; an uncommitted partial is kept only when resumable, ``exc`` allows and
+        it holds bytes (an empty one resumes nothing)."""
         if self.fd < 0:
             return
         try:
-            if not self._committed and not (self.resumable and exc is not None and keeps_partial(exc)):
+            keep = self.resumable and exc is not None and keeps_partial(exc) and os.fstat(self.fd).st_size > 0
+            if not self._committed and not keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
         finally:

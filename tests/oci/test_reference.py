@@ -82,3 +82,20 @@ def test_oci_double_slash_without_a_registry_host_is_refused(text: str) -> None:
     read as a directory called ``//…``."""
     with pytest.raises(InvalidReferenceError, match="oci:DIR"):
         parse_reference(text)
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1:5000", "localhost:5000", "registry.example:443"])
+def test_a_registry_host_and_port_where_a_repository_belongs_is_refused(text: str) -> None:
+    """Docker's grammar reads ``HOST:PORT`` as Docker Hub's ``library/HOST`` at tag ``PORT``: a
+    registry typed without its repository, refused with the spelling to use instead."""
+    with pytest.raises(InvalidReferenceError, match="HOST:PORT/REPOSITORY"):
+        parse_reference(text)
+
+
+def test_a_docker_hub_name_with_a_numeric_tag_still_parses() -> None:
+    """Only a host-shaped name (a dot, or localhost) is taken for a registry: ``ubuntu:22`` is
+    Docker Hub's, and the long spelling of a dotted one is accepted."""
+    ref = parse_reference("ubuntu:22")
+    assert (ref.location, ref.repository, ref.tag) == ("docker.io", "library/ubuntu", "22")
+    dotted = parse_reference("docker.io/library/my.model:5000")
+    assert (dotted.repository, dotted.tag) == ("library/my.model", "5000")

@@ -203,8 +203,11 @@ def test_a_digest_mismatch_leaves_nothing(strategy: Strategy, source: Source) ->
     assert strategy.leftovers() == []
 
 
-def test_a_cancel_mid_download_leaves_nothing(strategy: Strategy, source: Source) -> None:
-    """A sibling failed (or a signal came): the writer stops within a read and removes its partial."""
+def test_a_cancel_mid_download_keeps_a_partial_the_next_fetch_resumes(
+    strategy: Strategy, source: Source
+) -> None:
+    """A sibling failed (or a signal came): the writer stops within a read and keeps its verified
+    bytes; the next fetch re-hashes them and appends only the rest."""
     cancel = Cancel()
 
     def on_bytes(_n: int) -> None:
@@ -213,6 +216,11 @@ def test_a_cancel_mid_download_leaves_nothing(strategy: Strategy, source: Source
     with pytest.raises(TransferCancelled):
         strategy.fetch(source.target, source.desc, WriteHooks(cancel=cancel, on_bytes=on_bytes))
     assert not strategy.final.exists()
+    kept = strategy.partial.stat().st_size
+    assert 0 < kept < SIZE
+    got = strategy.fetch(source.target, source.desc)
+    assert (got.resumed, got.fetched) == (kept, SIZE - kept)
+    assert strategy.final.read_bytes() == source.data
     assert strategy.leftovers() == []
 
 
@@ -261,12 +269,19 @@ class SignalledSource:
         return Stream()  # type: ignore[return-value]
 
 
-def test_a_signal_mid_download_leaves_nothing(strategy: Strategy, source: Source) -> None:
-    """Ctrl-C (or SIGTERM turned into an exception) while bytes arrive: no partial, nothing final."""
+def test_a_signal_mid_download_keeps_a_partial_the_next_fetch_resumes(
+    strategy: Strategy, source: Source
+) -> None:
+    """Ctrl-C (or SIGTERM turned into an exception) while bytes arrive: nothing final, the bytes
+    written so far kept, and the rerun fetches only the rest."""
     with pytest.raises(KeyboardInterrupt):
         strategy.fetch(SignalledSource(source.target), source.desc)
     assert not strategy.final.exists()
-    assert strategy.leftovers() == []
+    kept = strategy.partial.stat().st_size
+    assert 0 < kept < SIZE
+    got = strategy.fetch(source.target, source.desc)
+    assert (got.resumed, got.fetched) == (kept, SIZE - kept)
+    assert strategy.final.read_bytes() == source.data
 
 
 def test_a_takeover_writers_private_file_is_removed_when_its_download_fails(

@@ -197,17 +197,33 @@ def test_closed_pipe_ends_the_pull_promptly_without_temp_files(
         pytest.fail("pull kept running after its output pipe was closed")
     assert time.monotonic() - closed < 10
     assert rc != 0
-    assert temp_entries(dest) == [] if dest.exists() else True
+    assert _only_partials(temp_entries(dest)) if dest.exists() else True
 
 
-def test_sigterm_removes_temp_files(slow_model: tuple[str, FaultProxy], tmp_path: Path) -> None:
-    ref, _ = slow_model
+def _only_partials(entries: list[str]) -> bool:
+    """Whether every temp entry left is a resumable partial download (no staging, no spool)."""
+    return all(name.endswith(".partial") for name in entries)
+
+
+def test_sigterm_keeps_only_partials_the_rerun_resumes(
+    slow_model: tuple[str, FaultProxy], tmp_path: Path
+) -> None:
+    """SIGTERM mid-pull: exit 143, nothing left under a temp name but partial downloads, and
+    the rerun resumes them and leaves no temp entry."""
+    ref, proxy = slow_model
     dest = tmp_path / "m"
     proc = _pull_process(ref, dest, "--progress", "off", stdout=subprocess.DEVNULL)
     _wait_for_temp_file(dest, proc)
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=20)
     assert rc == 128 + signal.SIGTERM
+    left = temp_entries(dest)
+    assert left and _only_partials(left), left
+    proxy.settle()
+    proxy.rate = None
+    proxy.clear()
+    res = transfer.pull(ref, str(dest), target_options=PLAIN, progress="off")
+    assert res.resumed_bytes > 0
     assert temp_entries(dest) == []
 
 

@@ -10,6 +10,7 @@ through ``read_by_deadline``; blobs are streamed, hashed and size-checked elsewh
 from __future__ import annotations
 
 import http.client
+import socket
 import time
 from typing import Any
 
@@ -47,6 +48,28 @@ def is_transport_error(exc: BaseException) -> bool:
     if isinstance(exc, requests.exceptions.RequestException):
         return isinstance(exc, _REQUESTS_TRANSIENT)
     return isinstance(exc, TRANSPORT_ERRORS)
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """Why a host cannot be reached at all — "connection refused" (nothing listens on the port) or
+    "the host name does not resolve" — found anywhere in the chain ``requests`` and ``urllib3``
+    wrap it in; None for a failure of a connection that was made (a reset, a timeout, a cut body).
+    From a host that never answered, these cannot heal within a retry budget: a typo'd port or
+    host name, not an outage."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, (urllib3.exceptions.NameResolutionError, socket.gaierror)):
+            return "the host name does not resolve"
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused"
+        stack += [err.__cause__, err.__context__, getattr(err, "reason", None)]
+        stack += [arg for arg in err.args if isinstance(arg, BaseException)]
+    return None
 
 
 def read_by_deadline(

@@ -53,6 +53,7 @@ from modelpack.targets.registry.bodies import (
     is_transport_error,
     oci_error,
     read_by_deadline,
+    unreachable_reason,
 )
 from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
 from modelpack.targets.retry import OutageClock, RetryBudget
@@ -74,6 +75,13 @@ DOCKER_HUB_API = "registry-1.docker.io"
 
 # bytes, a stream with read() and __len__, or a factory returning a fresh one per attempt
 Body = Any
+
+#: the API hosts that answered an HTTP request in this process. A refused connection or a name
+#: that does not resolve is an outage (a registry restarting, a service's DNS moving) from one of
+#: these, retried within ``--retry-for``; from any other host it is a typo'd host or port, which
+#: waiting cannot heal, and fails at once.
+_ANSWERED_HOSTS: set[str] = set()
+_answered_lock = threading.Lock()
 
 
 def redact_url(url: str) -> str:
@@ -157,6 +165,7 @@ class RegistryClient:
         self.retries = 0  # requests retried after a transport failure or a "not now" status
         self.outage = OutageClock()  # --retry-for is one budget for everything this client does
         self._retries_lock = threading.Lock()
+        self._outage_said = threading.Event()  # this outage's "waiting for" line was printed
 
     def with_retry_for(self, retry_for: float | None) -> RegistryClient:
         """This client — its session and connection pool, credentials, tokens and scheme — under
@@ -165,15 +174,43 @@ class RegistryClient:
         other = copy.copy(self)
         other.retry_for = retry_for
         other.outage = OutageClock()
+        other._outage_said = threading.Event()
         return other
 
     def budget(self) -> RetryBudget:
         """A fresh retry budget for one operation, drawing on the client's one ``--retry-for``."""
-        return RetryBudget(self.retry_for, shared=self.outage)
+        return RetryBudget(self.retry_for, shared=self.outage, on_outage=self._say_waiting)
 
     def count_retry(self) -> None:
         with self._retries_lock:
             self.retries += 1
+
+    def _say_waiting(self, left_s: float) -> None:
+        """One line on stderr (a log warning) when the client starts waiting out an outage: what
+        it waits for and until when, so a retrying command is never a silent one. Said again only
+        after the registry answered in between."""
+        with self._retries_lock:
+            if self._outage_said.is_set():
+                return
+            self._outage_said.set()
+        until = time.strftime("%H:%M:%S", time.localtime(time.time() + left_s))
+        log.warning(
+            "waiting for the registry %s to answer; retrying until %s (--retry-for sets how long)",
+            self.host,
+            until,
+        )
+
+    def _mark_answered(self) -> None:
+        """The registry answered (any HTTP status): later refusals are an outage, worth waiting."""
+        self._outage_said.clear()
+        if self.api_host not in _ANSWERED_HOSTS:
+            with _answered_lock:
+                _ANSWERED_HOSTS.add(self.api_host)
+
+    def _cannot_heal(self, exc: BaseException) -> bool:
+        """A refused connection or an unresolvable name from a host that never answered in this
+        process: a typo, failed at once instead of after ``--retry-for``."""
+        return self.api_host not in _ANSWERED_HOSTS and unreachable_reason(exc) is not None
 
     # ------------------------------------------------------------------ scheme
     @property
@@ -203,6 +240,7 @@ class RegistryClient:
                     verify=self.verify,
                     allow_redirects=False,
                 ).close()
+                self._mark_answered()
                 return "https"
             except requests.exceptions.SSLError as exc:
                 if _untrusted_certificate(exc):
@@ -211,11 +249,13 @@ class RegistryClient:
                         "--plain-http if it serves HTTP)",
                         target=self.host,
                     ) from None
+                self._mark_answered()  # a TLS handshake failed: something listens there
                 return "http"
             except requests.exceptions.ConnectionError as exc:
                 if "SSL" in str(exc) or "EOF occurred" in str(exc):
+                    self._mark_answered()  # something listens there, speaking plain HTTP
                     return "http"
-                if budget.wait():  # a GET: retried like any idempotent request
+                if not self._cannot_heal(exc) and budget.wait():  # a GET: retried like any GET
                     self.count_retry()
                     continue
                 raise self.connection_error("registry check", exc, budget) from None
@@ -308,10 +348,11 @@ class RegistryClient:
                 if not is_transport_error(exc):  # redirect loops, invalid URLs: not transient
                     raise RegistryError(f"{label} failed: {type(exc).__name__}", target=self.host) from None
                 log.debug("%s %s failed: %s", method, redact_url(url), type(exc).__name__)
-                if idempotent and budget.wait():
+                if idempotent and not self._cannot_heal(exc) and budget.wait():
                     self.count_retry()
                     continue
                 raise self.connection_error(label, exc, budget) from None
+            self._mark_answered()
             self._close_body(data)
             log.debug(
                 "%s %s -> %d (%.0f ms)",
@@ -367,10 +408,16 @@ class RegistryClient:
         """The typed error for a transport failure: the registry, what was being done, why, and
         how long it was retried (a traceback names none of these)."""
         reason = type(exc).__name__ if exc is not None else "connection lost"
+        unreachable = unreachable_reason(exc) if exc is not None else None
         if exc is not None and _timed_out(exc):
             reason = f"no answer within {self.timeout:g} s; --timeout sets the limit"
+        elif unreachable is not None and self.api_host not in _ANSWERED_HOSTS:
+            check = "host name" if "resolve" in unreachable else "host and port"
+            reason = f"{unreachable}; it never answered, so nothing was retried: check the {check}"
+        elif unreachable is not None:
+            reason = unreachable  # "connection refused" named: the source-events say why a source was left
         elif exc is not None and "refused" in str(exc).lower():
-            reason = "connection refused"  # named: the source-events say why a source was left
+            reason = "connection refused"
         tried = ""
         if budget is not None and (budget.retries or budget.exhausted):
             tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
