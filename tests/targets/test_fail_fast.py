@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import pty
 import subprocess
 import sys
 import time
@@ -123,17 +124,44 @@ def test_a_refused_or_missing_tag_fails_at_once(
     _assert_fast_one_line(proc, took)
 
 
-def test_an_outage_that_may_heal_is_retried_and_said_once(tmp_path: Path) -> None:
-    """503 (a registry restarting behind its load balancer) is retried for ``--retry-for``; the
-    command says once on stderr what it waits for and until when, then fails with one line."""
+def _run_on_a_terminal(*argv: str) -> tuple[int, str, float]:
+    """The command with its stderr on a pseudo-terminal (what a person at a shell sees)."""
+    master, slave = pty.openpty()
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [MODELPACK, *argv], stdout=subprocess.DEVNULL, stderr=slave, env={**os.environ, "CI": "1"}
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the command closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    rc = proc.wait(timeout=120)
+    os.close(master)
+    return rc, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n"), time.monotonic() - start
+
+
+def test_an_outage_that_may_heal_is_retried_and_said_once_on_a_terminal(tmp_path: Path) -> None:
+    """503 (a registry restarting behind its load balancer) is retried for ``--retry-for``; on a
+    terminal the command says once what it waits for and until when, then fails with one line.
+    On a pipe or a log the failure is the one error line, as every failure is."""
     server = LoopbackServer(_answering(503))
     try:
-        proc, took = _run("inspect", f"{server.host}/m/x:v1", tmp_path, "--retry-for", "3")
+        rc, stderr, took = _run_on_a_terminal("inspect", f"{server.host}/m/x:v1", "--retry-for", "3")
+        proc, _ = _run("inspect", f"{server.host}/m/x:v1", tmp_path, "--retry-for", "3")
     finally:
         server.close()
-    assert proc.returncode == ExitCode.FAILURE, proc.stderr
+    assert rc == ExitCode.FAILURE, stderr
     assert 3.0 <= took < 20.0, took
-    lines = proc.stderr.strip().splitlines()
+    lines = stderr.strip().splitlines()
     waits = [line for line in lines if "waiting for" in line]
-    assert len(waits) == 1 and "until" in waits[0] and server.host in waits[0], proc.stderr
-    assert lines[-1].startswith("error:") and len(lines) == 2, proc.stderr
+    assert len(waits) == 1 and "until" in waits[0] and server.host in waits[0], stderr
+    assert lines[-1].startswith("error:") and len(lines) == 2, stderr
+    assert proc.returncode == ExitCode.FAILURE, proc.stderr
+    piped = proc.stderr.strip().splitlines()
+    assert len(piped) == 1 and piped[0].startswith("error:"), proc.stderr

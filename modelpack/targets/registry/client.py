@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -186,9 +187,13 @@ class RegistryClient:
             self.retries += 1
 
     def _say_waiting(self, left_s: float) -> None:
-        """One line on stderr (a log warning) when the client starts waiting out an outage: what
-        it waits for and until when, so a retrying command is never a silent one. Said again only
-        after the registry answered in between."""
+        """One line on a terminal's stderr (a log warning) when the client starts waiting out an
+        outage: what it waits for and until when, so a retrying command is never a silent one.
+        Said again only after the registry answered in between. Not on a log or a pipe: there a
+        failure stays the one line every command ends with (README, "Exit status"), however many
+        times a flapping registry made the command wait."""
+        if not os.isatty(2):
+            return
         with self._retries_lock:
             if self._outage_said.is_set():
                 return
