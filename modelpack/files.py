@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from modelpack.errors import DiskFullError, FileWriteError
 
@@ -194,3 +194,17 @@ def link_or_copy(src: str, dst_tmp: str, *, mode: str = "auto") -> str:
                 raise
     shutil.copyfile(src, dst_tmp)
     return "copy"
+
+
+def read_exact(stream: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes, fewer only at end of stream (a body or a decompressor may return short
+    reads)."""
+    chunks = []
+    got = 0
+    while got < n:
+        data = stream.read(n - got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks)

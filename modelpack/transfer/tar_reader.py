@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
 from modelpack.errors import LayerFormatError, ManifestError, UnsafeTarError
+from modelpack.files import read_exact
 from modelpack.mediatypes import BlobFormat, Compression
 from modelpack.oci.digest import HASH_CHUNK
 
@@ -144,7 +145,7 @@ def open_layer_stream(stream: BinaryIO, blob_format: BlobFormat, where: str = "l
     """
     if not blob_format.is_tar:
         raise ManifestError(f"{where}: a {blob_format} layer is not a tar; nothing to extract")
-    head = _read_head(stream, SNIFF_BYTES)
+    head = read_exact(stream, SNIFF_BYTES)
     found = Compression.sniff(head)
     source = cast(BinaryIO, _Prefixed(head, stream))  # the readers only call read()
     if blob_format.compression is None:
@@ -177,18 +178,6 @@ class _Prefixed:
             return data
         data, self._head = self._head[:n], self._head[n:]
         return data
-
-
-def _read_head(stream: BinaryIO, n: int) -> bytes:
-    parts: list[bytes] = []
-    have = 0
-    while have < n:
-        more = stream.read(n - have)
-        if not more:
-            break
-        parts.append(more)
-        have += len(more)
-    return b"".join(parts)
 
 
 def _is_tar_header(head: bytes) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.errors import DigestMismatchError, NotFoundError, SizeMismatchError
+from modelpack.files import read_exact
 from modelpack.targets.base import BlobSource
 from modelpack.targets.s3.client import (
     client_errors,
@@ -36,7 +37,6 @@ from modelpack.targets.s3.client import (
 )
 from modelpack.targets.s3.objects import S3Objects
 from modelpack.targets.s3.settings import MAX_PARTS
-from modelpack.targets.s3.stream import read_exact
 
 log = logging.getLogger("modelpack.targets.s3")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from typing import Any, BinaryIO
+from typing import Any
 
 from modelpack.errors import S3Error, SizeMismatchError
 from modelpack.targets.s3.client import client_errors, error_code, redact_credentials, wrap_client_error
@@ -124,16 +124,3 @@ def object_size(resp: dict[str, Any]) -> int | None:
         return int(total) if total.isdigit() else None
     cl = resp.get("ContentLength")
     return int(cl) if cl is not None else None
-
-
-def read_exact(stream: BinaryIO, n: int) -> bytes:
-    """Up to ``n`` bytes, fewer only at end of stream (a body may return short reads)."""
-    chunks = []
-    got = 0
-    while got < n:
-        data = stream.read(n - got)
-        if not data:
-            break
-        chunks.append(data)
-        got += len(data)
-    return b"".join(chunks)

@@ -31,6 +31,7 @@ from modelpack.errors import (
     S3LayoutError,
     SizeMismatchError,
 )
+from modelpack.files import read_exact
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX
 from modelpack.oci.descriptor import Descriptor, parse_manifest_or_index
 from modelpack.oci.digest import Digest, VerifyingReader, verify_bytes
@@ -53,7 +54,7 @@ from modelpack.targets.s3.client import (
 from modelpack.targets.s3.multipart import MultipartUploader
 from modelpack.targets.s3.objects import S3Objects
 from modelpack.targets.s3.settings import S3Settings
-from modelpack.targets.s3.stream import S3ReadStream, object_size, read_exact
+from modelpack.targets.s3.stream import S3ReadStream, object_size
 
 if TYPE_CHECKING:
     from modelpack.oci.reference import Reference
