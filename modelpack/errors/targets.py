@@ -59,11 +59,24 @@ class PermissionDeniedError(RegistryError):
 
 
 class RegistryConnectionError(RegistryError):
-    """The registry could not be reached (refused, reset, timed out)."""
+    """The registry could not be reached (refused, reset, timed out).
+
+    ``failure`` names why for the source events (``stall``: no answer in time;
+    ``connection_refused``; ``connection``: anything else), decided where the transport error was
+    seen, so nobody has to search the message (whose host, port and digest hold digits)."""
+
+    failure = "connection"
+
+    def __init__(self, message: str, *, target: str = "", failure: str = "connection") -> None:
+        super().__init__(message, target=target)
+        self.failure = failure
 
 
 class MirrorTooSlowError(RegistryConnectionError):
     """A mirror or peer delivered less than its throughput floor over a window (it trickles)."""
+
+    def __init__(self, message: str, *, target: str = "") -> None:
+        super().__init__(message, target=target, failure="floor")
 
 
 class RegistryTLSError(RegistryConnectionError):

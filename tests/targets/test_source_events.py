@@ -111,3 +111,23 @@ def test_a_manifest_resolved_then_read_through_one_mirror_is_one_fetch_event(
     assert [(e["source"], e["source_kind"], e["bytes"]) for e in fetched] == [
         (f"http://{mirror.host}", "mirror", len(raw))
     ]
+
+
+@pytest.mark.parametrize("port", [40447, 4041, 51404])
+def test_the_failure_kind_comes_from_the_error_not_from_digits_in_its_text(port: int) -> None:
+    """CI saw a silent mirror on port 40447 reported as ``not_found``: the reason's text held
+    "404" (the port). The kind is decided from the typed error, never by searching its text."""
+    from modelpack.targets.registry.client import RegistryClient
+    from modelpack.targets.registry.source_events import failure_kind
+
+    client = RegistryClient(f"127.0.0.1:{port}", plain_http=True, timeout=1.0)
+    stalled = client.connection_error(
+        f"blob sha256:{'404' * 21}4 from 127.0.0.1:{port}/unknown/x", TimeoutError("timed out")
+    )
+    assert failure_kind(stalled) == "stall"
+    refused = client.connection_error("manifest x", ConnectionRefusedError(111, "Connection refused"))
+    assert failure_kind(refused) == "connection_refused"
+    from modelpack.errors import RegistryError, RegistryNotFoundError
+
+    assert failure_kind(RegistryNotFoundError("blob unknown", status=404)) == "not_found"
+    assert failure_kind(RegistryError(f"127.0.0.1:{port}: blob upload unknown", status=500)) == "error"

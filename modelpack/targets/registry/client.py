@@ -414,8 +414,10 @@ class RegistryClient:
         how long it was retried (a traceback names none of these)."""
         reason = type(exc).__name__ if exc is not None else "connection lost"
         unreachable = unreachable_reason(exc) if exc is not None else None
+        failure = "connection"
         if exc is not None and _timed_out(exc):
             reason = f"no answer within {self.timeout:g} s; --timeout sets the limit"
+            failure = "stall"
         elif unreachable is not None and self.api_host not in _ANSWERED_HOSTS:
             check = "host name" if "resolve" in unreachable else "host and port"
             reason = f"{unreachable}; it never answered, so nothing was retried: check the {check}"
@@ -423,11 +425,15 @@ class RegistryClient:
             reason = unreachable  # "connection refused" named: the source-events say why a source was left
         elif exc is not None and "refused" in str(exc).lower():
             reason = "connection refused"
+        if "connection refused" in reason:
+            failure = "connection_refused"
         tried = ""
         if budget is not None and (budget.retries or budget.exhausted):
             tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
         return RegistryConnectionError(
-            f"{what} failed: cannot reach the registry ({reason}){tried}", target=self.host
+            f"{what} failed: cannot reach the registry ({reason}){tried}",
+            target=self.host,
+            failure=failure,
         )
 
     def fetch_document(
@@ -480,6 +486,7 @@ class RegistryClient:
                         f"{what}: the registry sent the document too slowly ({len(body)} bytes in "
                         f"{self.timeout:.0f} s; --timeout sets the limit)",
                         target=self.host,
+                        failure="stall",
                     )
                 return Document(resp.status_code, resp.headers, body)
 

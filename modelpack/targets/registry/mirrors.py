@@ -132,7 +132,9 @@ class MirroredBlobs:
             with self._lock:
                 self.bytes_by_source[source] = self.bytes_by_source.get(source, 0) + n
 
-    def _abandon(self, mirror: _Mirror, desc: Descriptor, reason: str, offset: int) -> None:
+    def _abandon(self, mirror: _Mirror, desc: Descriptor, reason: str, offset: int, *, failure: str) -> None:
+        """``failure`` is the kind (``source_events.failure_kind`` of a typed error, or what the
+        caller itself saw): never guessed from ``reason``, whose hosts and digests hold digits."""
         with self._lock:
             self.abandoned += 1
         log.warning("mirror %s abandoned for %s at byte %d: %s", mirror.name, desc.digest, offset, reason)
@@ -141,7 +143,7 @@ class MirroredBlobs:
             "registry.mirror_abandoned",
             source=mirror.endpoint.url,
             kind="mirror",
-            failure=failure_kind(reason),
+            failure=failure,
             mirror=mirror.name,
             blob=str(desc.digest),
             reason=reason[:300],
@@ -284,7 +286,7 @@ class MirroredBlobs:
                             spool.write(data)
                             pos += len(data)
                     if pos < desc.size and mirror is not None:
-                        self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos)
+                        self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
                 except TransferInterrupted:
                     raise
                 except (RegistryError, ModelpackError) as exc:
@@ -292,7 +294,7 @@ class MirroredBlobs:
                         raise
                     if isinstance(exc, RegistryConnectionError):
                         mirror.down_until = time.monotonic() + DOWN_FOR_S
-                    self._abandon(mirror, desc, str(exc), pos)
+                    self._abandon(mirror, desc, str(exc), pos, failure=failure_kind(exc))
                 sources.append((mirror, pos - start))
             if pos == desc.size and hasher.hexdigest() == want:
                 split: dict[str, int] = {}
@@ -315,7 +317,13 @@ class MirroredBlobs:
             liars: set[str] = set()
             for mirror, n in sources:
                 if mirror is not None and n:
-                    self._abandon(mirror, desc, "digest mismatch: served bytes that are not the blob", 0)
+                    self._abandon(
+                        mirror,
+                        desc,
+                        "digest mismatch: served bytes that are not the blob",
+                        0,
+                        failure="digest_mismatch",
+                    )
                     liars.add(mirror.name)
                 elif n:
                     self._count(self.origin.client.host, n)  # crossed the wire, then discarded
@@ -374,7 +382,7 @@ class MirroredBlobs:
                 except (RegistryError, ModelpackError) as exc:
                     if isinstance(exc, RegistryConnectionError):
                         mirror.down_until = time.monotonic() + DOWN_FOR_S
-                    self._abandon(mirror, desc, str(exc), o)
+                    self._abandon(mirror, desc, str(exc), o, failure=failure_kind(exc))
                     left.append((o, n))
                     continue
                 bad = check(o, data) if check is not None else []
@@ -385,6 +393,7 @@ class MirroredBlobs:
                         desc,
                         f"digest mismatch: {len(bad)} chunk(s) of range {o}+{n} are wrong",
                         first,
+                        failure="digest_mismatch",
                     )
                 if not bad and o == offset and n == length:
                     got(mirror.name, mirror.endpoint.url, len(data))

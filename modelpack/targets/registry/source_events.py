@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from modelpack.errors import (
     DigestMismatchError,
-    MirrorTooSlowError,
     RegistryConnectionError,
     RegistryNotFoundError,
     SizeMismatchError,
@@ -31,23 +30,18 @@ if TYPE_CHECKING:
     from modelpack.targets.registry.client import RegistryClient
 
 
-def failure_kind(exc: BaseException | str) -> str:
-    """The short name of why a source was abandoned (see the module docstring)."""
-    text = str(exc).lower()
-    if isinstance(exc, MirrorTooSlowError) or "too slow" in text:
-        return "floor"
-    if isinstance(exc, DigestMismatchError) or "digest mismatch" in text or "hash to" in text:
+def failure_kind(exc: BaseException) -> str:
+    """The short name of why a source was abandoned (see the module docstring), from the typed
+    error alone: its message holds hosts, ports and digests, whose digits ("…:40447…") are no
+    evidence of an HTTP 404."""
+    if isinstance(exc, DigestMismatchError):
         return "digest_mismatch"
-    if isinstance(exc, RegistryNotFoundError) or "404" in text or "unknown" in text:
-        return "not_found"
-    if isinstance(exc, SizeMismatchError) or "short blob" in text:
+    if isinstance(exc, SizeMismatchError):
         return "short"
-    if "connection refused" in text:
-        return "connection_refused"
-    if "no answer within" in text or "timed out" in text:
-        return "stall"
-    if isinstance(exc, RegistryConnectionError) or "cannot reach" in text:
-        return "connection"
+    if isinstance(exc, RegistryConnectionError):
+        return exc.failure
+    if isinstance(exc, RegistryNotFoundError) or getattr(exc, "status", None) == 404:
+        return "not_found"
     return "error"
 
 
