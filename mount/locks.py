@@ -270,7 +270,13 @@ def acquire(
                     continue
                 info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, info.encode(), 0)
+                try:
+                    os.pwrite(fd, info.encode(), 0)
+                except OSError as exc:
+                    # who holds it is for a waiter's message; the flock is the lock. On a full
+                    # disk the work itself reports the typed error, naming its own file.
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
                 held = HeldLock(path, fd, time.monotonic() - start)
                 held.heartbeat(force=True)
                 return held

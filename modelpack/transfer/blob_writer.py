@@ -187,8 +187,8 @@ class BlobWriter:
                 view = view[os.write(self.fd, view) :]
         except OSError as exc:
             kept = f"nothing was kept; {landing.full_disk_hint}"
-            if self.resumable:
-                have = os.fstat(self.fd).st_size
+            have = os.fstat(self.fd).st_size
+            if self.resumable and have > 0:  # an empty partial is not kept (``close``)
                 kept = (
                     f"the {have} bytes downloaded so far are kept in {self.path} for the next pull "
                     f"to resume; {landing.full_disk_hint}"

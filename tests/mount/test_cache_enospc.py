@@ -109,11 +109,16 @@ def test_full_disk_mid_download_keeps_the_partial_and_names_it(
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 1, err
             partials = list((cache / "ingest").glob("*.partial"))
-            # one per blob in flight; a blob whose first write met the full disk keeps an empty
-            # partial (a resume from byte 0): the one the test watched grow holds bytes
-            assert partials and any(p.stat().st_size > 0 for p in partials)
+            # one per blob in flight that held bytes (an empty partial resumes nothing and is
+            # removed): the one the test watched grow is among them
+            assert partials and all(p.stat().st_size > 0 for p in partials)
+            # the error names the blob that met the full disk first, and tells the truth about it:
+            # its partial kept for a resume, or (when its first write failed) nothing kept
             named = [p for p in partials if err.startswith(f"error: {p}")]
-            assert named and "resume" in err, err
+            if named:
+                assert "kept in" in err and "resume" in err, err
+            else:
+                assert err.startswith(f"error: {cache / 'ingest'}") and "nothing was kept" in err, err
             assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
             assert temp_entries(cache) == []
 

@@ -322,6 +322,26 @@ def test_a_full_disk_keeps_a_partial_the_next_writer_resumes(
         assert strategy.leftovers() == []
 
 
+@pytest.mark.parametrize("kind", STRATEGIES)
+def test_a_disk_full_before_the_first_byte_says_nothing_was_kept(
+    tmp_path: Path, source: Source, kind: str
+) -> None:
+    """The disk is already full when the first bytes arrive: the empty partial is removed (it
+    resumes nothing), so the error must not claim it was kept (CI saw "kept in …" name a file
+    that was gone)."""
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        assert disk is not None, "tests run as root and may mount a tmpfs"
+        strategy = Strategy(kind, disk, source.desc.digest)
+        filler = disk / "filler"
+        with contextlib.suppress(OSError), filler.open("wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+        with pytest.raises(DiskFullError) as err:
+            strategy.fetch(source.target, source.desc)
+        assert "nothing was kept" in str(err.value) and "kept in" not in str(err.value), err.value
+        assert strategy.leftovers() == [] and not strategy.final.exists()
+
+
 def test_a_second_writer_never_writes_into_a_live_writers_partial(strategy: Strategy, source: Source) -> None:
     """While one writer holds the partial, a second writer of the same blob is refused (directory)
     or writes a private temp file of its own (node cache, lock judged stale): the first writer's
