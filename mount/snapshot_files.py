@@ -10,18 +10,13 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from modelpack.mediatypes import BlobFormat
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.mount.modes import DIR_MODE, READ_ONLY_FILE_MODE
 from modelpack.mount.store import Store
 
-from modelpack.errors import DigestMismatchError, ManifestError, SnapshotError, UnsafePathError
+from modelpack.errors import ManifestError, SnapshotError, UnsafePathError
 from modelpack.oci.descriptor import Descriptor, Manifest
-
-if TYPE_CHECKING:  # transfer's modules load lazily: a cache hit never imports them
-    from modelpack.transfer.layer_formats import LayerFormat
 
 
 @dataclass
@@ -40,16 +35,13 @@ def materialise(
     max_expanded: int | None,
     expansion_limit: str,
 ) -> list[SnapshotFile]:
-    from modelpack.oci.image_config import image_diff_ids
-    from modelpack.transfer.layer_formats import manifest_layer_formats, needs_config
+    from modelpack.transfer.layer_formats import diff_ids_to_hash, manifest_layer_formats, needs_config
     from modelpack.transfer.untar import ExpansionBudget, extract_tar_layer
 
     formats = manifest_layer_formats(manifest)
-    diff_ids: list[str] = []
-    if needs_config(manifest):
-        if config_raw is None:
-            raise SnapshotError(f"{manifest.digest}: image config missing")
-        diff_ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
+    if config_raw is None and needs_config(manifest):
+        raise SnapshotError(f"{manifest.digest}: image config missing")
+    diff_ids = diff_ids_to_hash(manifest, config_raw)
     files: list[SnapshotFile] = []
     seen: set[str] = set()
     # one budget for all tar layers: the bytes they write together are capped
@@ -62,7 +54,7 @@ def materialise(
                     dest,
                     strip=fmt.strip,
                     blob_format=fmt.format,
-                    diff_id=_diff_id_to_hash(layer, fmt, diff_ids[i]) if fmt.diff_id else None,
+                    diff_id=diff_ids[i],
                     where=f"layer {layer.digest}",
                     existing=seen,
                     budget=budget,
@@ -101,20 +93,6 @@ def raw_layer_path(manifest: Manifest, layer: Descriptor) -> str:
             f"{manifest.digest} layer {layer.digest}: no file path annotation; cannot place it in a snapshot"
         )
     return rel
-
-
-def _diff_id_to_hash(layer: Descriptor, fmt: LayerFormat, diff_id: str) -> str | None:
-    """The diff_id extraction must hash the tar stream for, or None when it is already vouched for.
-
-    An uncompressed layer's tar stream is its blob, and the store committed the blob only after
-    hashing it to ``layer.digest``: its diff_id must be that digest (a string compare), and hashing
-    the same bytes again would be the extraction's costliest step for nothing.
-    """
-    if fmt.format is not BlobFormat.TAR:
-        return diff_id
-    if diff_id != layer.digest:
-        raise DigestMismatchError(diff_id, layer.digest, what=f"layer {layer.digest} diff_id (uncompressed)")
-    return None
 
 
 def _safe_join(root: str, rel: str) -> str:

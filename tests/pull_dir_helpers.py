@@ -9,6 +9,7 @@ real registry with ``modelpack cp``'s library function.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import io
 import os
@@ -161,6 +162,19 @@ def modelpack_tar_layer(tar_bytes: bytes, path: str) -> Layer:
     return ("application/vnd.cncf.model.weight.v1.tar", tar_bytes, {ANNOTATION_FILEPATH: path})
 
 
+def _uncompressed(media_type: str, blob: bytes) -> bytes:
+    """The tar a layer's diff_id vouches for: a plain-tar label's blob as it is (never
+    decompressed), else what the bytes decompress to by their magic number (as the readers
+    decide, whatever the compression label says)."""
+    if media_type.endswith(".tar"):
+        return blob
+    if blob[:4] == b"\x28\xb5\x2f\xfd":
+        return zstandard.ZstdDecompressor().decompressobj().decompress(blob)
+    if blob[:2] == b"\x1f\x8b":
+        return gzip.decompress(blob)
+    return blob
+
+
 def write_artifact(layout: Path, tag: str, layers: list[Layer], *, image_config: bool = False) -> str:
     """Write ``layers`` (and a config) into the OCI layout ``layout`` under ``tag``; returns the digest."""
     target = OCILayoutTarget(str(layout), create=True)
@@ -175,7 +189,10 @@ def write_artifact(layout: Path, tag: str, layers: list[Layer], *, image_config:
         if image_config:
             config = (
                 b'{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":['
-                + b",".join(b'"sha256:' + hashlib.sha256(b).hexdigest().encode() + b'"' for _, b, _ in layers)
+                + b",".join(
+                    b'"sha256:' + hashlib.sha256(_uncompressed(m, b)).hexdigest().encode() + b'"'
+                    for m, b, _ in layers
+                )
                 + b"]}}"
             )
             config_type = MEDIA_TYPE_IMAGE_CONFIG

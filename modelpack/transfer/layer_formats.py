@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpack.errors import UnsupportedLayerError
+from modelpack.errors import DigestMismatchError, ManifestError, UnsupportedLayerError
 from modelpack.mediatypes import (
     MEDIA_TYPE_DOCKER_IMAGE_CONFIG,
     MEDIA_TYPE_IMAGE_CONFIG,
@@ -43,7 +43,7 @@ from modelpack.mediatypes import (
     supported_layer_formats,
 )
 from modelpack.oci.descriptor import Manifest
-from modelpack.oci.image_config import MODELS_PREFIX
+from modelpack.oci.image_config import MODELS_PREFIX, image_diff_ids
 
 #: image configs: their ``rootfs.diff_ids`` tie each layer to its uncompressed tar
 IMAGE_CONFIG_MEDIA_TYPES = (MEDIA_TYPE_IMAGE_CONFIG, MEDIA_TYPE_DOCKER_IMAGE_CONFIG)
@@ -121,9 +121,39 @@ def needs_config(manifest: Manifest) -> bool:
     return is_image_config(manifest.config.media_type)
 
 
+def diff_ids_to_hash(manifest: Manifest, config_raw: bytes | None) -> list[str | None]:
+    """Per layer, the ``diff_id`` its uncompressed tar must hash to while it is extracted, or
+    None when nothing is left to hash: a layer the config does not vouch for (a raw layer, a tar
+    outside an image), or a plain-tar layer, whose stream IS its blob — read under its blob
+    digest — so its diff_id must be that digest (compared here; hashing the same bytes again
+    would be the extraction's costliest step for nothing). Every reader that extracts image
+    layers (pull into a directory, the node cache's snapshot) asks here, so none can skip it.
+    ``config_raw`` is the manifest's config, verified by the caller (needed for an image)."""
+    formats = manifest_layer_formats(manifest)
+    if not needs_config(manifest):
+        return [None] * len(formats)
+    if config_raw is None:
+        raise ManifestError(f"{manifest.digest}: image config missing")
+    ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
+    out: list[str | None] = []
+    for layer, fmt, diff_id in zip(manifest.layers, formats, ids, strict=True):
+        if not fmt.diff_id:
+            out.append(None)
+        elif fmt.format is BlobFormat.TAR:
+            if diff_id != layer.digest:
+                raise DigestMismatchError(
+                    diff_id, str(layer.digest), what=f"layer {layer.digest} diff_id (uncompressed)"
+                )
+            out.append(None)
+        else:
+            out.append(diff_id)
+    return out
+
+
 __all__ = [
     "IMAGE_CONFIG_MEDIA_TYPES",
     "LayerFormat",
+    "diff_ids_to_hash",
     "has_tar_layers",
     "is_image_config",
     "layer_format",

@@ -41,12 +41,17 @@ from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import Progress
 from modelpack.targets.base import ReadableTarget, SourceAccounting
-from modelpack.targets.fetch import fetch_manifest
+from modelpack.targets.fetch import fetch_config, fetch_manifest
 from modelpack.transfer import destination
 from modelpack.transfer.blob_writer import Downloaded, Landing, WriteHooks, fetch_verified
 from modelpack.transfer.cancel import Cancel, CancellableReader
 from modelpack.transfer.dest_lock import destination_locked
-from modelpack.transfer.layer_formats import LayerFormat, manifest_layer_formats
+from modelpack.transfer.layer_formats import (
+    LayerFormat,
+    diff_ids_to_hash,
+    manifest_layer_formats,
+    needs_config,
+)
 from modelpack.transfer.pull_document import pull_document
 from modelpack.transfer.pull_options import PullOptions
 from modelpack.transfer.staging import BesideFinal, StagingDir, partial_path, sweep
@@ -65,6 +70,7 @@ class LayerJob:
     relpath: str | None
     dest_dir: str
     format: LayerFormat | None = None  # a tar layer's: compression, prefix, members passed over
+    diff_id: str | None = None  # what a tar layer's uncompressed stream must hash to (an image's)
 
     @property
     def final_path(self) -> str:
@@ -98,15 +104,26 @@ def file_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[s
 
 
 def plan_layers(
-    manifest: Manifest, dest_dir: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
+    manifest: Manifest,
+    dest_dir: str,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    *,
+    config: Callable[[], bytes] | None = None,
 ) -> PullPlan:
     """Which layers go where; refuses raw layers without a path, unsafe paths, two raw layers with
-    different content at one path, and formats pull cannot write (before downloading anything)."""
+    different content at one path, and formats pull cannot write (before downloading anything).
+    ``config`` reads the manifest's config, verified: an image's ``rootfs.diff_ids`` vouch for
+    its tar layers (``layer_formats.diff_ids_to_hash``)."""
     select = file_selector(include, exclude)
     plan = PullPlan([], [], {})
-    for i, (layer, fmt) in enumerate(zip(manifest.layers, manifest_layer_formats(manifest), strict=True)):
+    formats = manifest_layer_formats(manifest)
+    diff_ids: list[str | None] = [None] * len(formats)
+    if needs_config(manifest) and any(fmt.is_tar for fmt in formats):
+        diff_ids = diff_ids_to_hash(manifest, config() if config is not None else None)
+    for i, (layer, fmt) in enumerate(zip(manifest.layers, formats, strict=True)):
         if fmt.is_tar:
-            plan.tar.append(LayerJob(layer, None, dest_dir, fmt))
+            plan.tar.append(LayerJob(layer, None, dest_dir, fmt, diff_id=diff_ids[i]))
             continue
         relpath = layer_filepath(layer.annotations)
         if relpath is None:
@@ -232,6 +249,7 @@ def _stage_tar(
                     staging.path,
                     fmt.strip,
                     blob_format=fmt.format,
+                    diff_id=job.diff_id,
                     where=where,
                     existing=claims,
                     budget=budget,
@@ -333,7 +351,7 @@ def _pull_locked(target: ReadableTarget, identifier: str, dest_dir: str, options
     dest = os.path.abspath(dest_dir)
     _ensure_dest(dest)
     include, exclude, jobs, force = options.include, options.exclude, options.jobs, options.force
-    plan = plan_layers(manifest, dest, include, exclude)
+    plan = plan_layers(manifest, dest, include, exclude, config=lambda: fetch_config(target, manifest))
     select = file_selector(include, exclude)
     claims = ClaimedPaths()
     for rel, layer_digest in plan.raw_paths.items():

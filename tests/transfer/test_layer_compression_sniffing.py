@@ -77,14 +77,29 @@ def test_a_layer_whose_label_names_another_compression_is_read_by_its_bytes(
     assert all(r.ok for r in cache.verify())
 
 
-def test_the_diff_id_still_binds_a_relabelled_layer(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("label", "encode"),
+    [
+        (MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, lambda tar: tar),
+        (MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, zstd),
+        (MEDIA_TYPE_IMAGE_LAYER_TAR, lambda tar: tar),
+    ],
+    ids=["plain-as-zstd", "zstd", "plain"],
+)
+def test_the_diff_id_still_binds_a_layer_in_every_pull(tmp_path: Path, label: str, encode) -> None:  # type: ignore[no-untyped-def]
     """Reading by the bytes changes how a layer is decompressed, not what vouches for it: the node
-    cache refuses a plain tar labelled zstd whose config names another diff_id."""
+    cache and the pull into a directory both refuse a layer whose config names another diff_id,
+    and the directory is left without the layer's files (the pull into a directory extracted
+    without comparing the diff_id before)."""
     layout = tmp_path / "layout"
-    digest = _lying_image(layout, MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD, _model_tar())
+    digest = _lying_image(layout, label, encode(_model_tar()))
     _rewrite_diff_id(layout, digest, "sha256:" + "0" * 64)
-    with pytest.raises(DigestMismatchError):
+    with pytest.raises(DigestMismatchError, match="diff_id"):
         NodeCache(str(tmp_path / "cache")).pull(f"oci:{layout}:v1")
+    out = tmp_path / "files"
+    with pytest.raises(DigestMismatchError, match="diff_id"):
+        transfer.pull(f"oci:{layout}:v1", str(out), progress="off")
+    assert not (out / "w.bin").exists() and not (out / "config.json").exists()
 
 
 @pytest.mark.parametrize(
