@@ -6,6 +6,11 @@ filesystems and mounts, which ``link(2)`` refuses with ``EXDEV``) is hashed agai
 snapshot's recorded sha256 before the rename. A file already at its path counts as present
 when it is the snapshot's own inode, or a regular file with the recorded size and sha256; any
 other file there is replaced. Nothing else in the destination is touched.
+
+One writer at a time per destination, as for every pull into a directory
+(``transfer.dest_lock.destination_locked``): two initializers placing into one ``DEST`` (two
+containers of a pod, a restarted init container beside a slow one) take turns, so one temp
+name per file is safe, and what a killed run left there is replaced by the next.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from modelpack.files import TEMP_PREFIX, DirSyncs, link_or_copy
 from modelpack.mount.snapshot_files import SnapshotFile
 from modelpack.mount.snapshots import SnapshotInfo
 from modelpack.oci.digest import HASH_CHUNK
+from modelpack.transfer.dest_lock import destination_locked
 
 FILE_MODE = 0o444  # what the snapshot's files are; a copy gets the same
 DIR_MODE = 0o755
@@ -94,6 +100,11 @@ def place_snapshot(snapshot: SnapshotInfo, dest: str, *, link: str = "auto") -> 
     shares an inode with the cache) or ``copy``."""
     os.makedirs(dest, exist_ok=True)
     dest = os.path.realpath(dest)
+    with destination_locked(dest):
+        return _place_locked(snapshot, dest, link)
+
+
+def _place_locked(snapshot: SnapshotInfo, dest: str, link: str) -> Placement:
     result = Placement()
     syncs = DirSyncs()
     for f in snapshot.files:
@@ -101,7 +112,7 @@ def place_snapshot(snapshot: SnapshotInfo, dest: str, *, link: str = "auto") -> 
         src = os.path.join(snapshot.path, *f.path.split("/"))
         path = _target_path(dest, f.path)
         _make_parents(dest, path)
-        # one temp name per file: what a killed run left there is replaced (or removed) by the next
+        # one temp name per file (DEST is held): what a killed run left there is replaced by the next
         tmp = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}kserve-{os.path.basename(path)}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
