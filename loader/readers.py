@@ -26,14 +26,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import numpy as np
 from modelpack.loader.gather import gather_rows
 
 from modelpack.errors import SourceError, TruncatedSourceError
 from modelpack.oci.descriptor import Descriptor
-from modelpack.targets.base import CheckedRangeFetcher, RangeCheck, RangeIntoFetcher, ReadableTarget
+from modelpack.targets.base import (
+    CheckedRangeFetcher,
+    RangeCheck,
+    RangeIntoFetcher,
+    ReadableTarget,
+    VerifiedSpooler,
+)
 
 ALIGN = 4096
 
@@ -284,3 +290,67 @@ class TargetReader:
 
     def close(self) -> None:
         pass
+
+
+class VerifiedSpoolReader:
+    """A whole-layer read (no chunk table) through mirrors: the blob is taken whole from the
+    mirrors once its bytes matched the digest (``VerifiedSpooler``: a liar's bytes go to the next
+    source, then the origin), and the ranges are read from that spool. Reading ranges straight
+    from a mirror could not tell a liar until the layer's last byte, and by then the header
+    parsed from its bytes has planned the load (a zeroed mirror failed a load the healthy origin
+    could serve). Without a usable mirror the origin is read by ranges (``TargetReader``); the
+    layer digest is still checked by the whole-layer path either way."""
+
+    local = False
+
+    def __init__(self, target: VerifiedSpooler, descriptor: Descriptor, *, name: str = "") -> None:
+        self.target = target
+        self.descriptor = descriptor
+        self.size = descriptor.size
+        self.name = name or f"{target} blob {descriptor.digest}"
+        self._lock = threading.Lock()
+        self._opened = False
+        self._spool: BinaryIO | None = None
+        self._ranges = TargetReader(target, descriptor, name=self.name)  # type: ignore[arg-type]
+        self._count = _Counter()
+
+    @property
+    def bytes_read(self) -> int:
+        return self._count.value if self._spool is not None else self._ranges.bytes_read
+
+    @property
+    def reads(self) -> list[tuple[int, int, int]]:
+        return self._count.reads if self._spool is not None else self._ranges.reads
+
+    def _source(self) -> BinaryIO | None:
+        with self._lock:
+            if not self._opened:
+                self._spool = self.target.fetch_blob_spooled(self.descriptor)
+                self._opened = True
+            return self._spool
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        self.read_scatter(offset, [buf])
+
+    def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None:
+        spool = self._source()
+        if spool is None:
+            self._ranges.read_scatter(offset, views)
+            return
+        want = sum(len(v) for v in views)
+        if offset + want > self.size:
+            raise TruncatedSourceError(self.name, offset, want, max(0, self.size - offset))
+        with self._lock:  # one file position for every reader thread
+            spool.seek(offset)
+            for v in views:
+                got = spool.readinto(v)  # type: ignore[attr-defined]
+                if got != len(v):
+                    raise TruncatedSourceError(self.name, offset, want, got or 0)
+        self._count.add(want, offset)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._spool is not None:
+                self._spool.close()
+                self._spool = None
+                self._opened = True

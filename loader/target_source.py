@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from modelpack.loader.readers import RangeReader, TargetReader
+from modelpack.loader.readers import RangeReader, TargetReader, VerifiedSpoolReader
 from modelpack.loader.variant_source import is_index_document, select_entry
 from modelpack.loader.weight_files import (
     ResolvedSource,
@@ -31,7 +31,7 @@ from modelpack.errors import (
 )
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest, verify_bytes
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ReadableTarget, VerifiedSpooler
 
 
 def cli_reference(target: ReadableTarget, reference: str | None) -> str:
@@ -162,6 +162,9 @@ def _target_opener(
     check = table.range_check(str(layer.digest)) if table is not None else None
 
     def opener() -> RangeReader:
-        return TargetReader(target, layer, name=f"{target.name} {rel} ({layer.digest})", check=check)
+        name = f"{target.name} {rel} ({layer.digest})"
+        if check is None and isinstance(target, VerifiedSpooler):  # verified whole: never a mirror's range
+            return VerifiedSpoolReader(target, layer, name=name)
+        return TargetReader(target, layer, name=name, check=check)
 
     return opener

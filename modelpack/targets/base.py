@@ -177,6 +177,16 @@ class CheckedRangeFetcher(Protocol):
 
 
 @runtime_checkable
+class VerifiedSpooler(Protocol):
+    """Hands out a whole blob only once its bytes matched the digest, asked of its mirrors first
+    (a liar's bytes sent to the next source, then the origin): what a reader needs that cannot
+    check a range on its own (no chunk table) and must not read a range from a source that may
+    lie. None: no mirror could serve it, so the origin is read by ranges as usual."""
+
+    def fetch_blob_spooled(self, descriptor: Descriptor) -> BinaryIO | None: ...
+
+
+@runtime_checkable
 class RangeIntoFetcher(Protocol):
     """Receives a range straight into caller memory (``views`` filled in order), with no copy."""
 

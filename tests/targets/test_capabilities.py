@@ -29,6 +29,7 @@ from modelpack.targets.base import (
     ReadableTarget,
     SourceAccounting,
     Target,
+    VerifiedSpooler,
 )
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from tests.fixtures.registry import RegistryServer
@@ -46,6 +47,7 @@ CAPABILITIES: dict[str, type] = {
     "RangeIntoFetcher": RangeIntoFetcher,
     "Catalog": Catalog,
     "Closable": Closable,
+    "VerifiedSpooler": VerifiedSpooler,
 }
 
 #: the project's own source folders (installed as ``modelpack.*``)
@@ -76,6 +78,7 @@ def test_a_registry_repository_mounts_lists_the_catalog_and_receives_ranges_in_p
             "RangeIntoFetcher",
             "Catalog",
             "Closable",
+            "VerifiedSpooler",
         }
         assert isinstance(target, BlobMounter) and target.registry_host == registry.host
         assert isinstance(target, SourceAccounting) and target.bytes_by_source() == {}

@@ -183,6 +183,51 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
     assert any("chunk(s) of range" in e["reason"] for e in gone), gone
 
 
+def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_whole_layer_load(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """Without a chunk table a layer is verified whole (its manifest digest): a mirror serving
+    zeroes made ``modelpack load REF@D --mirror M`` exit 1 ("expected sha256:…, got …") while the
+    origin was healthy. The layer is now read from the mirrors only once their bytes matched
+    the digest (the liar's bytes go to the next source, then the origin), the load succeeds with
+    the origin's bytes, and the liar is named in an event."""
+    import torch
+    from modelpack.loader import load_state_dict
+
+    from modelpack.events import EventLog, read_events
+    from modelpack.targets.opener import TargetOptions
+    from tests.loader_helpers import reference_tensors
+
+    digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/whole-liar")
+    liar = HostileMirror(blobs, "zero")
+    crawler_for.append(liar)
+    source = f"{registry.host}/faults/whole-liar@{digest}"
+    proc = subprocess.run(
+        _cli("load", source, "--mirror", liar.url, "--json"),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc["verification"].values()) == {"whole"}, doc["verification"]
+    assert liar.served > 0  # the mirror was asked, and lied
+
+    events = tmp_path / "ev.jsonl"
+    opts = TargetOptions(mirrors=[liar.url], events=EventLog(str(events)))
+    got = load_state_dict(source, target_options=opts)
+    want = reference_tensors(checkpoint)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    weights = {str(d.digest) for d in manifest.layers if str(d.digest) in blobs}
+    gone = [
+        e
+        for e in read_events(str(events))
+        if e["event"] == "registry.mirror_abandoned" and e.get("blob") in weights
+    ]
+    assert gone and all(e["failure"] == "digest_mismatch" for e in gone), gone
+
+
 def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_clearly(
     registry_factory: Any, checkpoint: Path, tmp_path: Path
 ) -> None:

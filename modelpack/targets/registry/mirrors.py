@@ -227,18 +227,36 @@ class MirroredBlobs:
     def open_blob(self, desc: Descriptor, offset: int = 0) -> BinaryIO:
         """The blob from ``offset``: spooled from the mirrors and verified, else from the origin
         (unverified here, like every origin read: the consumer verifies)."""
-        if offset == 0 and desc.size > 0 and self._usable():
-            try:
-                spooled = self._spool(desc)
-            except OSError as exc:  # no room for the spool (TMPDIR full): the origin streams it
-                log.warning("cannot spool %s from a mirror (%s); using the origin", desc.digest, exc.strerror)
-                spooled = None
+        if offset == 0:
+            spooled = self._spool_or_none(desc)
             if spooled is not None:
                 return spooled
         stream = _CountingStream(
             ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host, desc
         )
         return stream  # type: ignore[return-value]
+
+    def spool_verified(self, desc: Descriptor) -> BinaryIO | None:
+        """The whole blob, verified, whoever serves it: the mirrors first (``_spool``), then the
+        origin's bytes, spooled and checked too (``VerifiedSpooler``: for a reader that must not
+        read a range it cannot check). None when no mirror is usable (the origin is read as
+        usual) or no spool has room."""
+        spooled = self._spool_or_none(desc)
+        if spooled is None and self._usable():
+            try:
+                spooled, _ = self._spool_once(desc, {m.name for m in self.mirrors})
+            except OSError as exc:
+                log.warning("cannot spool %s from the origin (%s)", desc.digest, exc.strerror)
+        return spooled
+
+    def _spool_or_none(self, desc: Descriptor) -> BinaryIO | None:
+        if desc.size == 0 or not self._usable():
+            return None
+        try:
+            return self._spool(desc)
+        except OSError as exc:  # no room for the spool (TMPDIR full): the origin serves it
+            log.warning("cannot spool %s from a mirror (%s); using the origin", desc.digest, exc.strerror)
+            return None
 
     def _spool(self, desc: Descriptor) -> BinaryIO | None:
         """The whole blob from the mirrors (the origin finishing what they could not deliver),

@@ -201,6 +201,11 @@ class RegistryTarget:
             return self.mirrors.open_blob(descriptor, offset)
         return open_blob(self._repo, descriptor, offset)
 
+    def fetch_blob_spooled(self, descriptor: Descriptor) -> BinaryIO | None:
+        """The whole blob from the mirrors, verified (``VerifiedSpooler``); None without mirrors
+        or when the origin must serve it."""
+        return self.mirrors.spool_verified(descriptor) if self.mirrors is not None else None
+
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         if self.mirrors is not None:
             return self.mirrors.read_range(descriptor, offset, length)
