@@ -267,6 +267,59 @@ def test_origin_down_a_pinned_pull_comes_from_the_mirror_and_a_tag_pull_fails_cl
     assert not [p for p in asked if not p.rsplit("/", 1)[1].startswith("sha256:")], asked
 
 
+@pytest.mark.parametrize("where", ["directory", "cache"])
+def test_a_kept_partial_resumes_from_a_mirror_while_the_origin_is_down(
+    where: str, registry_factory: Any, checkpoint: Path, tmp_path: Path
+) -> None:
+    """A partial kept by a killed pull (or a full disk) is resumed from the mirrors too: a
+    resumed download asked the origin alone (mirrors only from byte 0), so with the origin down
+    a pinned pull failed after ``--retry-for`` although the mirror held the blob."""
+    from modelpack.mount.store import Store
+
+    from modelpack.transfer.staging import partial_path
+
+    origin = registry_factory.start()
+    mirror = registry_factory.start()
+    digest, manifest, blobs = push_and_read_back(origin, checkpoint, "faults/resume")
+    transfer.cp(origin.ref("faults/resume", "v1"), mirror.ref("faults/resume", "v1"), progress="off")
+    big = max(manifest.layers, key=lambda d: d.size)
+    data = blobs[str(big.digest)]
+    keep = len(data) // 3
+    if where == "directory":
+        out = tmp_path / "out"
+        out.mkdir()
+        partial = Path(partial_path(str(out / big.annotations["org.opencontainers.image.title"]), big.digest))
+        dest = [str(out)]
+    else:
+        partial = Path(Store(str(tmp_path / "cache")).partial_path(big.digest))
+        dest = ["--cache", str(tmp_path / "cache")]
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_bytes(data[:keep])
+    partial.chmod(0o600)
+    origin.kill()
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            f"{origin.host}/faults/resume@{digest}",
+            *dest,
+            "--mirror",
+            f"http://{mirror.host}",
+            "--retry-for",
+            "2s",
+            "--json",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    resumed = doc["directory"]["resumedBytes"] if where == "directory" else doc["cache"]["bytes"]["resumed"]
+    assert resumed == keep, doc
+    assert not partial.exists()
+
+
 def test_a_mirror_forging_a_manifest_by_digest_is_abandoned_for_the_origin(
     registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
 ) -> None:

@@ -151,6 +151,13 @@ class MirroredBlobs:
             registry=self.origin.name,
         )
 
+    def _mirror_failed(self, mirror: _Mirror, desc: Descriptor, exc: BaseException, offset: int) -> None:
+        """``mirror`` failed ``desc`` at ``offset``: marked down after a failed connection (so a
+        dead mirror costs one short budget per run), abandoned for the next source."""
+        if isinstance(exc, RegistryConnectionError):
+            mirror.down_until = time.monotonic() + DOWN_FOR_S
+        self._abandon(mirror, desc, str(exc), offset, failure=failure_kind(exc))
+
     def url_of(self, name: str) -> str:
         """Mirror ``name``'s URL (never credentials: a mirror URL carries none)."""
         return next(m.endpoint.url for m in self.mirrors if m.name == name)
@@ -231,10 +238,10 @@ class MirroredBlobs:
             spooled = self._spool_or_none(desc)
             if spooled is not None:
                 return spooled
-        stream = _CountingStream(
-            ResumingBlobStream(self.origin, desc, offset), self, self.origin.client.host, desc
-        )
-        return stream  # type: ignore[return-value]
+        # a resume (``offset`` > 0: a kept partial) asks the mirrors too, each from the byte
+        # reached; the caller re-hashed its prefix and checks the whole blob
+        mirrors = self._for_blob(desc) if offset > 0 else []
+        return _SourcesStream(self, desc, offset, mirrors)  # type: ignore[return-value]
 
     def spool_verified(self, desc: Descriptor) -> BinaryIO | None:
         """The whole blob, verified, whoever serves it: the mirrors first (``_spool``), then the
@@ -310,9 +317,7 @@ class MirroredBlobs:
                 except (RegistryError, ModelpackError) as exc:
                     if mirror is None:
                         raise
-                    if isinstance(exc, RegistryConnectionError):
-                        mirror.down_until = time.monotonic() + DOWN_FOR_S
-                    self._abandon(mirror, desc, str(exc), pos, failure=failure_kind(exc))
+                    self._mirror_failed(mirror, desc, exc, pos)
                 sources.append((mirror, pos - start))
             if pos == desc.size and hasher.hexdigest() == want:
                 split: dict[str, int] = {}
@@ -398,9 +403,7 @@ class MirroredBlobs:
                 except TransferInterrupted:
                     raise
                 except (RegistryError, ModelpackError) as exc:
-                    if isinstance(exc, RegistryConnectionError):
-                        mirror.down_until = time.monotonic() + DOWN_FOR_S
-                    self._abandon(mirror, desc, str(exc), o, failure=failure_kind(exc))
+                    self._mirror_failed(mirror, desc, exc, o)
                     left.append((o, n))
                     continue
                 bad = check(o, data) if check is not None else []
@@ -440,47 +443,108 @@ class MirroredBlobs:
             m.repo.client.close()
 
 
-class _CountingStream:
-    """An origin stream that books what it delivers under the origin's name."""
+class _SourcesStream:
+    """A blob from ``offset`` (not verified here: its consumer checks the whole blob): each of
+    ``mirrors`` in turn, then the origin, each continuing from the byte reached; a mirror that
+    fails, stalls, trickles or ends short is abandoned for the next source. Books what each
+    source delivered, and says so once in a ``registry.blob_sources`` event at close."""
 
-    def __init__(
-        self, inner: ResumingBlobStream, owner: MirroredBlobs, source: str, desc: Descriptor
-    ) -> None:
-        self._inner = inner
+    def __init__(self, owner: MirroredBlobs, desc: Descriptor, offset: int, mirrors: list[_Mirror]) -> None:
         self._owner = owner
-        self._source = source
         self._desc = desc
-        self._delivered = 0
+        self._pos = offset
+        self._left: list[_Mirror | None] = [*mirrors, None]
+        self._mirror: _Mirror | None = None
+        self._inner: ResumingBlobStream | None = None
+        self._split: dict[str, int] = {}
+        self._urls: dict[str, str] = {}
         self._reported = False
+        self._next()
+
+    def _next(self) -> None:
+        """Open the next source at the byte reached; the origin's failure is the caller's."""
+        owner = self._owner
+        while self._left:
+            mirror = self._left.pop(0)
+            try:
+                if mirror is None:
+                    self._inner = ResumingBlobStream(owner.origin, self._desc, self._pos)
+                else:
+                    self._inner = ResumingBlobStream(mirror.repo, self._desc, self._pos, floor=owner.floor)
+                self._mirror = mirror
+                return
+            except TransferInterrupted:
+                raise
+            except (RegistryError, ModelpackError) as exc:
+                if mirror is None:
+                    raise
+                owner._mirror_failed(mirror, self._desc, exc, self._pos)
+
+    def _give_up_on_mirror(self, why: BaseException | None) -> None:
+        mirror = self._mirror
+        assert mirror is not None and self._inner is not None
+        if why is None:
+            self._owner._abandon(
+                mirror, self._desc, f"short blob: ended at byte {self._pos}", self._pos, failure="short"
+            )
+        else:
+            self._owner._mirror_failed(mirror, self._desc, why, self._pos)
+        self._inner.close()
+        self._inner = None
+        self._next()
+
+    def _book(self, n: int) -> None:
+        if not n:
+            return
+        mirror = self._mirror
+        name = mirror.name if mirror is not None else self._owner.origin.client.host
+        self._owner._count(name, n)
+        self._split[name] = self._split.get(name, 0) + n
+        self._urls.setdefault(
+            name, mirror.endpoint.url if mirror is not None else origin_url(self._owner.origin.client)
+        )
+        self._pos += n
 
     def read(self, n: int = -1) -> bytes:
-        data = self._inner.read(n)
-        self._owner._count(self._source, len(data))
-        self._delivered += len(data)
-        return data
+        while True:
+            assert self._inner is not None
+            try:
+                data = self._inner.read(n)
+            except TransferInterrupted:
+                raise
+            except (RegistryError, ModelpackError) as exc:
+                if self._mirror is None:
+                    raise
+                self._give_up_on_mirror(exc)
+                continue
+            if not data and self._pos < self._desc.size and self._mirror is not None:
+                self._give_up_on_mirror(None)
+                continue
+            self._book(len(data))
+            return data
 
     def readinto(self, buf: Any) -> int:
-        n = self._inner.readinto(buf)
-        self._owner._count(self._source, n)
-        self._delivered += n
-        return n
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
 
     def readable(self) -> bool:
         return True
 
     def close(self) -> None:
-        self._inner.close()
-        if not self._reported and self._owner.events is not None:  # the origin served this one alone
+        if self._inner is not None:
+            self._inner.close()
+        if not self._reported and self._owner.events is not None and self._split:
             self._reported = True
             self._owner.events.emit(
                 "registry.blob_sources",
                 blob=str(self._desc.digest),
-                bytes=self._delivered,
-                sources={self._source: self._delivered},
-                source_urls={self._source: origin_url(self._owner.origin.client)},
+                bytes=sum(self._split.values()),
+                sources=dict(self._split),
+                source_urls=dict(self._urls),
             )
 
-    def __enter__(self) -> _CountingStream:
+    def __enter__(self) -> _SourcesStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
