@@ -25,16 +25,24 @@ failure (one status byte after the data), so every rank raises instead of waitin
 Every rank must load the same source with the same plan options: the first collective compares
 a digest of the source (manifest digest, files, their modes and chunk sizes), a later one of the
 plan (TP size, rules), across the group, and refuses a mismatch on every rank. Only tensors cross
-the group (digests, chunk bytes, status bytes): nothing a peer sends is unpickled. A rank that stops early (its consumer broke off, or it
-failed outside a shared read) leaves the others waiting in the next broadcast until the group's
-own timeout, as any collective does. Files that are not chunk-verified (trusted snapshot files,
-whole-layer hashing) are read as without a group.
+the group (digests, chunk bytes, status bytes): nothing a peer sends is unpickled.
+
+A rank that is killed, refuses or exits fails the others at once (its connections close). One
+that stops but stays alive (a hang, SIGSTOP, a consumer that broke off, a failure outside a
+shared read) would hold them in the backend's collective for its own timeout (30 minutes): every
+collective here waits at most the group's progress deadline (``MODELPACK_GROUP_PROGRESS_TIMEOUT``,
+120 s) and then raises ``GroupStalledError`` naming the rank it waited for (gloo's monitored
+barrier names the missing ranks before the first exchange; a broadcast names its owner). Files
+that are not chunk-verified (trusted snapshot files, whole-layer hashing) are read as without a
+group.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,10 +56,59 @@ from modelpack.loader.readers import RangeReader
 from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import ResolvedSource, WeightFile
 
-from modelpack.errors import LoaderError
+from modelpack import settings
+from modelpack.errors import GroupStalledError, LoaderError
 from modelpack.packing.safetensors_format import SafetensorsHeader
 
 OK, FAILED = 1, 0
+#: how long a rank waits for the group's next step when MODELPACK_GROUP_PROGRESS_TIMEOUT is unset
+DEFAULT_GROUP_PROGRESS_S = 120.0
+
+
+def progress_deadline() -> float:
+    """Seconds a collective may wait for the other ranks (``MODELPACK_GROUP_PROGRESS_TIMEOUT``)."""
+    return settings.GROUP_PROGRESS_TIMEOUT.get() or DEFAULT_GROUP_PROGRESS_S
+
+
+def _stalled(what: str, waited_for: str, seconds: float, detail: str) -> GroupStalledError:
+    return GroupStalledError(
+        f"LoaderOptions.group: {waited_for} made no progress for {seconds:g} s during {what} "
+        f"(alive but hung or stopped?; {settings.GROUP_PROGRESS_TIMEOUT.name} sets the limit): {detail}"
+    )
+
+
+def _finish(work: Any, what: str, waited_for: str) -> None:
+    """Wait for an async collective at most the progress deadline."""
+    seconds = progress_deadline()
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as exc:  # gloo: "Timed out …" / "Application timeout caused pair closure"
+        raise _stalled(what, waited_for, seconds, str(exc).splitlines()[0][:300]) from None
+    if done is False:
+        raise _stalled(what, waited_for, seconds, "the collective did not complete")
+
+
+def _all_present(group: Any, what: str) -> None:
+    """gloo: every rank reaches this point within the deadline, else name the ranks that did not
+    (a monitored barrier; NCCL has none, its collectives are bounded by ``_finish`` alone)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        return
+    seconds = progress_deadline()
+    try:
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
+    except RuntimeError as exc:
+        text = str(exc)
+        found = re.search(r"Ranks? ([0-9][0-9, ]*) failed", text)
+        who = f"rank {found.group(1).strip()}" if found else "a rank of the group"
+        raise _stalled(what, who, seconds, text.splitlines()[0][:300]) from None
+
+
+def _broadcast(tensor: torch.Tensor, src: int, group: Any, what: str) -> None:
+    import torch.distributed as dist
+
+    _finish(dist.broadcast(tensor, src=src, group=group, async_op=True), what, f"rank {src} (its owner)")
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -72,7 +129,8 @@ def _agree(group: Any, doc: Any, what: str) -> None:
     dev = _comm_device(group)
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(dev)
     everyone = [torch.empty(32, dtype=torch.uint8, device=dev) for _ in range(size)]
-    dist.all_gather(everyone, mine, group=group)
+    _all_present(group, f"the check of {what}")
+    _finish(dist.all_gather(everyone, mine, group=group, async_op=True), f"the check of {what}", "a rank")
     odd = [r for r, d in enumerate(everyone) if not torch.equal(d, everyone[0])]
     if odd:
         raise LoaderError(
@@ -133,13 +191,13 @@ def read_header_shared(
         except BaseException as exc:
             failure = exc
     meta = torch.tensor([0 if failure else OK, count, len(payload)], dtype=torch.int64, device=dev)
-    dist.broadcast(meta, src=src_rank, group=group)
+    _broadcast(meta, src_rank, group, f"the header of {name}")
     status, count, total = (int(x) for x in meta.tolist())
     data = torch.empty(total, dtype=torch.uint8, device=dev)
     if me == owner and total:
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     if status == OK:
-        dist.broadcast(data, src=src_rank, group=group)
+        _broadcast(data, src_rank, group, f"the header of {name}")
     if me == owner:
         if failure is not None:
             raise failure
@@ -256,7 +314,9 @@ def read_chunked_shared(
             src_rank: int = src_rank,
             failure: list[BaseException] = failure,
         ) -> None:
-            _exchange(slot, glen + 1, dist.get_global_rank(group, src_rank), group, nccl, src_rank == me)
+            _exchange(
+                slot, glen + 1, dist.get_global_rank(group, src_rank), group, nccl, src_rank == me, f.relpath
+            )
             if failure:
                 load.release(slot)
                 raise failure[0]
@@ -278,19 +338,17 @@ def read_chunked_shared(
         yield from load.submit(task, done)
 
 
-def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool) -> None:
+def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool, what: str) -> None:
     """Broadcast ``slot``'s first ``n`` bytes from global rank ``src`` (NCCL: via the device)."""
-    import torch.distributed as dist
-
     if not nccl:
-        dist.broadcast(slot.host[:n], src=src, group=group)
+        _broadcast(slot.host[:n], src, group, f"the shared chunks of {what}")
         return
     assert slot.device is not None
     dev = slot.device[:n]
     stream = torch.cuda.current_stream(dev.device)
     if owned:
         dev.copy_(slot.host[:n], non_blocking=True)
-    dist.broadcast(dev, src=src, group=group)
+    _broadcast(dev, src, group, f"the shared chunks of {what}")
     if not owned:
         slot.host[:n].copy_(dev, non_blocking=True)
     stream.synchronize()

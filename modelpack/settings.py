@@ -460,6 +460,16 @@ ACCELERATOR = _setting(
     kind="name",
     group=_SERVE,
 )
+GROUP_PROGRESS_TIMEOUT = _setting(
+    "MODELPACK_GROUP_PROGRESS_TIMEOUT",
+    positive_duration,
+    None,
+    "Loading with a process group (ranks sharing reads): how long a rank waits for the others' "
+    "next step before it fails naming the rank it waited for; default 120 s (a rank that stops "
+    "but stays alive would hold the group for the backend's 30-minute timeout).",
+    kind="duration",
+    group=_SERVE,
+)
 
 # ---- events and diagnostics
 EVENTS = _setting(

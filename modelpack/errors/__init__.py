@@ -86,6 +86,9 @@ from modelpack.errors.loading import (
     FingerprintMismatchError as FingerprintMismatchError,
 )
 from modelpack.errors.loading import (
+    GroupStalledError as GroupStalledError,
+)
+from modelpack.errors.loading import (
     HeaderMismatchError as HeaderMismatchError,
 )
 from modelpack.errors.loading import (

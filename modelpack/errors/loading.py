@@ -11,6 +11,11 @@ class LoaderError(ModelpackError):
     """Base of every refusal or failure of the streaming loader."""
 
 
+class GroupStalledError(LoaderError):
+    """A rank of the loading process group made no progress within the group's deadline (it
+    hangs, or was stopped, but stays alive): named, so the operator knows which pod to look at."""
+
+
 class PlanError(LoaderError, ValueError):
     """The tensor-parallel read plan cannot be built (bad rule, uneven split, duplicate tensor)."""
 

@@ -256,6 +256,7 @@ MALFORMED = {
     "MODELPACK_PROGRESS_INTERVAL": ["-1", "often"],
     "MODELPACK_LINK": ["symlink"],
     "MODELPACK_TP_SIZE": ["0", "two"],
+    "MODELPACK_GROUP_PROGRESS_TIMEOUT": ["0", "never"],
     "MODELPACK_T0": ["yesterday"],
 }
 

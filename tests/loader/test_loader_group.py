@@ -45,7 +45,10 @@ rank, world = dist.get_rank(), dist.get_world_size()
 manifest, _ = api.fetch_manifest(OCILayoutTarget(layout), digest)
 table = ChunkTable.from_predicate(json.load(open(table_path)), manifest)
 stats = LoadStats()
-opts = LoaderOptions(group=dist.group.WORLD if mode == "group" else None)
+opts = LoaderOptions(group=dist.group.WORLD if mode in ("group", "stall") else None)
+if mode == "stall" and rank == 1:  # alive, but never takes part again (a hung or stopped rank)
+    import signal
+    os.kill(os.getpid(), signal.SIGSTOP)
 try:
     sd = load_state_dict(f"oci:{layout}@{digest}", tp_size=world, tp_rank=rank, chunk_table=table,
                          options=opts, stats=stats)
@@ -108,6 +111,48 @@ def _run_ranks(
         line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT ") :]))
     return sorted(results, key=lambda d: d["rank"])
+
+
+def test_a_rank_that_stops_but_stays_alive_fails_the_group_within_its_progress_deadline(
+    model: dict[str, Any],
+) -> None:
+    """A rank killed, refusing or exiting fails the others at once; one that stops but stays
+    alive (SIGSTOP, a hang) left them in gloo's collective for its 30-minute default. The group
+    has a progress deadline of its own (``MODELPACK_GROUP_PROGRESS_TIMEOUT``, here 3 s) and the
+    error names the rank waited for."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + ["stall"]
+    procs = []
+    for r in range(2):
+        env = dict(
+            os.environ,
+            INIT=init,
+            RANK=str(r),
+            WORLD="2",
+            OMP_NUM_THREADS="1",
+            LAYOUT="",
+            MODELPACK_GROUP_PROGRESS_TIMEOUT="3s",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, *args],
+                env=env,
+                cwd=str(REPO_ROOT),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, err[-4000:]
+    doc = json.loads(line[len("RESULT ") :])
+    assert doc["error"] == "GroupStalledError", doc
+    assert "rank 1" in doc["message"] and "3 s" in doc["message"], doc
 
 
 @pytest.mark.parametrize("world", [2, 8])
