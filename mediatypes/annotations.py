@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from modelpack.boundedjson import loads
-from modelpack.errors import DocumentError, UnsafePathError
+from modelpack.errors import DocumentError, ModelpackError, UnsafePathError
 from modelpack.terminal import has_control_characters
 
 ANNOTATION_FILEPATH = "org.cncf.model.filepath"
@@ -101,6 +101,22 @@ def layer_filepath(annotations: Mapping[str, str] | None) -> str | None:
         if key in annotations:
             return safe_relative_path(annotations[key], what=f"annotation {key}")
     return None
+
+
+def restored_mode(annotations: Mapping[str, str] | None) -> int:
+    """The mode a pulled file gets from its layer's recorded metadata: ``0o755`` when the
+    recorded mode lets its owner execute it (a script), else ``0o644``. Only the exec bit is
+    carried over (as podman and containerd keep it): a manifest is the publisher's word, and a
+    pull never creates a setuid, setgid, sticky or world-writable file from it. Metadata that is
+    missing or unreadable means ``0o644``."""
+    try:
+        meta = layer_file_metadata(annotations)
+    except ModelpackError:
+        return 0o644
+    mode = meta.get("mode") if meta else None
+    if isinstance(mode, int) and not isinstance(mode, bool) and mode & 0o100:
+        return 0o755
+    return 0o644
 
 
 def layer_file_metadata(annotations: Mapping[str, str] | None) -> dict[str, object] | None:

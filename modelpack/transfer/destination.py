@@ -82,6 +82,22 @@ def placement(dest: str, relpath: str, digest: str | Callable[[], str], size: in
     return Placement(relpath, final, SAME if got == want else DIFFERS)
 
 
+def set_mode(path: str, mode: int) -> None:
+    """Give a file this pull vouched for (``SAME``: ours or root's) the mode it should have."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+    finally:
+        os.close(fd)
+
+
 def make_parents(dest: str, relpath: str) -> str:
     """Create the directories of ``relpath`` (checked again: the tree may have changed); returns
     the file's directory."""

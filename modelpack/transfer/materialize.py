@@ -36,7 +36,7 @@ from modelpack.errors import (
     PullError,
 )
 from modelpack.files import DirSyncs, free_bytes, write_error
-from modelpack.mediatypes.annotations import layer_filepath
+from modelpack.mediatypes.annotations import layer_filepath, restored_mode
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import HASH_CHUNK, VerifyingReader, sha256_file
 from modelpack.progress import Progress
@@ -366,6 +366,9 @@ def _pull_locked(target: ReadableTarget, identifier: str, dest_dir: str, options
     if conflicts and not force:
         raise DestinationConflictError(dest, conflicts)
     fetch = [job for job in plan.raw if places[job.relpath].state != destination.SAME]  # type: ignore[index]
+    for job in plan.raw:  # a file already there, right bytes: its mode mended to the recorded one
+        if places[job.relpath].state == destination.SAME:  # type: ignore[index]
+            destination.set_mode(job.final_path, restored_mode(job.descriptor.annotations))
     partials = {job.relpath: partial_path(job.final_path, job.descriptor.digest) for job in fetch}
     result = PullResult(digest=digest, dest_dir=dest)
     result.swept = sweep(dest, keep=partials.values())
@@ -399,7 +402,13 @@ def _pull_locked(target: ReadableTarget, identifier: str, dest_dir: str, options
                     target,
                     job.descriptor,
                     BesideFinal(partials[job.relpath]),
-                    Landing(job.final_path, dirs=dirs, root=dest, what=f"blob for {job.final_path}"),
+                    Landing(
+                        job.final_path,
+                        mode=restored_mode(job.descriptor.annotations),
+                        dirs=dirs,
+                        root=dest,
+                        what=f"blob for {job.final_path}",
+                    ),
                     WriteHooks(
                         cancel=cancel,
                         on_bytes=bar.update if bar is not None else None,

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -538,3 +539,46 @@ def test_pull_fsyncs_each_file_before_its_rename_and_each_directory_once_after(
         syncs = [j for j, path in fsynced if path == d]
         assert syncs and max(syncs) > last_rename, f"{d} not fsynced after its last rename"
         assert len(syncs) == 1, f"{d} fsynced {len(syncs)} times: once per file instead of once"
+
+
+def test_a_pull_keeps_the_exec_bit_the_manifest_records_and_nothing_more(tmp_path: Path) -> None:
+    """The packer records each file's mode (``org.cncf.model.file.metadata+json``) and podman and
+    containerd restore it; a pull wrote every file 0644, dropping a script's exec bit. A pulled
+    file is 0755 when its recorded mode lets its owner execute it, else 0644: never setuid or
+    world-writable, whatever a hostile manifest records (``07777``), and a rerun over a file that
+    is there with the right bytes but the wrong mode mends the mode."""
+    import json as _json
+
+    from modelpack.mediatypes import ANNOTATION_FILE_METADATA
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.targets.layout import OCILayoutTarget
+
+    src = tmp_path / "src"
+    write_checkpoint(str(src), SyntheticSpec(seed=5, shards=1))
+    (src / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "run.sh").chmod(0o755)
+    (src / "evil.sh").write_text("#!/bin/sh\n")
+    (src / "evil.sh").chmod(0o755)
+    layout = tmp_path / "layout"
+    transfer.push(str(src), f"oci:{layout}:v1", progress="off")
+    # a hostile publisher records 07777 for evil.sh (the manifest is re-tagged as v2)
+    target = OCILayoutTarget(str(layout))
+    raw, media_type = target.fetch_manifest(str(target.resolve("v1").digest))
+    doc = _json.loads(raw)
+    for layer in doc["layers"]:
+        meta = layer.get("annotations", {}).get(ANNOTATION_FILE_METADATA)
+        if meta and _json.loads(meta)["name"] == "evil.sh":
+            m = _json.loads(meta)
+            m["mode"] = 0o7777
+            layer["annotations"][ANNOTATION_FILE_METADATA] = _json.dumps(m)
+    target.push_manifest(_json.dumps(doc).encode(), media_type, "v2")
+    assert Manifest.parse(_json.dumps(doc).encode(), media_type=media_type)
+
+    out = tmp_path / "out"
+    transfer.pull(f"oci:{layout}:v2", str(out), progress="off")
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert mode["run.sh"] == 0o755 and mode["evil.sh"] == 0o755, mode
+    assert all(m == 0o644 for n, m in mode.items() if not n.endswith(".sh")), mode
+    (out / "run.sh").chmod(0o644)
+    res = transfer.pull(f"oci:{layout}:v2", str(out), progress="off")
+    assert res.downloaded == 0 and stat.S_IMODE((out / "run.sh").stat().st_mode) == 0o755
