@@ -28,6 +28,9 @@ import numpy as np
 from modelpack.errors import TruncatedSourceError
 
 _IOV_MAX = 1024
+#: bytes one process_vm_readv call is asked for: the kernel moves at most ~2 GiB a call
+#: (MAX_RW_COUNT), and its short count must keep meaning "past the end of the file"
+_MAX_CALL_BYTES = 1 << 30
 _lock = threading.Lock()
 _vm_readv: object | None = None  # ctypes function, False once refused, None before the first try
 
@@ -81,8 +84,12 @@ def _gather_in_kernel(
     dest: np.ndarray,
     end: int,
 ) -> bool:
-    """The kernel copies the rows out of a mapping; False when the system call is refused."""
+    """The kernel copies the rows out of a mapping; False when the system call is refused (or a
+    row is longer than one call may move: positional reads loop on short counts)."""
     global _vm_readv
+    if length > _MAX_CALL_BYTES:
+        return False
+    per_call = max(1, min(_IOV_MAX, _MAX_CALL_BYTES // length))
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     try:
         m = mmap.mmap(fd, end - start, access=mmap.ACCESS_READ, offset=start)
@@ -94,8 +101,8 @@ def _gather_in_kernel(
         base = src.ctypes.data + (offset - start)
         dbase = dest.ctypes.data
         pid = os.getpid()
-        for r0 in range(0, rows, _IOV_MAX):
-            r1 = min(rows, r0 + _IOV_MAX)
+        for r0 in range(0, rows, per_call):
+            r1 = min(rows, r0 + per_call)
             remote = np.empty((r1 - r0, 2), dtype=np.uint64)
             remote[:, 0] = base + np.arange(r0, r1, dtype=np.uint64) * stride
             remote[:, 1] = length

@@ -9,9 +9,12 @@ from typing import Any
 from modelpack.loader.fingerprint import Fingerprint
 from modelpack.loader.plan import ReadPlan
 
+from modelpack.errors import LoaderError
 from modelpack.oci.variant_selection import VariantSelector
 
 MiB = 1024 * 1024
+#: the largest piece, batch or slot: one read call moves at most ~2 GiB (Linux MAX_RW_COUNT)
+MAX_READ_BYTES = 1024 * MiB
 
 
 @dataclass
@@ -42,6 +45,35 @@ class LoaderOptions:
     # an index of variants: which entry to load (a modelpack.oci.variant_selection.VariantSelector
     # built from the node's device arch, TP size, engine and --variant; loader/variant_source.py)
     variant: VariantSelector | None = None
+
+    def check(self) -> None:
+        """Refuse a value the load cannot honour, naming the field, before anything is read: a
+        piece or slot past what one read call moves (~2 GiB, Linux's ``MAX_RW_COUNT``) would
+        read as a truncated file; a zero size or count would loop or deadlock."""
+        sizes = {
+            "piece_bytes": self.piece_bytes,
+            "batch_bytes": self.batch_bytes,
+            "slot_bytes": self.slot_bytes,
+        }
+        for name, value in sizes.items():
+            if not isinstance(value, int) or not 0 < value <= MAX_READ_BYTES:
+                raise LoaderError(
+                    f"LoaderOptions.{name} must be 1 byte to {MAX_READ_BYTES} (1 GiB), got {value!r}"
+                )
+        counts = {
+            "workers": (self.workers, 0),
+            "slots": (self.slots, 0),
+            "remote_inflight": (self.remote_inflight, 1),
+        }
+        for name, (value, least) in counts.items():
+            if not isinstance(value, int) or value < least:
+                raise LoaderError(
+                    f"LoaderOptions.{name} must be an integer of at least {least}, got {value!r}"
+                )
+        if self.views not in ("off", "shard", "full"):
+            raise LoaderError(f"LoaderOptions.views must be 'off', 'shard' or 'full', got {self.views!r}")
+        if self.uneven not in ("refuse", "chunk"):
+            raise LoaderError(f"LoaderOptions.uneven must be 'refuse' or 'chunk', got {self.uneven!r}")
 
     @property
     def local_workers(self) -> int:

@@ -106,8 +106,7 @@ def prepare(
     if layout == LAYOUT_SHARDED_STATE:
         rules, presets = REPLICATE_ALL, False
         opts = dataclasses.replace(opts, group=None)
-    if opts.views not in ("off", "shard", "full"):
-        raise LoaderError(f"LoaderOptions.views must be 'off', 'shard' or 'full', got {opts.views!r}")
+    opts.check()
     src = resolve_source(
         source,
         expected_digest=expected_digest,

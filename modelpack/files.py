@@ -196,6 +196,20 @@ def link_or_copy(src: str, dst_tmp: str, *, mode: str = "auto") -> str:
     return "copy"
 
 
+def pread_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset``, fewer only at end of file: one ``pread`` returns at most
+    about 2 GiB on Linux (``MAX_RW_COUNT``), which is not the end of the file."""
+    chunks = []
+    got = 0
+    while got < n:
+        data = os.pread(fd, n - got, offset + got)
+        if not data:
+            break
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+
+
 def read_exact(stream: BinaryIO, n: int) -> bytes:
     """Up to ``n`` bytes, fewer only at end of stream (a body or a decompressor may return short
     reads)."""

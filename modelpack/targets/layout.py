@@ -27,7 +27,7 @@ from modelpack.errors import (
     NotFoundError,
     SizeMismatchError,
 )
-from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy
+from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy, pread_exact
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
 from modelpack.oci.digest import HASH_CHUNK, Digest, VerifyingReader, verify_bytes
@@ -248,7 +248,7 @@ class OCILayoutTarget:
 
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         with self.fetch_blob(descriptor) as f:
-            data = os.pread(f.fileno(), length, offset)
+            data = pread_exact(f.fileno(), length, offset)
         if len(data) != length:
             raise SizeMismatchError(descriptor.digest, offset + length, offset + len(data), source=self.name)
         return data

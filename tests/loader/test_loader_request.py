@@ -74,3 +74,27 @@ def test_load_into_runs_the_callers_on_plan_after_its_own_check(ckpt: Path) -> N
     assert len(seen) == 1
     for name, t in module.state_dict().items():
         assert torch.equal(t, ref[name])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("piece_bytes", 3 * 1024**3),  # past what one read call moves (~2 GiB)
+        ("slot_bytes", 0),
+        ("batch_bytes", -1),
+        ("slots", -2),
+        ("workers", -1),
+        ("remote_inflight", 0),
+        ("views", "all"),
+        ("uneven", "pad"),
+    ],
+)
+def test_an_option_out_of_range_is_refused_naming_it(ckpt: Path, field: str, value: object) -> None:
+    """``LoaderOptions`` was taken as given: a piece or slot past the ~2 GiB one read call moves
+    read as a truncated file, a zero slot looped; each is now a ``LoaderError`` naming the field
+    before anything is read."""
+    from modelpack.errors import LoaderError
+
+    opts = dataclasses.replace(LoaderOptions(), **{field: value})
+    with pytest.raises(LoaderError, match=f"LoaderOptions.{field}"):
+        load_state_dict(str(ckpt), allow_unverified=True, options=opts)
