@@ -141,14 +141,16 @@ def check_entry_manifest(entry: VariantEntry, raw: bytes, media_type: str | None
 
 
 def entry_descriptor(manifest: Manifest, fields: Mapping[str, str]) -> Descriptor:
-    """The index entry for ``manifest``: its exact descriptor plus the variant annotations."""
+    """The index entry for ``manifest``: its media type, digest and size plus the variant
+    annotations. No ``artifactType`` (on the entries or the index): ``skopeo copy --all``
+    re-serialises an index and drops it, changing the digest that pins and index signatures
+    name; what makes an entry a model is read from its manifest (``check_entry_manifest``)."""
     annotations = {VARIANT_KEYS[k]: v for k, v in sorted(fields.items())}
     return Descriptor(
         media_type=manifest.media_type,
         digest=manifest.digest,
         size=manifest.size,
         annotations=annotations or None,
-        artifact_type=manifest.artifact_type or manifest.config.media_type,
     )
 
 
@@ -159,11 +161,7 @@ def build_variant_index(
 
     Two entries with the same variant fields could never be told apart by a node: refused here,
     so a pusher learns it at ``index create``, not at every node's pull."""
-    from modelpack.mediatypes import ARTIFACT_TYPE_MODEL
-
-    built = variant_index(
-        Index.build(list(entries), annotations=annotations, artifact_type=ARTIFACT_TYPE_MODEL)
-    )
+    built = variant_index(Index.build(list(entries), annotations=annotations))
     seen: dict[tuple[tuple[str, str], ...], VariantEntry] = {}
     for e in built.entries:
         key = tuple(sorted(e.fields.items()))

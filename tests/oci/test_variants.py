@@ -167,6 +167,41 @@ def test_index_create_keeps_each_variant_exactly_and_the_registry_and_skopeo_rea
     assert [e["digest"] for e in version["variants"]] == [v.bf16, v.f32]
 
 
+def test_skopeo_copy_all_keeps_the_index_digest_so_pins_and_signatures_still_match(
+    variants: Variants, tmp_path: Path
+) -> None:
+    """``skopeo copy --all`` re-serialises an index it does not know fields of: the optional
+    ``artifactType`` of the index and of its entries was dropped, the digest changed, and pins
+    and index signatures no longer matched the copy. The index holds only what the common copy
+    tools keep, so the copy is byte for byte the same, in a registry and in a layout, and pulls."""
+    v = variants
+    digest = _index(v, "variants/idx-skopeo")
+    raw = _get_raw(v.host, "variants/idx-skopeo", "v1").content
+    assert b"artifactType" not in raw
+    for dest in (f"docker://{v.host}/variants/idx-skopeo-copy:v1", f"oci:{tmp_path / 'copy'}:v1"):
+        subprocess.run(
+            [
+                "skopeo",
+                "copy",
+                "--all",
+                "--src-tls-verify=false",
+                "--dest-tls-verify=false",
+                f"docker://{v.host}/variants/idx-skopeo:v1",
+                dest,
+            ],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+    copied = _get_raw(v.host, "variants/idx-skopeo-copy", "v1").content
+    assert copied == raw and "sha256:" + hashlib.sha256(copied).hexdigest() == digest
+    layout_index = json.loads((tmp_path / "copy" / "index.json").read_text())
+    assert [m["digest"] for m in layout_index["manifests"]] == [digest]
+    out = tmp_path / "pulled"
+    _cli("pull", f"{v.host}/variants/idx-skopeo-copy@{digest}", str(out), "--variant", "precision=f32")
+    assert any(out.glob("*.safetensors"))
+
+
 def test_index_entries_are_numbered_from_one_as_variant_n_counts_them(variants: Variants) -> None:
     """``index create`` and ``index show`` number the first entry #1, the N that ``--variant N:``
     gives it; ``--json`` says the same position."""
