@@ -1,7 +1,9 @@
 # The two front-door commands: `make demo` and `make test`. Both install what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?=
+# one worker per core (pytest-xdist), each taking a whole test file at a time so a module's
+# fixtures (registries, engines) start once; PYTEST_ARGS="-p no:xdist" runs them in one process
+PYTEST_ARGS ?= -n auto --dist loadfile
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 
