@@ -171,6 +171,17 @@ MIRRORS = _setting(
     kind="URLs",
     group=_MIRROR,
 )
+PEER_TOKEN = _setting(
+    "MODELPACK_PEER_TOKEN",
+    text,
+    None,
+    "The bearer token this node presents to peers (``cache serve`` of other nodes, the same value "
+    "as their ``MODELPACK_SERVE_TOKEN``); sent to peers only, never to an origin registry.",
+    kind="secret",
+    group=_MIRROR,
+    secret=True,
+    protective=True,
+)
 HOSTS_DIR = _setting(
     "MODELPACK_HOSTS_DIR",
     text,
@@ -335,6 +346,16 @@ SERVE_TOKEN = _setting(
     kind="secret",
     group=_CREDS,
     secret=True,
+)
+
+IMAGE = _setting(
+    "MODELPACK_IMAGE",
+    word,
+    None,
+    "``k8s …``: the modelpack image the generated objects run (``--modelpack-image``), best pinned "
+    "by digest; there is no default (build it with ``make image`` and push it where your nodes pull).",
+    kind="image reference",
+    group=_SERVE,
 )
 
 # ---- node cache, locks and local state

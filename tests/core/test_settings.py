@@ -308,7 +308,11 @@ def test_empty_means_default_but_an_empty_protective_setting_is_refused() -> Non
     assert settings.TIMEOUT.get({"MODELPACK_TIMEOUT": ""}) is None
     assert settings.JOBS.get({"MODELPACK_JOBS": " "}) == 4
     protective = [s for s in settings.SETTINGS.values() if s.protective]
-    assert {s.name for s in protective} == {"MODELPACK_POLICY", "MODELPACK_POLICY_YAML"}
+    assert {s.name for s in protective} == {
+        "MODELPACK_POLICY",
+        "MODELPACK_POLICY_YAML",
+        "MODELPACK_PEER_TOKEN",
+    }
     for s in protective:
         assert s.get({}) is None
         with pytest.raises(SettingsError, match=s.name):

@@ -550,6 +550,7 @@ def test_a_pull_keeps_the_exec_bit_the_manifest_records_and_nothing_more(tmp_pat
     import json as _json
 
     from modelpack.mediatypes import ANNOTATION_FILE_METADATA
+
     from modelpack.oci.descriptor import Manifest
     from modelpack.targets.layout import OCILayoutTarget
 
