@@ -24,12 +24,17 @@ from modelpack.mediatypes import layer_filepath, parse_layer_media_type
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.statements import PREDICATE_MODEL_SIGNING, Statement
 
-from modelpack.errors import BundleError, SigningError
+from modelpack.errors import BundleError, ModelpackError, SigningError
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import sha256_file
 
 SERIALIZATION = {"method": "files", "hash_type": "sha256", "allow_symlinks": False}
 MAX_RESOURCES = 1_000_000
+MAX_IGNORE_PATHS = 4096
+#: What ``model_signing verify`` leaves out of a directory by default (``--ignore-git-paths``):
+#: a checkout's git metadata is not part of the model, so a directory that verifies there
+#: verifies here too.
+GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 
 
 def _sort_key(path: str) -> tuple[str, ...]:
@@ -100,14 +105,41 @@ def statement_files(statement: Statement) -> dict[str, str]:
     return files
 
 
-def hash_directory(path: str, ignore: Iterable[str] = ()) -> dict[str, str]:
+def statement_ignore_paths(statement: Statement) -> tuple[str, ...]:
+    """The paths a model_signing statement records as left out of the directory
+    (``serialization.ignore_paths``: the signature file, git metadata, ``--ignore-paths``),
+    relative to the directory. The list is signed, yet still bounded and checked: a path
+    outside the directory (absolute, ``..``) or a malformed entry refuses the statement."""
+    ser = statement.predicate.get("serialization")
+    raw = ser.get("ignore_paths", []) if isinstance(ser, dict) else []
+    if not isinstance(raw, list) or len(raw) > MAX_IGNORE_PATHS:
+        raise BundleError(f"model_signing ignore_paths must be a list of at most {MAX_IGNORE_PATHS} paths")
+    out: list[str] = []
+    for entry in raw:
+        if not isinstance(entry, str):
+            raise BundleError(f"model_signing ignore_paths entry {entry!r} is not a path")
+        try:
+            out.append(
+                safe_relative_path(entry.rstrip("/") or entry, what="model_signing ignore_paths entry")
+            )
+        except ModelpackError as exc:
+            raise BundleError(str(exc)) from exc
+    return tuple(out)
+
+
+def hash_directory(
+    path: str, ignore: Iterable[str] = (), ignore_relative: Iterable[str] = ()
+) -> dict[str, str]:
     """Every regular file under ``path`` (relative POSIX path → sha256 hex). Symlinks and other
-    non-regular entries are refused: the signature format says ``allow_symlinks: false``."""
+    non-regular entries are refused: the signature format says ``allow_symlinks: false``.
+    ``ignore`` (paths) and ``ignore_relative`` (paths relative to ``path``) are left out, a
+    directory with everything under it, as model_signing leaves out its ``ignore_paths``."""
     root = os.path.abspath(path)
     ignored = {os.path.abspath(p) for p in ignore}
+    ignored |= {os.path.join(root, *rel.split("/")) for rel in ignore_relative}
     out: dict[str, str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if os.path.join(dirpath, d) not in ignored)
         for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             full = os.path.join(dirpath, name)
             if full in ignored:

@@ -25,10 +25,12 @@ from modelpack.signing.manifest_signature import (
     format_signed_at,
 )
 from modelpack.signing.model_signing import (
+    GIT_PATHS,
     compare_files,
     files_from_manifest,
     hash_directory,
     statement_files,
+    statement_ignore_paths,
 )
 from modelpack.signing.policy import RepositoryPolicy, TrustPolicy
 from modelpack.signing.referrers import (
@@ -318,8 +320,14 @@ def verify_directory(
         raise _refuse(
             events, ref, digest, f"directory signature: {exc}", cls=DirectorySignatureError
         ) from exc
+    try:
+        recorded = statement_ignore_paths(bundle.statement)
+    except BundleError as exc:
+        raise _refuse(
+            events, ref, digest, f"directory signature: {exc}", cls=DirectorySignatureError
+        ) from exc
     ignore = [signature_path] if signature_path and os.path.exists(signature_path) else []
-    actual = hash_directory(directory, ignore=ignore)
+    actual = hash_directory(directory, ignore=ignore, ignore_relative=(*recorded, *GIT_PATHS))
     problems = compare_files(signed, actual)
     if problems:
         raise _refuse(

@@ -96,9 +96,12 @@ def cache_pull(
     hold: float | None = None,
     allow_rollback: bool = False,
     variant: Any = None,
+    signature_path: str | None = None,
 ) -> PullResult:
     """What ``modelpack pull REF --cache DIR`` does: pull into the node cache, print the snapshot.
-    ``variant`` (a ``VariantSelector``) picks the entry when REF is an index of variants."""
+    ``variant`` (a ``VariantSelector``) picks the entry when REF is an index of variants.
+    ``signature_path``: write the model_signing directory signature the cache verified and kept
+    beside the snapshot (read from the cache, so a pinned hit needs no registry)."""
     cache = open_cache(cache_dir, events, max_cache_bytes=max_cache_bytes, create=True)
     result = cache.pull(
         reference,
@@ -110,6 +113,8 @@ def cache_pull(
         allow_rollback=allow_rollback,
         variant=variant,
     )
+    if signature_path:
+        _write_kept_directory_signature(cache, reference, str(result.digest), policy, signature_path)
     if as_json:
         emit_json(result.to_json())
     else:
@@ -125,6 +130,19 @@ def cache_pull(
         )
         click.echo(result.path)
     return result
+
+
+def _write_kept_directory_signature(
+    cache: NodeCache, reference: str, digest: str, policy: TrustPolicy | None, path: str
+) -> None:
+    from modelpack.oci.reference import parse_reference
+    from modelpack.signing import write_directory_signature
+    from modelpack.signing.verify import resolve_policy
+    from modelpack.targets.layout import OCILayoutTarget
+
+    kept = OCILayoutTarget(cache.store.root)
+    keys = list(resolve_policy(policy, parse_reference(reference)).keys) if policy is not None else []
+    write_directory_signature(kept, kept.resolve(digest), path, keys or None)
 
 
 def _when(ts: float) -> str:

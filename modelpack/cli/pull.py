@@ -49,7 +49,8 @@ def pull_trust_options(fn: Any) -> Any:
         click.option(
             "--signature",
             "signature_path",
-            help="Also write the model_signing signature here (for `model_signing verify key`).",
+            help="Also write the model_signing signature here (for `model_signing verify key` of the pulled "
+            "directory or, with --cache, of the snapshot; there it needs --key or --policy).",
         ),
         click.option(
             "--events", "trust_events", help="Append JSON events (signing.*) here ('-' for stderr)."
@@ -121,10 +122,13 @@ def pull_into_cache(
 ) -> None:
     """``pull REF --cache DIR``: the pull command's trust flags (--key/--policy/--events) become
     the cache's policy and event log; the cache itself verifies, before publishing."""
-    if kwargs.pop("signature_path", None):
-        raise click.UsageError("--signature writes into a pulled directory; it does not apply to --cache")
+    signature = kwargs.pop("signature_path", None)
     topts = build_target_options(kwargs)
     policy = trust_policy_from(tuple(kwargs.pop("trust_keys", ()) or ()), kwargs.pop("trust_policy", None))
+    if signature and policy is None:
+        raise click.UsageError(
+            "--signature with --cache needs --key or --policy: the cache keeps only the signatures it verified"
+        )
     events = kwargs.pop("trust_events", None)
     allow_rollback = bool(kwargs.pop("allow_rollback", False))
     from modelpack.cli.cache import SECONDS, cache_pull
@@ -146,6 +150,7 @@ def pull_into_cache(
         hold=hold_s,
         allow_rollback=allow_rollback,
         variant=variant,
+        signature_path=signature,
     )
 
 

@@ -224,3 +224,39 @@ def test_registry_audit_catalog(registry: Any, checkpoint: Path, tmp_path: Path)
     )
     lines = table.output.splitlines()
     assert lines[0].startswith("REPOSITORY") and any("verified(" in line for line in lines)
+
+
+def test_pull_into_the_cache_writes_the_directory_signature(
+    registry: Any, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``pull REF --cache C --key K --signature S`` was a usage error, so a node cache's snapshot
+    could not be handed to model_signing. It writes the directory signature the cache verified
+    and kept (also with the registry gone), and model_signing accepts the snapshot with it."""
+    priv, pub, _ = _keys(tmp_path)
+    ref = registry.ref("trust/cache-sig", "v1")
+    pushed = _run("push", str(checkpoint), ref, "--sign-key", priv, "--json")
+    assert pushed.exit_code == 0, pushed.output
+    digest = json.loads(pushed.output)["digest"]
+    cache, sig = tmp_path / "cache", tmp_path / "out" / "model.sig"
+    pulled = _run("pull", ref, "--cache", str(cache), "--key", pub, "--signature", str(sig), "--json")
+    assert pulled.exit_code == 0, pulled.output
+    snapshot = json.loads(pulled.output)["path"]
+    cmd = [MODEL_SIGNING, "verify", "key", "--signature", str(sig), "--public_key", pub, snapshot]
+    good = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "Verification succeeded" in good.stdout, good.stdout + good.stderr
+
+    # pinned, origin unreachable: the signature comes from what the cache kept
+    sig.unlink()
+    gone = f"127.0.0.1:9/{ref.split('/', 1)[1].split(':')[0]}@{digest}"
+    again = _run(
+        "pull", gone, "--cache", str(cache), "--key", pub, "--signature", str(sig), "--retry-for", "0"
+    )
+    assert again.exit_code == 0, again.output
+    assert subprocess.run(cmd, capture_output=True, timeout=120).returncode == 0
+
+    # without a trusted key there is nothing verified to write: refused, nothing written
+    sig.unlink()
+    bare = _run(
+        "pull", f"{ref.split(':v1')[0]}@{digest}", "--cache", str(tmp_path / "c2"), "--signature", str(sig)
+    )
+    assert bare.exit_code == 2 and "--key" in bare.output and not sig.exists()
