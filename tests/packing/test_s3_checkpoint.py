@@ -161,3 +161,22 @@ def test_keys_with_dot_dotdot_or_empty_components_are_refused_by_name(
     )
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert "ckpts/ckpt/" in r.output and "refus" in r.output, r.output
+
+
+def test_the_same_files_from_s3_and_a_differently_named_directory_agree_given_a_name(
+    s3: S3Server, checkpoint: Path, tmp_path: Path
+) -> None:
+    """``aws s3 sync s3://B/ckpts/llama-8b ./checkpoint`` gives the same files under another name:
+    the default model name (the prefix's or the directory's last component) then differs, and so
+    does the digest, as docs/s3.md says; with ``--name`` the digest depends on the files alone."""
+    bucket = s3.make_bucket()
+    _upload_checkpoint(s3, checkpoint, bucket, "ckpts/llama-8b")
+    synced = tmp_path / "checkpoint"
+    os.rename(checkpoint, synced)
+    remote = f"s3://{bucket}/ckpts/llama-8b/"
+    by_default = api.pack(remote, f"oci:{tmp_path / 'a'}:v1", target_options=OPTS)
+    assert by_default.artifact.digest != api.pack(str(synced), f"oci:{tmp_path / 'b'}:v1").artifact.digest
+    named = PackOptions(name="llama-8b")
+    from_s3 = api.pack(remote, f"oci:{tmp_path / 'c'}:v1", named, OPTS)
+    from_dir = api.pack(str(synced), f"oci:{tmp_path / 'd'}:v1", named)
+    assert from_s3.artifact.digest == from_dir.artifact.digest == by_default.artifact.digest
