@@ -159,6 +159,7 @@ CA_FILE = _setting(
     "Storage initializer: PEM CA bundle for registry TLS (else KServe's CA bundle mount).",
     kind="path",
     group=_CONN,
+    protective=True,
 )
 
 # ---- mirrors and peers
@@ -346,6 +347,7 @@ SERVE_TOKEN = _setting(
     kind="secret",
     group=_CREDS,
     secret=True,
+    protective=True,
 )
 
 IMAGE = _setting(

@@ -142,6 +142,35 @@ def test_an_empty_policy_setting_in_the_initializer_fails_closed(name: str) -> N
         InitializerSettings.from_environ({name: ""})
 
 
+def test_an_empty_serve_token_is_refused_not_read_as_no_authentication(tmp_path: Path) -> None:
+    """``MODELPACK_SERVE_TOKEN=`` (a Secret key that rendered empty) made ``cache serve`` answer
+    everyone: the empty token meant "no token". It is refused before anything listens."""
+    import subprocess
+    import sys
+
+    from modelpack.mount.cache import NodeCache
+
+    NodeCache(str(tmp_path / "c"), create=True)
+    cmd = [sys.executable, "-m", "modelpack.cli", "cache", "serve", "--cache", str(tmp_path / "c")]
+    env = {**os.environ, "MODELPACK_SERVE_TOKEN": " "}
+    try:
+        res = subprocess.run(
+            [*cmd, "--listen", "127.0.0.1:0"], env=env, capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("cache serve started listening with an empty MODELPACK_SERVE_TOKEN")
+    assert res.returncode == 2 and "MODELPACK_SERVE_TOKEN" in res.stderr, res.stderr
+
+
+def test_an_empty_ca_file_in_the_initializer_fails_closed() -> None:
+    """``MODELPACK_CA_FILE=`` would fall back to the system trust store instead of the private CA
+    the operator meant to pin; it is refused, naming the variable."""
+    from modelpack.serving.kserve.settings import InitializerSettings
+
+    with pytest.raises(ModelpackError, match="MODELPACK_CA_FILE"):
+        InitializerSettings.from_environ({"MODELPACK_CA_FILE": ""})
+
+
 # --------------------------------------------------------------------------- one place
 SOURCE_DIRS = ("modelpack", "mediatypes", "signing", "mount", "loader")
 _READ = re.compile(r"environ|getenv|\benv\.get\(|\benv\[|envvar=")
@@ -312,6 +341,8 @@ def test_empty_means_default_but_an_empty_protective_setting_is_refused() -> Non
         "MODELPACK_POLICY",
         "MODELPACK_POLICY_YAML",
         "MODELPACK_PEER_TOKEN",
+        "MODELPACK_SERVE_TOKEN",
+        "MODELPACK_CA_FILE",
     }
     for s in protective:
         assert s.get({}) is None
