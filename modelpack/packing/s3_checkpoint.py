@@ -39,7 +39,7 @@ from modelpack.packing.packer import (
 from modelpack.packing.safetensors_format import SafetensorsHeader, header_length, parse_header_bytes
 from modelpack.progress import Progress
 from modelpack.targets.s3.client import client_errors, is_not_found, make_client, wrap_client_error
-from modelpack.targets.s3.stream import S3ReadStream
+from modelpack.targets.s3.stream import S3Patience, S3ReadStream
 
 if TYPE_CHECKING:
     from modelpack.targets.options import TargetOptions
@@ -171,16 +171,24 @@ def list_checkpoint(
 class _Reader:
     """Opens pinned (``If-Match``) streams and ranges of one bucket's objects."""
 
-    def __init__(self, client: Any, bucket: str) -> None:
+    def __init__(self, client: Any, bucket: str, patience: S3Patience | None = None) -> None:
         self.client = client
         self.bucket = bucket
+        self.patience = patience or S3Patience()
 
     def where(self, obj: S3Object) -> str:
         return f"s3://{self.bucket}/{obj.key}"
 
     def open(self, obj: S3Object, offset: int = 0) -> BinaryIO:
         stream = S3ReadStream(
-            self.client, self.bucket, obj.key, offset, obj.size, self.where(obj), etag=obj.etag or None
+            self.client,
+            self.bucket,
+            obj.key,
+            offset,
+            obj.size,
+            self.where(obj),
+            etag=obj.etag or None,
+            patience=self.patience,
         )
         return cast(BinaryIO, stream)
 
@@ -238,8 +246,9 @@ def build_s3_artifact(
             target_options.s3_region if target_options else None,
             max_pool=32,
         )
-    reader = _Reader(client, bucket)
+    reader = _Reader(client, bucket, S3Patience(target_options.retry_for if target_options else None))
     objects = list_checkpoint(client, bucket, prefix, opts.include, opts.exclude)
+    reader.patience.answered = True  # the listing came back: from now on an outage is waited for
     kinds: list[tuple[S3Object, LayerKind, bool]] = []
     for obj in objects:
         kind, untested = classify(obj.relpath, opts.other_files)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +35,9 @@ class CuttingProxy:
         self.cut_after = cut_after
         self.on_cut: Callable[[], None] | None = None
         self.cuts = 0
+        #: until this monotonic time every new connection is closed at once (an endpoint restarting)
+        self.down_until = 0.0
+        self.refused = 0
         self._armed = False
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -54,6 +59,12 @@ class CuttingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if time.monotonic() < self.down_until:
+                self.refused += 1
+                with contextlib.suppress(OSError):
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()  # a reset, as from a port nobody listens on
+                continue
             server = socket.create_connection(self.upstream)
             self._conns += [client, server]
             state = {"armed": False, "sent": 0}
@@ -157,3 +168,35 @@ def test_object_replaced_during_a_dropped_download_is_refused(
     with pytest.raises(S3Error, match="changed while it was being read"), target.fetch_blob(desc) as stream:
         _read_all(stream)
     assert proxy.cuts == 1
+
+
+def test_pack_from_s3_rides_out_an_endpoint_restart(s3: S3Server, checkpoint: Path, tmp_path: Path) -> None:
+    """The S3 endpoint goes away mid-pack (its connection cut, every new one reset for 4 s, as a
+    restarting moto or MinIO does) and comes back with the same objects: ``pack s3://…`` failed
+    with ``S3 GetObject`` where ``pull`` from S3 rode it out. The read resumes from the byte it
+    reached once the endpoint answers again, and the artifact is the local pack's."""
+    from modelpack import api
+    from modelpack.targets.opener import TargetOptions
+
+    bucket = s3.make_bucket()
+    s3.upload_dir(bucket, "ckpt", checkpoint)
+    shard = max(checkpoint.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    host, port = s3.endpoint.removeprefix("http://").split(":")
+    proxy = CuttingProxy(
+        (host, int(port)), f"GET /{bucket}/ckpt/{shard.name}".encode(), shard.stat().st_size // 3
+    )
+
+    def restart() -> None:
+        proxy.down_until = time.monotonic() + 4.0
+
+    proxy.on_cut = restart
+    try:
+        packed = api.pack(
+            f"s3://{bucket}/ckpt/",
+            f"oci:{tmp_path / 'layout'}:v1",
+            target_options=TargetOptions(s3_endpoint=proxy.endpoint),
+        )
+    finally:
+        proxy.close()
+    assert proxy.cuts == 1 and proxy.refused >= 1
+    assert packed.artifact.digest == api.pack(str(checkpoint), f"oci:{tmp_path / 'local'}:v1").artifact.digest

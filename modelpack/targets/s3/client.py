@@ -141,6 +141,18 @@ def client_errors() -> tuple[type[BaseException], ...]:
     return (ClientError, BotoCoreError)
 
 
+def is_transient(exc: BaseException) -> bool:
+    """A failure that can heal on its own: the endpoint refused, reset or timed out a connection
+    (restarting, failing over), or answered 500/503. Not: denied, missing, or a changed object."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError
+
+    if isinstance(exc, (BotoConnectionError, HTTPClientError)):
+        return True
+    _, status = error_code(exc)
+    return status in (500, 502, 503, 504)
+
+
 def error_code(exc: BaseException) -> tuple[str, int]:
     """S3's error code and HTTP status from a ``ClientError`` (``("", 0)`` for anything else)."""
     response = getattr(exc, "response", None)
