@@ -16,6 +16,10 @@ Every string that lands in a container's ``command``, ``args`` or ``env[].value`
 process starts, so a cache path holding ``$(MODELPACK_CACHE)`` would otherwise be rewritten
 beneath ``shlex`` quoting (which only protects against the shell that runs later).
 
+The images are the user's (``modelpack_image``, ``image``; no default in anyone's namespace), and
+every pull setting (``PodPullSettings``: mirrors, plain HTTP, CA bundle, retry budget, timeout)
+reaches each container that pulls as the ``MODELPACK_*`` variables it reads (``k8s_settings``).
+
 Every reference is pinned by digest: a tag would let two replicas run different weights. The
 generated dicts are checked against the ``kubernetes`` client models (``validate``); the tests
 also validate them strictly against the published OpenAPI schemas of 1.33 and the newest release.

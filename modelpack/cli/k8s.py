@@ -111,7 +111,8 @@ def k8s_group() -> None:
 
     \b
     Example:
-      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve | kubectl apply -f -
+      export MODELPACK_IMAGE=reg.example/platform/modelpack@sha256:…   # yours; no default
+      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve --image IMAGE | kubectl apply -f -
     """
 
 
@@ -157,8 +158,8 @@ def k8s_pod(
 
     \b
     Example:
-      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve > pod.yaml
-      modelpack k8s pod --image-volume reg.example/models/llama@sha256:… --vllm --replicas 2
+      modelpack k8s pod --image-volume localhost:5000/models/llama:v1 --resolve --image IMAGE > pod.yaml
+      modelpack k8s pod --image-volume reg.example/models/llama@sha256:… --vllm --image IMAGE --replicas 2
     """
     if kwargs.get("mirrors") or kwargs.get("hosts_dir"):
         raise click.UsageError(
@@ -230,9 +231,10 @@ def k8s_init_container(
 
     \b
     Example:
-      modelpack k8s init-container localhost:5000/models/llama:v1 --resolve --size-limit 20Gi
-      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --replicas 4
-      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --adapter reg.example/models/llama:sql-lora
+      modelpack k8s init-container localhost:5000/models/llama:v1 --resolve --size-limit 20Gi --image IMAGE
+      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --image IMAGE --replicas 4 \\
+          --mirror http://mirror:5000 --ca-configmap registry-ca --retry-for 5m
+      modelpack k8s init-container reg.example/models/llama@sha256:… --vllm --image IMAGE --adapter reg.example/models/llama:sql-lora
     """
     adapter_refs = kwargs.pop("adapter_refs", ())
     if adapter_refs and not vllm:
@@ -323,7 +325,8 @@ def k8s_prewarm(
 
     \b
     Example:
-      modelpack k8s prewarm localhost:5000/models/llama@sha256:… --node-selector gpu=h20
+      modelpack k8s prewarm localhost:5000/models/llama@sha256:… --node-selector gpu=h20 \\
+          --serve-peers 5050 --peer-token-secret modelpack-peer-token
     """
     node_selector: dict[str, str] = {}
     for s in selectors:

@@ -51,8 +51,8 @@ def kserve_group() -> None:
 
     \b
     Examples:
-      modelpack k8s kserve storage-containers --policy-secret model-trust | kubectl apply -f -
-      modelpack k8s kserve inferenceservice reg.example/models/llama:v1 --resolve --name llama
+      modelpack k8s kserve storage-containers --policy-secret --modelpack-image IMAGE | kubectl apply -f -
+      modelpack k8s kserve inferenceservice reg.example/models/llama:v1 --resolve --name llama --image IMAGE
       modelpack k8s kserve localmodelcache reg.example/models/llama@sha256:… --name llama \\
           --node-group gpu-nodes --model-size 20Gi --node-selector nvidia.com/gpu.present=true
     """
@@ -77,11 +77,11 @@ def kserve_storage_containers(as_json: bool, **kwargs: Any) -> None:
 
     \b
     Example:
-      modelpack k8s kserve storage-containers --policy-secret --registry-secret > csc.yaml
+      modelpack k8s kserve storage-containers --policy-secret --registry-secret --modelpack-image IMAGE > csc.yaml
     """
     from modelpack.serving.kserve.manifests import storage_containers
 
-    pull = pod_pull_settings(kwargs, registry_secret="declared" if kwargs["registry_secret"] else None)
+    pull = pod_pull_settings(kwargs, registry_secret=None)  # no -u here: the Secret is declared by pods
     for key in ("mirrors", "plain_http", "retry_for"):
         kwargs.pop(key)
     kwargs["image"] = modelpack_image(kwargs.pop("modelpack_image"))
@@ -132,7 +132,7 @@ def kserve_inferenceservice(reference: str, resolve: bool, as_json: bool, **kwar
 
     \b
     Example:
-      modelpack k8s kserve inferenceservice reg.example/models/llama@sha256:… --name llama
+      modelpack k8s kserve inferenceservice reg.example/models/llama@sha256:… --name llama --image IMAGE
     """
     opts = {k: kwargs.pop(k) for k in ("name", "namespace", "weights", "image", "tp_size", "host_path")}
     opts.update(
