@@ -148,7 +148,8 @@ PLAIN_HTTP = _setting(
     "MODELPACK_PLAIN_HTTP",
     boolean,
     False,
-    "Storage initializer: speak plain HTTP to a registry that is not on loopback.",
+    "Speak plain HTTP to a registry that is not on loopback (``--plain-http``; the storage "
+    "initializer's only way; the generated Kubernetes objects set it).",
     kind="boolean",
     group=_CONN,
 )
@@ -156,7 +157,8 @@ CA_FILE = _setting(
     "MODELPACK_CA_FILE",
     text,
     None,
-    "Storage initializer: PEM CA bundle for registry TLS (else KServe's CA bundle mount).",
+    "PEM CA bundle for registry TLS (``--ca-file``; the storage initializer's default is KServe's "
+    "CA bundle mount; the generated Kubernetes objects mount it from a ConfigMap).",
     kind="path",
     group=_CONN,
     protective=True,

@@ -16,6 +16,10 @@ Every string that lands in a container's ``command``, ``args`` or ``env[].value`
 process starts, so a cache path holding ``$(MODELPACK_CACHE)`` would otherwise be rewritten
 beneath ``shlex`` quoting (which only protects against the shell that runs later).
 
+The images are the user's (``modelpack_image``, ``image``; no default in anyone's namespace), and
+every pull setting (``PodPullSettings``: mirrors, plain HTTP, CA bundle, retry budget, timeout)
+reaches each container that pulls as the ``MODELPACK_*`` variables it reads (``k8s_settings``).
+
 Every reference is pinned by digest: a tag would let two replicas run different weights. The
 generated dicts are checked against the ``kubernetes`` client models (``validate``); the tests
 also validate them strictly against the published OpenAPI schemas of 1.33 and the newest release.
@@ -28,10 +32,11 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from modelpack.mount.k8s_settings import PodPullSettings, peer_token_env
+
 from modelpack.errors import InvalidReferenceError, K8sError
 from modelpack.oci.reference import Reference, parse_reference
 
-DEFAULT_MODELPACK_IMAGE = "ghcr.io/modelpack/modelpack:0.1.0"
 DEFAULT_CACHE_HOST_PATH = "/var/cache/modelpack"
 DEFAULT_CACHE_MOUNT = "/var/cache/modelpack"
 POLICY_MOUNT = "/etc/modelpack/policy"
@@ -78,6 +83,12 @@ def _pinned_image_ref(reference: str | Reference, *, what: str) -> tuple[Referen
             "(resolve it with 'modelpack inspect REF' or pass --resolve)"
         )
     return ref, f"{ref.location}/{ref.repository}@{ref.digest}"
+
+
+def served_model_name(ref: Reference) -> str:
+    """The name vLLM serves the model under: its repository (``team-a/llama``), the same for every
+    version, so clients keep one model id across rollouts (the digest stays in the annotation)."""
+    return ref.repository
 
 
 def _name_from(ref: Reference) -> str:
@@ -152,7 +163,7 @@ def image_volume_pod(
     pull_policy: str = "IfNotPresent",
     name: str | None = None,
     namespace: str | None = None,
-    image: str = "vllm/vllm-openai:latest",
+    image: str,
     container_name: str = "server",
 ) -> dict[str, Any]:
     """A Pod whose model arrives as an image volume (kubelet + runtime pull it, read-only)."""
@@ -199,24 +210,30 @@ def init_container_pod(
     policy_secret: str | None = None,
     policy_key: str = "policy.yaml",
     registry_secret: str | None = None,
-    modelpack_image: str = DEFAULT_MODELPACK_IMAGE,
-    image: str = "vllm/vllm-openai:latest",
+    modelpack_image: str,
+    image: str,
     name: str | None = None,
     namespace: str | None = None,
     adapters: Sequence[str] = (),
+    pull: PodPullSettings | None = None,
 ) -> dict[str, Any]:
     """A Pod whose init container pulls, verifies and publishes the model in the node cache.
 
     The serving container mounts the cache read-only and finds the model at
     ``<cache>/snapshots/<manifest hex>`` (``$MODELPACK_MODEL_DIR``), known up front because the
     reference is pinned by digest. ``adapters`` (pinned references of LoRA adapters of this
-    base) are pulled by the same command (``--adapter``), each into its own snapshot.
+    base) are pulled by the same command (``--adapter``), each into its own snapshot. ``pull``
+    (mirrors, plain HTTP, CA bundle, retry budget, timeout) reaches the init container as the
+    ``MODELPACK_*`` settings ``modelpack pull`` reads.
     """
     ref, image_ref = _pinned_image_ref(reference, what="init container")
     assert ref.digest is not None
+    pull = pull or PodPullSettings()
+    pull.check()
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    env, mounts, volumes = [*env, *pull.env()], [*mounts, *pull.mounts()], [*volumes, *pull.volumes()]
     snapshot = snapshot_path(cache_path, ref.digest.hex)
-    pull = _pull_command([image_ref], cache_path, policy_secret, policy_key, adapters)
+    commands = _pull_command([image_ref], cache_path, policy_secret, policy_key, adapters)
     meta = _pod_metadata(ref, name, namespace)
     return {
         "apiVersion": "v1",
@@ -227,7 +244,7 @@ def init_container_pod(
                 {
                     "name": "modelpack-pull",
                     "image": modelpack_image,
-                    "command": ["sh", "-c", literal(pull[0])],
+                    "command": ["sh", "-c", literal(commands[0])],
                     "env": [*env, _env("MODELPACK_CACHE", cache_path), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
                     "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
@@ -256,11 +273,13 @@ def prewarm_daemonset(
     policy_secret: str | None = None,
     policy_key: str = "policy.yaml",
     registry_secret: str | None = None,
-    modelpack_image: str = DEFAULT_MODELPACK_IMAGE,
+    modelpack_image: str,
     name: str = "modelpack-prewarm",
     namespace: str | None = None,
     tolerate_all: bool = False,
     serve_port: int | None = None,
+    peer_token_secret: str | None = None,
+    pull: PodPullSettings | None = None,
 ) -> dict[str, Any]:
     """A DaemonSet that pulls ``references`` into every selected node's cache and re-checks them.
 
@@ -269,8 +288,13 @@ def prewarm_daemonset(
 
     With ``serve_port``, each pod also runs ``cache serve --fill`` (the digest-pinned references;
     only it mounts the cache writable) on that port and pulls ask the peers of ``peers_service``
-    first (``MODELPACK_MIRRORS=dns+http://…``), ranked per blob, the origin last.
+    first (``MODELPACK_MIRRORS=dns+http://…``, then the user's mirrors), ranked per blob, the
+    origin last. Peer serving needs ``peer_token_secret`` (a Secret whose ``token`` key the server
+    requires, ``MODELPACK_SERVE_TOKEN``, and the pulls present, ``MODELPACK_PEER_TOKEN``). ``pull``
+    reaches every pull, and the fills (its mirrors excepted: a fill asks the origin).
     """
+    pull = pull or PodPullSettings()
+    pull.check()
     if not references:
         raise K8sError("prewarm needs at least one reference")
     if not node_selector:
@@ -285,17 +309,30 @@ def prewarm_daemonset(
         raise K8sError("--interval must be at least 10 seconds")
     if serve_port is not None and not 1 <= serve_port <= 65535:
         raise K8sError(f"--serve-peers {serve_port}: not a port")
+    if serve_port is not None and not peer_token_secret:
+        raise K8sError(
+            "--serve-peers needs --peer-token-secret NAME (a Secret with key 'token'): the peers serve "
+            "the node's cached models to holders of that token only"
+        )
     env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    mounts, volumes = [*mounts, *pull.mounts()], [*volumes, *pull.volumes()]
     fills = [r for r in refs if parse_reference(r).digest is not None] if serve_port is not None else []
     serve_env, serve_mounts, _ = _credential_env_and_mounts(registry_secret, None, policy_key)
+    serve_env = [*serve_env, *pull.env(with_mirrors=False)] if fills else []
+    serve_mounts = [*serve_mounts, *pull.mounts()] if fills else []
     if serve_port is not None:
+        assert peer_token_secret is not None
+        serve_env.append(peer_token_env("MODELPACK_SERVE_TOKEN", peer_token_secret))
         env = [
             *env,
             *([_env("MODELPACK_PEER_ORDER", "blob")] if fills else []),
-            _env("MODELPACK_MIRRORS", peers_url(name, namespace, serve_port)),
+            *pull.env(mirrors_first=(peers_url(name, namespace, serve_port),)),
+            peer_token_env("MODELPACK_PEER_TOKEN", peer_token_secret),
             {"name": "MODELPACK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "MODELPACK_NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         ]
+    else:
+        env = [*env, *pull.env()]
     pulls = _pull_command(refs, cache_path, policy_secret, policy_key)
     loop = "".join(f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls)
     script = f"set -u\nwhile true; do\n{loop}  sleep {int(interval_s)}\ndone\n"
@@ -333,11 +370,14 @@ def prewarm_daemonset(
                     f"0.0.0.0:{serve_port}",
                     *(arg for ref in fills for arg in ("--fill", literal(ref))),
                 ],
-                **({"env": serve_env} if fills and serve_env else {}),
+                "env": serve_env,
                 "ports": [{"name": "peers", "containerPort": serve_port, "protocol": "TCP"}],
-                "readinessProbe": {"httpGet": {"path": "/v2/", "port": serve_port}, "periodSeconds": 10},
-                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": not fills}]
-                + (serve_mounts if fills else []),
+                # a TCP check: every HTTP path, /v2/ included, answers 401 without the token
+                "readinessProbe": {"tcpSocket": {"port": serve_port}, "periodSeconds": 10},
+                "volumeMounts": [
+                    {"name": "modelpack-cache", "mountPath": cache_path, "readOnly": not fills},
+                    *serve_mounts,
+                ],
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
                 "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
             }

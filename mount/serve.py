@@ -437,7 +437,10 @@ class CacheServer:
             raise CacheServeError("--max-connections must be at least 1")
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise CacheServeError("--tls-cert and --tls-key go together")
-        self.store = Store(root, create=False)
+        # with --fill this server writes the cache: on a node with none yet (a DaemonSet's first
+        # rollout) it is created as 'pull --cache' creates it (Store: owner, 0750, layout);
+        # read-only serving never turns a mistyped --cache into a new cache
+        self.store = Store(root, create=fill is not None)
         tls = None
         if settings.tls_cert and settings.tls_key:
             tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -484,8 +484,15 @@ def cache_serve(
     )
     fill = None
     if fill_refs:
+        from modelpack.targets.options import TargetOptions
+
         fill = FillSettings(
-            references=fill_refs, plain_http=fill_plain_http, concurrency=fill_concurrency, quota=fill_quota
+            references=fill_refs,
+            plain_http=fill_plain_http,
+            concurrency=fill_concurrency,
+            quota=fill_quota,
+            # the origin is reached as every pull reaches it: CA bundle, plain HTTP, timeout
+            options=TargetOptions.from_environ(),
         )
     server = CacheServer(cache_dir or default_cache_dir(), settings, fill)
     click.echo(server.url)

@@ -10,8 +10,18 @@ from typing import Any
 
 import click
 
+from modelpack.cli.k8s_options import (
+    SERVING_IMAGE_HELP,
+    ca_options,
+    mirror_retry_options,
+    modelpack_image,
+    modelpack_image_option,
+    pod_pull_settings,
+    served_model_name_option,
+    serving_image,
+)
 from modelpack.cli.options import build_target_options, emit_json, handle_errors, json_option, target_options
-from modelpack.mount.k8s import DEFAULT_CACHE_HOST_PATH, DEFAULT_MODELPACK_IMAGE, to_yaml
+from modelpack.mount.k8s import DEFAULT_CACHE_HOST_PATH, to_yaml
 
 
 def _print(objects: list[dict[str, Any]], notes: list[str], as_json: bool) -> None:
@@ -41,8 +51,8 @@ def kserve_group() -> None:
 
     \b
     Examples:
-      modelpack k8s kserve storage-containers --policy-secret model-trust | kubectl apply -f -
-      modelpack k8s kserve inferenceservice reg.example/models/llama:v1 --resolve --name llama
+      modelpack k8s kserve storage-containers --policy-secret --modelpack-image IMAGE | kubectl apply -f -
+      modelpack k8s kserve inferenceservice reg.example/models/llama:v1 --resolve --name llama --image IMAGE
       modelpack k8s kserve localmodelcache reg.example/models/llama@sha256:… --name llama \\
           --node-group gpu-nodes --model-size 20Gi --node-selector nvidia.com/gpu.present=true
     """
@@ -50,7 +60,7 @@ def kserve_group() -> None:
 
 @kserve_group.command("storage-containers")
 @click.option("--name", default="modelpack", show_default=True, help="Name of the initContainer CSC.")
-@click.option("--image", default=DEFAULT_MODELPACK_IMAGE, show_default=True, help="Image with modelpack.")
+@modelpack_image_option("--image")
 @click.option("--prefix", default="modelpack://", show_default=True, help="storageUri prefix they serve.")
 @click.option("--policy-secret", is_flag=True, help="Mount the trust policy Secret the pods declare.")
 @click.option("--registry-secret", is_flag=True, help="Mount the registry pull Secret the pods declare.")
@@ -58,7 +68,8 @@ def kserve_group() -> None:
     "--job-policy-configmap", default=None, help="ConfigMap (download-job namespace) with the policy text."
 )
 @click.option("--policy-key", default="policy.yaml", show_default=True)
-@click.option("--plain-http", is_flag=True, help="Speak plain HTTP to the registry (no TLS).")
+@mirror_retry_options
+@ca_options
 @json_option
 @handle_errors
 def kserve_storage_containers(as_json: bool, **kwargs: Any) -> None:
@@ -66,16 +77,28 @@ def kserve_storage_containers(as_json: bool, **kwargs: Any) -> None:
 
     \b
     Example:
-      modelpack k8s kserve storage-containers --policy-secret --registry-secret > csc.yaml
+      modelpack k8s kserve storage-containers --policy-secret --registry-secret --modelpack-image IMAGE > csc.yaml
     """
     from modelpack.serving.kserve.manifests import storage_containers
 
+    pull = pod_pull_settings(kwargs, registry_secret=None)  # no -u here: the Secret is declared by pods
+    for key in ("mirrors", "plain_http", "retry_for"):
+        kwargs.pop(key)
+    kwargs["image"] = modelpack_image(kwargs.pop("modelpack_image"))
+    notes = []
+    if pull.ca_configmap:
+        notes.append(
+            f"Pods must declare the ConfigMap volume 'registry-ca' ({pull.ca_configmap}): 'k8s kserve "
+            "inferenceservice --ca-configmap' does. The localModelDownloadJob gets no volumes of ours: "
+            "give it the CA through KServe's storage CA bundle."
+        )
     _print(
-        storage_containers(**kwargs),
+        storage_containers(pull=pull, **kwargs),
         [
             "ClusterStorageContainers: KServe runs 'modelpack storage-initializer SRC_URI DEST …' for "
             f"storageUris starting {kwargs['prefix']}.",
             "The initContainer one mounts volumes every pod must declare ('k8s kserve inferenceservice' does).",
+            *notes,
         ],
         as_json,
     )
@@ -92,13 +115,15 @@ def kserve_storage_containers(as_json: bool, **kwargs: Any) -> None:
     show_default=True,
     help="initializer: files at /mnt/models; stream: vLLM reads the weights from the registry.",
 )
-@click.option("--image", default="vllm/vllm-openai:latest", show_default=True, help="vLLM image.")
+@click.option("--image", required=True, metavar="IMAGE", help=SERVING_IMAGE_HELP)
 @click.option("--tensor-parallel-size", "tp_size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--host-path", default=DEFAULT_CACHE_HOST_PATH, show_default=True, help="Node cache directory.")
 @click.option("--policy-secret", default=None, help="Secret holding the trust policy (and keys).")
 @click.option("--registry-secret", default=None, help="kubernetes.io/dockerconfigjson Secret.")
 @click.option("--policy-key", default="policy.yaml", show_default=True)
 @click.option("--resolve", is_flag=True, help="Resolve a tag to its digest now (needs registry access).")
+@served_model_name_option
+@ca_options
 @target_options
 @json_option
 @handle_errors
@@ -107,15 +132,23 @@ def kserve_inferenceservice(reference: str, resolve: bool, as_json: bool, **kwar
 
     \b
     Example:
-      modelpack k8s kserve inferenceservice reg.example/models/llama@sha256:… --name llama
+      modelpack k8s kserve inferenceservice reg.example/models/llama@sha256:… --name llama --image IMAGE
     """
     opts = {k: kwargs.pop(k) for k in ("name", "namespace", "weights", "image", "tp_size", "host_path")}
-    opts.update({k: kwargs.pop(k) for k in ("policy_secret", "registry_secret", "policy_key")})
-    plain_http = bool(kwargs.get("plain_http"))
+    opts.update(
+        {k: kwargs.pop(k) for k in ("policy_secret", "registry_secret", "policy_key", "served_model_name")}
+    )
+    opts["image"] = serving_image(opts["image"])
+    pull = pod_pull_settings(kwargs, registry_secret=opts["registry_secret"])
+    if opts["weights"] == "initializer" and (pull.mirrors or pull.retry_for is not None):
+        raise click.UsageError(
+            "--mirror/--retry-for: with --weights initializer the storage initializer pulls, and its "
+            "settings are the ClusterStorageContainer's: give them to 'k8s kserve storage-containers'"
+        )
     ref = _pin(reference, resolve, kwargs)
     from modelpack.serving.kserve.manifests import inference_service
 
-    obj = inference_service(ref, plain_http=plain_http, **opts)
+    obj = inference_service(ref, pull=pull, **opts)
     _print(
         [obj], ["InferenceService: the storage initializer verifies every file before vLLM starts."], as_json
     )

@@ -392,8 +392,8 @@ def build_target_options(kwargs: dict[str, Any], *, registry: str | None = None)
     timeout = global_timeout()
     return dataclasses.replace(
         env,
-        plain_http=kwargs.pop("plain_http", False),
-        ca_file=kwargs.pop("ca_file", None),
+        plain_http=kwargs.pop("plain_http", False) or env.plain_http,
+        ca_file=kwargs.pop("ca_file", None) or env.ca_file,
         username=username,
         password=password,
         credentials_host=host,

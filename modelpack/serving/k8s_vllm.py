@@ -21,7 +21,8 @@ VLLM_PORT = 8000
 EVENTS_PATH = "/var/log/modelpack/events.jsonl"
 
 VLLM_POD_NOTES = [
-    "The server image needs vLLM and modelpack-oci[vllm] installed (the load format registers via an entry point).",
+    "The server image (--image) needs vLLM and modelpack-oci[vllm] installed (the load format registers via an "
+    "entry point); stock vllm/vllm-openai cannot run --load-format modelpack.",
     "The weights are checked against the digest pinned below before vLLM serves; a refusal fails the start.",
     "modelpack events (t0, t3-t5; refusals) go to " + EVENTS_PATH + "; read them with 'modelpack timeline'.",
 ]
@@ -37,10 +38,12 @@ def vllm_server_pod(
     port: int = VLLM_PORT,
     extra_args: Sequence[str] = (),
     python: str = "python3",
+    served_model_name: str | None = None,
 ) -> dict[str, Any]:
     """A copy of ``pod`` whose first container runs vLLM on ``model_dir`` with the pinned weights.
 
     ``model_dir`` and ``extra_args`` are taken literally (never ``$(VAR)``-expanded by the kubelet).
+    ``served_model_name`` is the API's model id (the repository, so it survives a new version).
 
     ``trust="runtime"`` for an image volume (the runtime verified the pinned image), ``snapshot``
     for a node-cache snapshot (the loader verifies the pin and holds the cache's lease).
@@ -57,7 +60,13 @@ def vllm_server_pod(
     if trust != "snapshot":
         extra["trust"] = trust
     argv = vllm_server_args(
-        model_dir, python=python, extra_config=extra, tp_size=tp_size, host="0.0.0.0", port=port
+        model_dir,
+        python=python,
+        extra_config=extra,
+        tp_size=tp_size,
+        host="0.0.0.0",
+        port=port,
+        served_model_name=served_model_name,
     ) + list(extra_args)
     # literal: the kubelet would expand $(VAR) in a model path or an extra argument
     server["command"] = [literal(a) for a in argv]

@@ -93,10 +93,12 @@ class TargetOptions:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TargetOptions:
-        """What the environment (default ``os.environ``) says: timeout, retry budget, mirrors,
+        """What the environment (default ``os.environ``) says: plain HTTP, CA bundle, timeout, retry budget, mirrors,
         hosts.toml directory, S3 endpoint and tuning, mirror thresholds. Every entry point starts
         here and overrides what it decides itself (``dataclasses.replace``)."""
         return cls(
+            plain_http=settings.PLAIN_HTTP.get(environ),
+            ca_file=settings.CA_FILE.get(environ),
             timeout=settings.TIMEOUT.get(environ),
             retry_for=settings.RETRY_FOR.get(environ),
             mirrors=list(settings.MIRRORS.get(environ)),

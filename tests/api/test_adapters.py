@@ -36,6 +36,7 @@ from modelpack.targets.opener import open_readable, open_target
 from modelpack.testdata.peft_lora import write_lora_adapter
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import RegistryServer
+from tests.mount.k8s_images import IMAGE, SERVING
 
 TINY = {"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2}
 _repo_ids = itertools.count()
@@ -394,6 +395,7 @@ def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: 
             "--cache-path",
             "/cache",
             "--json",
+            *("--modelpack-image", IMAGE, "--image", SERVING),
         ],
     )
     assert out.exit_code == 0, out.output
@@ -414,7 +416,11 @@ def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: 
         cache / "snapshots" / ad.digest.split(":")[1]
     )
     # an adapter of the other base: refused, naming both digests, and no YAML
-    out = runner.invoke(main, ["k8s", "init-container", base, "--vllm", "--adapter", f"{repo}:foreign"])
+    out = runner.invoke(
+        main,
+        ["k8s", "init-container", base, "--vllm", "--adapter", f"{repo}:foreign", "--image", SERVING],
+        env={"MODELPACK_IMAGE": IMAGE},
+    )
     assert out.exit_code == 1 and foreign.digest in out.output and base_digest in out.output, out.output
     assert "apiVersion" not in out.stdout
 

@@ -25,6 +25,7 @@ from modelpack.cli.json_output import load_schema, schema_path
 from modelpack.testdata.peft_lora import write_lora_adapter
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.registry import RegistryServer
+from tests.mount.k8s_images import IMAGE, SERVING
 
 SNAKE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)+$")
 RFC3339_UTC = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z$")
@@ -74,6 +75,7 @@ def outputs(
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MODELPACK_UPLOAD_STATE_DIR", str(tmp / "upload-state"))
         mp.setenv("DOCKER_CONFIG", str(tmp / "docker"))
+        mp.setenv("MODELPACK_IMAGE", IMAGE)  # the k8s objects' modelpack image (no default)
         ckpt, other = tmp / "ckpt", tmp / "ckpt2"
         write_checkpoint(str(ckpt), SyntheticSpec(shards=2))
         write_checkpoint(str(other), SyntheticSpec(shards=2, seed=3))  # same files, other tensors
@@ -130,10 +132,10 @@ def outputs(
         run("assets push", pinned, str(compiled), "--kind", "inductor", "--sign-key", key)
         run("assets ls", pinned)
         run("assets pull", pinned, str(tmp / "ind"), "--kind", "inductor", "--key", pub)
-        run("k8s pod", "--image-volume", pinned)
-        run("k8s init-container", pinned)
+        run("k8s pod", "--image-volume", pinned, "--image", SERVING)
+        run("k8s init-container", pinned, "--image", SERVING)
         run("k8s prewarm", pinned, "--node-selector", "pool=gpu")
-        run("k8s kserve inferenceservice", pinned, "--name", "m")
+        run("k8s kserve inferenceservice", pinned, "--name", "m", "--image", SERVING)
         run(
             "k8s kserve localmodelcache",
             pinned,

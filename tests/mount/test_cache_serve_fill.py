@@ -256,3 +256,40 @@ def test_with_blob_order_every_node_asks_the_same_owner_first_and_owners_spread(
     monkeypatch.setenv("MODELPACK_NODE_NAME", "node-a")
     node_order = configured_mirrors("origin.example:5000", ["dns+http://localhost:5050"], None)
     assert all(e.host != "127.0.0.1:5050" for e in node_order)  # node order leaves itself out
+
+
+def test_fill_on_a_node_with_no_cache_yet_creates_it_as_pull_does_and_serves(
+    registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """``cache serve --fill`` on a node whose cache directory does not exist yet (a DaemonSet's
+    first rollout) creates the cache with the owner and modes ``pull --cache`` gives it, starts,
+    and fills a pinned blob; without ``--fill`` (read-only) a missing cache is still refused."""
+    digest, manifest = _push(registry, checkpoint, "fill/fresh")
+    cache = tmp_path / "node" / "cache"
+    peer = serve(cache, "--fill", f"{registry.ref('fill/fresh', None)}@{digest}")
+    assert _request(peer, "GET", "/v2/")[0] == 200
+    layer = manifest.layers[0]
+    status, _, body = _request(peer, "GET", f"/v2/fill/fresh/blobs/{layer.digest}")
+    assert status == 200 and hashlib.sha256(body).hexdigest() == str(layer.digest).split(":", 1)[1]
+    pulled = tmp_path / "pulled"
+    subprocess.run(
+        [*_cli("pull", registry.ref("fill/fresh", "v1"), "--cache", str(pulled))],
+        check=True,
+        capture_output=True,
+        env=_env(tmp_path),
+        timeout=120,
+    )
+    for rel in ("", "blobs", "blobs/sha256", "ingest", "locks", "oci-layout", "index.json"):
+        assert (cache / rel).stat().st_mode & 0o7777 == (pulled / rel).stat().st_mode & 0o7777, rel
+        assert (cache / rel).stat().st_uid == os.getuid()
+    read_only = subprocess.run(
+        _cli("cache", "serve", "--cache", str(tmp_path / "none"), "--listen", "127.0.0.1:0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert read_only.returncode == 1 and "no node cache here" in read_only.stderr
+    assert not (tmp_path / "none").exists()

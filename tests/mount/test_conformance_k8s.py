@@ -14,6 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from modelpack.cli import main
+from tests.mount.k8s_images import IMAGE, with_images
 
 DIGEST = "sha256:" + "a" * 64
 REF = f"registry.example.com/models/llama-3@{DIGEST}"
@@ -57,8 +58,14 @@ COMMANDS: dict[str, list[str]] = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _modelpack_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modelpack image is the user's setting: these tests give it through MODELPACK_IMAGE."""
+    monkeypatch.setenv("MODELPACK_IMAGE", IMAGE)
+
+
 def _emitted(args: list[str]) -> list[dict[str, Any]]:
-    out = CliRunner().invoke(main, args)
+    out = CliRunner().invoke(main, with_images(args))
     assert out.exit_code == 0, out.output
     docs = [d for d in yaml.safe_load_all(out.output) if d]
     assert docs
@@ -85,7 +92,7 @@ def test_the_validator_is_strict_enough_to_fail() -> None:
 
 
 def test_image_volume_notes_say_when_the_feature_gate_is_on() -> None:
-    out = CliRunner().invoke(main, COMMANDS["pod"])
+    out = CliRunner().invoke(main, with_images(COMMANDS["pod"]))
     notes = [line for line in out.output.splitlines() if line.startswith("#")]
     gate = next(n for n in notes if "ImageVolume" in n)
     assert "1.35" in gate and "on by default" in gate and "1.33" in gate

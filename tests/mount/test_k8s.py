@@ -16,27 +16,39 @@ from modelpack.mount import k8s
 
 from modelpack.cli import main
 from modelpack.errors import InvalidReferenceError
+from tests.mount.k8s_images import IMAGE, SERVING, with_images
 
 DIGEST = "sha256:" + "ab" * 32
 REF = f"registry.example.com/models/llama-3@{DIGEST}"
 
 
+@pytest.fixture(autouse=True)
+def _modelpack_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modelpack image is the user's setting: these tests give it through MODELPACK_IMAGE."""
+    monkeypatch.setenv("MODELPACK_IMAGE", IMAGE)
+
+
 def test_image_volume_pod_is_pinned_and_loads_into_v1pod() -> None:
-    obj = k8s.image_volume_pod(REF, mount_path="/models", pull_policy="IfNotPresent")
+    obj = k8s.image_volume_pod(REF, mount_path="/models", pull_policy="IfNotPresent", image=SERVING)
     pod = k8s.validate(obj)
     vol = pod.spec.volumes[0]
     assert vol.image.reference == REF and vol.image.pull_policy == "IfNotPresent"
     mount = pod.spec.containers[0].volume_mounts[0]
     assert mount.mount_path == "/models" and mount.read_only is True and mount.name == vol.name
     with pytest.raises(InvalidReferenceError, match="not pinned by digest"):
-        k8s.image_volume_pod("registry.example.com/models/llama-3:v1")
+        k8s.image_volume_pod("registry.example.com/models/llama-3:v1", image=SERVING)
     with pytest.raises(InvalidReferenceError):
-        k8s.image_volume_pod(f"oci:/tmp/layout@{DIGEST}")
+        k8s.image_volume_pod(f"oci:/tmp/layout@{DIGEST}", image=SERVING)
 
 
 def test_init_container_pulls_into_the_cache_with_policy_and_credentials() -> None:
     obj = k8s.init_container_pod(
-        REF, cache_volume="hostPath", policy_secret="model-trust", registry_secret="regcred"
+        REF,
+        cache_volume="hostPath",
+        policy_secret="model-trust",
+        registry_secret="regcred",
+        modelpack_image=IMAGE,
+        image=SERVING,
     )
     pod = k8s.validate(obj)
     init = pod.spec.init_containers[0]
@@ -58,13 +70,19 @@ def test_init_container_pulls_into_the_cache_with_policy_and_credentials() -> No
     for c in (init, server):  # one start_id (the pod UID) joins both containers' events
         sid = next(e for e in c.env if e.name == "MODELPACK_START_ID")
         assert sid.value_from.field_ref.field_path == "metadata.uid"
-    empty = k8s.validate(k8s.init_container_pod(REF, cache_volume="emptyDir", size_limit="100Gi"))
+    empty = k8s.validate(
+        k8s.init_container_pod(
+            REF, cache_volume="emptyDir", size_limit="100Gi", modelpack_image=IMAGE, image=SERVING
+        )
+    )
     assert empty.spec.volumes[0].empty_dir.size_limit == "100Gi"
 
 
 def test_prewarm_daemonset_selects_nodes_and_pulls_every_reference() -> None:
     refs = [REF, "registry.example.com/models/qwen:v2"]
-    obj = k8s.prewarm_daemonset(refs, node_selector={"nvidia.com/gpu.product": "H100"}, interval_s=120)
+    obj = k8s.prewarm_daemonset(
+        refs, node_selector={"nvidia.com/gpu.product": "H100"}, interval_s=120, modelpack_image=IMAGE
+    )
     ds = k8s.validate(obj)
     spec = ds.spec.template.spec
     assert spec.node_selector == {"nvidia.com/gpu.product": "H100"}
@@ -74,11 +92,11 @@ def test_prewarm_daemonset_selects_nodes_and_pulls_every_reference() -> None:
         assert shlex.join(["modelpack", "pull", r, "--cache", "/var/cache/modelpack", "--json"]) in script
     assert "sleep 120" in script
     with pytest.raises(k8s.K8sError):
-        k8s.prewarm_daemonset(refs, node_selector={})
+        k8s.prewarm_daemonset(refs, node_selector={}, modelpack_image=IMAGE)
 
 
 def test_validate_catches_a_misspelt_field() -> None:
-    obj = k8s.image_volume_pod(REF)
+    obj = k8s.image_volume_pod(REF, image=SERVING)
     obj["spec"]["volumes"][0]["image"]["pulPolicy"] = "Always"
     with pytest.raises(k8s.K8sError, match="pulPolicy"):
         k8s.validate(obj)
@@ -86,16 +104,18 @@ def test_validate_catches_a_misspelt_field() -> None:
 
 def test_cli_emits_yaml_that_loads() -> None:
     runner = CliRunner()
-    out = runner.invoke(main, ["k8s", "pod", "--image-volume", REF, "--mount-path", "/m"])
+    out = runner.invoke(main, with_images(["k8s", "pod", "--image-volume", REF, "--mount-path", "/m"]))
     assert out.exit_code == 0, out.output
     assert "containerd >= 2.1" in out.output and "CRI-O >= 1.33" in out.output
     k8s.validate(yaml.safe_load(out.output))
-    out = runner.invoke(main, ["k8s", "init-container", REF, "--cache-volume", "emptyDir", "--json"])
+    out = runner.invoke(
+        main, with_images(["k8s", "init-container", REF, "--cache-volume", "emptyDir", "--json"])
+    )
     assert out.exit_code == 0, out.output
     out = runner.invoke(main, ["k8s", "prewarm", REF, "--node-selector", "pool=gpu"])
     assert out.exit_code == 0, out.output
     assert yaml.safe_load(out.output)["kind"] == "DaemonSet"
-    bad = runner.invoke(main, ["k8s", "pod", "--image-volume", "registry.example.com/m:v1"])
+    bad = runner.invoke(main, with_images(["k8s", "pod", "--image-volume", "registry.example.com/m:v1"]))
     assert bad.exit_code == 2 and "pinned by digest" in bad.output
 
 
@@ -176,7 +196,7 @@ def test_cache_path_reaches_the_init_container_literally(tmp_path: Path) -> None
     """A ``--cache-path`` holding ``$(MODELPACK_CACHE)`` was expanded by the
     kubelet before ``sh -c`` ran; every generated command, argument and env value is literal."""
     args = ["init-container", REF, "--cache-path", EVIL_CACHE, "--policy-secret", "trust"]
-    args += ["--policy-key", "p$(HOME).yaml", "--vllm", "--json"]
+    args += ["--policy-key", "p$(HOME).yaml", "--vllm", "--json", "--image", SERVING]
     proc = subprocess.run(
         [sys.executable, "-m", "modelpack.cli", "k8s", *args],
         capture_output=True,
@@ -199,7 +219,12 @@ def test_cache_path_reaches_the_init_container_literally(tmp_path: Path) -> None
 
 def test_prewarm_and_image_volume_commands_are_literal(tmp_path: Path) -> None:
     ds = k8s.prewarm_daemonset(
-        [REF], node_selector={"gpu": "yes"}, cache_path=EVIL_CACHE, policy_secret="t", policy_key="$(X)"
+        [REF],
+        node_selector={"gpu": "yes"},
+        cache_path=EVIL_CACHE,
+        policy_secret="t",
+        policy_key="$(X)",
+        modelpack_image=IMAGE,
     )
     env, cmd = kubelet_view(ds["spec"]["template"]["spec"]["containers"][0])
     assert env["MODELPACK_CACHE"] == EVIL_CACHE
@@ -209,7 +234,7 @@ def test_prewarm_and_image_volume_commands_are_literal(tmp_path: Path) -> None:
     from modelpack.serving.k8s_vllm import vllm_server_pod
 
     mount = "/models/$(MODELPACK_MODEL_DIR)$(HOME)"
-    pod = k8s.image_volume_pod(REF, mount_path=mount)
+    pod = k8s.image_volume_pod(REF, mount_path=mount, image=SERVING)
     served = vllm_server_pod(pod, model_dir=mount, digest=DIGEST, trust="runtime", extra_args=["--x=$(HOME)"])
     env, cmd = kubelet_view(served["spec"]["containers"][0])
     assert env["MODELPACK_MODEL_DIR"] == mount
@@ -229,6 +254,7 @@ def test_replicas_make_a_deployment_whose_template_is_the_pod(argv: list[str]) -
     """Serving replicas are a Deployment: the pod printed without --replicas is its template,
     the model still pinned by digest, the selector the pod's labels."""
     runner = CliRunner()
+    argv = with_images(argv)
     pod = json.loads(runner.invoke(main, [*argv, "--json"]).output)
     res = runner.invoke(main, [*argv, "--replicas", "3", "--json"])
     assert res.exit_code == 0, res.output

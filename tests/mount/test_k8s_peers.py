@@ -9,6 +9,7 @@ every generated object is. Before, there was no such option.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from modelpack.mount import k8s
 
 from modelpack.cli import main
+from tests.mount.k8s_images import IMAGE
 
 REF = "registry.example.com/models/llama@sha256:" + "ab" * 32
 
@@ -25,7 +27,10 @@ REF = "registry.example.com/models/llama@sha256:" + "ab" * 32
 def test_prewarm_serve_peers_emits_a_headless_service_and_a_serving_container(tmp_path: Path) -> None:
     out = CliRunner().invoke(
         main,
-        ["k8s", "prewarm", REF, "--node-selector", "pool=gpu", "--namespace", "ml", "--serve-peers", "5050"],
+        [
+            *("k8s", "prewarm", REF, "--node-selector", "pool=gpu", "--namespace", "ml"),
+            *("--serve-peers", "5050", "--peer-token-secret", "peers", "--modelpack-image", IMAGE),
+        ],
     )
     assert out.exit_code == 0, out.output
     service, ds = list(yaml.safe_load_all(out.output))
@@ -43,23 +48,34 @@ def test_prewarm_serve_peers_emits_a_headless_service_and_a_serving_container(tm
     assert prewarm.volume_mounts[0].read_only is None
     assert serve.security_context.read_only_root_filesystem is True
     assert prewarm.security_context.read_only_root_filesystem is True
-    assert serve.readiness_probe.http_get.path == "/v2/"
+    assert serve.readiness_probe.tcp_socket.port == 5050  # /v2/ too needs the token
     env = {e.name: e for e in prewarm.env}
     assert env["MODELPACK_MIRRORS"].value == "dns+http://modelpack-prewarm-peers.ml.svc:5050"
     assert env["MODELPACK_NODE_NAME"].value_from.field_ref.field_path == "spec.nodeName"
     assert env["MODELPACK_NODE_IP"].value_from.field_ref.field_path == "status.podIP"
     assert env["MODELPACK_PEER_ORDER"].value == "blob"  # each blob asked of its owner, which fills it
 
-    # the serving container's flags are the real command's: they parse (the missing cache is
-    # the only complaint, exit 1, not a usage error)
+    # the serving container's flags are the real command's: they parse, and on a node with no
+    # cache yet it starts (it creates the cache) and prints its URL
     argv = [a if a != "/var/cache/modelpack" else str(tmp_path / "none") for a in serve.command[1:]]
     argv = [a if not a.startswith("0.0.0.0:") else "127.0.0.1:0" for a in argv]
-    run = subprocess.run(
-        [sys.executable, "-m", "modelpack.cli", *argv], capture_output=True, text=True, timeout=60
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "modelpack.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, MODELPACK_SERVE_TOKEN="t0ken"),
     )
-    assert run.returncode == 1 and "no node cache here" in run.stderr, run.stderr
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("http://127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
-    plain = CliRunner().invoke(main, ["k8s", "prewarm", REF, "--node-selector", "pool=gpu"])
+    plain = CliRunner().invoke(
+        main, ["k8s", "prewarm", REF, "--node-selector", "pool=gpu", "--modelpack-image", IMAGE]
+    )
     assert plain.exit_code == 0 and len(list(yaml.safe_load_all(plain.output))) == 1
     assert len(k8s.validate(yaml.safe_load(plain.output)).spec.template.spec.containers) == 1
 
@@ -72,6 +88,8 @@ def test_prewarm_serve_peers_fills_only_digests_with_the_pods_registry_credentia
         serve_port=5050,
         registry_secret="regcred",
         policy_secret="pol",
+        modelpack_image=IMAGE,
+        peer_token_secret="peers",
     )
     model = k8s.validate(both)
     _prewarm, serve = model.spec.template.spec.containers
@@ -81,7 +99,15 @@ def test_prewarm_serve_peers_fills_only_digests_with_the_pods_registry_credentia
     mounts = {m.name: m for m in serve.volume_mounts}
     assert mounts["registry-credentials"].read_only is True and "trust-policy" not in mounts
 
-    tags_only = k8s.validate(k8s.prewarm_daemonset([tag], node_selector={"pool": "gpu"}, serve_port=5050))
+    tags_only = k8s.validate(
+        k8s.prewarm_daemonset(
+            [tag],
+            node_selector={"pool": "gpu"},
+            serve_port=5050,
+            modelpack_image=IMAGE,
+            peer_token_secret="p",
+        )
+    )
     prewarm, serve = tags_only.spec.template.spec.containers
     assert "--fill" not in serve.command and serve.volume_mounts[0].read_only is True  # nothing to fill
     assert "MODELPACK_PEER_ORDER" not in {e.name for e in prewarm.env}

@@ -35,6 +35,7 @@ from tests.kserve_support import (
     start_initializer,
     write_docker_config,
 )
+from tests.mount.k8s_images import IMAGE
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -453,7 +454,7 @@ def test_the_generated_cluster_storage_container_runs_as_written(
         f"rules:\n  - match: '{registry.host}/kserve/*'\n    keys: [{{path: ci.pub}}]\n    require_signature: true\n"
     )
     os.chmod(policy_dir, 0o755)
-    init, _ = storage_containers(policy_secret=True, registry_secret=True)
+    init, _ = storage_containers(image=IMAGE, policy_secret=True, registry_secret=True)
     container = init["spec"]["container"]
     where = {
         "modelpack-cache": str(pod.node_cache),

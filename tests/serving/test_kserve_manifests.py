@@ -24,6 +24,7 @@ from modelpack.cli import main
 from modelpack.errors import K8sError
 from modelpack.serving.kserve.manifests import inference_service, storage_containers
 from modelpack.serving.kserve.uri import parse_storage_uri
+from tests.mount.k8s_images import IMAGE, SERVING, with_images
 from tests.paths import FIXTURES
 
 CRDS = FIXTURES / "kserve-crds"
@@ -83,8 +84,14 @@ def _check_core(kind: str, body: dict[str, Any]) -> None:
     kv.validate(doc, K8S, strict=True)
 
 
+@pytest.fixture(autouse=True)
+def _modelpack_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modelpack image is the user's setting: these tests give it through MODELPACK_IMAGE."""
+    monkeypatch.setenv("MODELPACK_IMAGE", IMAGE)
+
+
 def _emitted(args: list[str]) -> list[dict[str, Any]]:
-    res = CliRunner().invoke(main, ["k8s", "kserve", *args, "--json"])
+    res = CliRunner().invoke(main, with_images(["k8s", "kserve", *args, "--json"]))
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     return doc if isinstance(doc, list) else [doc]
@@ -159,7 +166,7 @@ def test_the_inference_service_validates_pins_the_digest_and_declares_the_csc_vo
     assert extra["expected_digest"] == DIGEST
     assert (extra.get("source") == REF) is (weights == "stream")
     # every volume the initContainer CSC mounts (with the same flags) is declared by the pod
-    (init, _) = storage_containers(policy_secret=True, registry_secret=True)
+    (init, _) = storage_containers(image=IMAGE, policy_secret=True, registry_secret=True)
     declared = {v["name"] for v in predictor["volumes"]}
     assert {m["name"] for m in init["spec"]["container"]["volumeMounts"]} <= declared
 
@@ -176,7 +183,7 @@ def test_local_model_cache_and_node_group_validate_and_share_the_pinned_uri() ->
     _check_core("PersistentVolume", {"spec": group["spec"]["persistentVolumeSpec"]})
     _check_core("PersistentVolumeClaim", {"spec": group["spec"]["persistentVolumeClaimSpec"]})
     assert cache["spec"]["nodeGroups"] == ["gpus"]
-    isvc = inference_service(REF, name="llama")
+    isvc = inference_service(REF, name="llama", image=SERVING)
     uri = next(
         e["value"] for e in isvc["spec"]["predictor"]["containers"][0]["env"] if e["name"] == "STORAGE_URI"
     )
@@ -184,7 +191,7 @@ def test_local_model_cache_and_node_group_validate_and_share_the_pinned_uri() ->
 
 
 def test_the_checks_are_strict_enough_to_fail() -> None:
-    (init, _) = storage_containers()
+    (init, _) = storage_containers(image=IMAGE)
     misspelled = json.loads(json.dumps(init))
     misspelled["spec"]["supportsMultiModelDownloads"] = misspelled["spec"].pop("supportsMultiModelDownload")
     jsonschema.Draft7Validator(SCHEMAS["ClusterStorageContainer"]["schema"]).validate(misspelled)  # passes…
@@ -214,10 +221,10 @@ def test_the_checks_are_strict_enough_to_fail() -> None:
     ],
 )
 def test_an_unpinned_or_non_registry_reference_is_refused(args: list[str]) -> None:
-    res = CliRunner().invoke(main, ["k8s", "kserve", *args])
+    res = CliRunner().invoke(main, with_images(["k8s", "kserve", *args]))
     assert res.exit_code == 1 and res.output.startswith("error: ") and len(res.output.splitlines()) == 1
 
 
 def test_an_empty_prefix_would_take_every_uri_and_is_refused() -> None:
     with pytest.raises(K8sError):
-        storage_containers(prefix="")
+        storage_containers(image=IMAGE, prefix="")

@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from modelpack.errors import K8sError
-from modelpack.mount.k8s import DEFAULT_CACHE_HOST_PATH, DEFAULT_CACHE_MOUNT, DEFAULT_MODELPACK_IMAGE, literal
+from modelpack.mount.k8s import DEFAULT_CACHE_HOST_PATH, DEFAULT_CACHE_MOUNT, literal
+from modelpack.mount.k8s_settings import PodPullSettings
 from modelpack.oci.reference import Reference, parse_reference
 from modelpack.serving.kserve.uri import MODELPACK_SCHEME
 from modelpack.serving.vllm_command import vllm_server_args
@@ -83,23 +84,31 @@ def _resources() -> dict[str, Any]:
 def storage_containers(
     *,
     name: str = "modelpack",
-    image: str = DEFAULT_MODELPACK_IMAGE,
+    image: str,
     prefix: str = MODELPACK_SCHEME,
     cache_mount: str = DEFAULT_CACHE_MOUNT,
     policy_secret: bool = False,
     registry_secret: bool = False,
     job_policy_configmap: str | None = None,
     policy_key: str = "policy.yaml",
-    plain_http: bool = False,
+    pull: PodPullSettings | None = None,
 ) -> list[dict[str, Any]]:
-    """The ``initContainer`` and ``localModelDownloadJob`` ClusterStorageContainers for ``prefix``."""
+    """The ``initContainer`` and ``localModelDownloadJob`` ClusterStorageContainers for ``prefix``.
+
+    ``pull`` (mirrors, plain HTTP, CA bundle, retry budget, timeout) reaches both as the
+    ``MODELPACK_*`` settings the initializer reads; the CA ConfigMap is mounted only into the
+    ``initContainer`` one (KServe replaces the download job's volumeMounts with its PVC), whose
+    pods must declare the volume (``inference_service`` does, given the same ``pull``)."""
     if not prefix:
         raise K8sError("the URI prefix must not be empty (it would take every storageUri)")
-    common_env: list[dict[str, Any]] = [_env("MODELPACK_PLAIN_HTTP", "true")] if plain_http else []
+    pull = pull or PodPullSettings()
+    pull.check()
+    common_env = pull.env()
     init_env = [*common_env, _env("MODELPACK_CACHE", cache_mount), _env("TMPDIR", TMP_MOUNT)]
     mounts: list[dict[str, Any]] = [
         {"name": CACHE_VOLUME, "mountPath": cache_mount},
         {"name": TMP_VOLUME, "mountPath": TMP_MOUNT},
+        *pull.mounts(),
     ]
     if policy_secret:
         init_env.append(_env("MODELPACK_POLICY", f"{POLICY_MOUNT}/{policy_key}"))
@@ -107,7 +116,7 @@ def storage_containers(
     if registry_secret:
         init_env.append(_env("KSERVE_OCI_DOCKER_CONFIG", f"{REGISTRY_AUTH_MOUNT}/config.json"))
         mounts.append({"name": REGISTRY_AUTH_VOLUME, "mountPath": REGISTRY_AUTH_MOUNT, "readOnly": True})
-    job_env = list(common_env)
+    job_env = [e for e in common_env if e["name"] != "MODELPACK_CA_FILE"]  # no volume of ours there
     if job_policy_configmap:
         job_env.append(
             {
@@ -155,16 +164,25 @@ def inference_service(
     name: str,
     namespace: str | None = None,
     weights: str = "initializer",
-    image: str = "vllm/vllm-openai:latest",
+    image: str,
     tp_size: int = 1,
     host_path: str = DEFAULT_CACHE_HOST_PATH,
     cache_mount: str = DEFAULT_CACHE_MOUNT,
     policy_secret: str | None = None,
     registry_secret: str | None = None,
     policy_key: str = "policy.yaml",
-    plain_http: bool = False,
+    pull: PodPullSettings | None = None,
+    served_model_name: str | None = None,
 ) -> dict[str, Any]:
-    """An InferenceService running vLLM on the pinned model (``weights``: initializer | stream)."""
+    """An InferenceService running vLLM on the pinned model (``weights``: initializer | stream).
+
+    vLLM serves it as ``served_model_name`` (default: the repository, the same for every
+    version). With ``stream``, vLLM reads the registry itself: ``pull`` reaches it as the
+    ``MODELPACK_*`` settings (``plain_http`` and ``ca_file`` in its extra config too) and the
+    registry Secret is mounted for it (``DOCKER_CONFIG``). The CA ConfigMap volume is declared
+    either way (the ``initContainer`` storage container mounts it)."""
+    pull = pull or PodPullSettings()
+    pull.check()
     if weights not in WEIGHTS_MODES:
         raise K8sError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS_MODES)}")
     if tp_size < 1:
@@ -173,10 +191,18 @@ def inference_service(
     digest = str(ref.digest)
     extra: dict[str, Any] = {"expected_digest": digest}
     mounts: list[dict[str, Any]] = []
+    env: list[dict[str, Any]] = []
     if weights == "stream":
         extra["source"] = str(ref)
-        if plain_http:
+        if pull.plain_http:
             extra["plain_http"] = True
+        if pull.ca_file:
+            extra["ca_file"] = pull.ca_file
+        env = pull.env()
+        mounts += pull.mounts()
+        if registry_secret:
+            mounts.append({"name": REGISTRY_AUTH_VOLUME, "mountPath": REGISTRY_AUTH_MOUNT, "readOnly": True})
+            env.append(_env("DOCKER_CONFIG", REGISTRY_AUTH_MOUNT))
         if policy_secret:
             extra["policy"] = f"{POLICY_MOUNT}/{policy_key}"
             mounts.append({"name": POLICY_VOLUME, "mountPath": POLICY_MOUNT, "readOnly": True})
@@ -184,14 +210,21 @@ def inference_service(
     else:
         extra["trust"] = "runtime"  # the initializer verified every file against the pinned digest
         uri = storage_uri(ref)
-    argv = vllm_server_args(MODEL_DIR, extra_config=extra, tp_size=tp_size, host="0.0.0.0", port=8080)
+    argv = vllm_server_args(
+        MODEL_DIR,
+        extra_config=extra,
+        tp_size=tp_size,
+        host="0.0.0.0",
+        port=8080,
+        served_model_name=served_model_name or ref.repository,
+    )
     server: dict[str, Any] = {
         "name": "kserve-container",
         "image": image,
         "command": [literal(a) for a in argv],
         # KServe's webhook reads STORAGE_URI of a custom container, injects the storage
         # initializer (the ClusterStorageContainer matching the prefix) and mounts /mnt/models
-        "env": [_env("STORAGE_URI", uri), _env("HOME", "/tmp")],
+        "env": [_env("STORAGE_URI", uri), _env("HOME", "/tmp"), *env],
         "ports": [{"containerPort": 8080, "protocol": "TCP"}],
         "resources": {
             "limits": {"nvidia.com/gpu": str(tp_size)},
@@ -206,6 +239,7 @@ def inference_service(
         {"name": CACHE_VOLUME, "hostPath": {"path": host_path, "type": "Directory"}},
         {"name": TMP_VOLUME, "emptyDir": {}},
     ]
+    volumes += pull.volumes()
     if policy_secret:
         volumes.append({"name": POLICY_VOLUME, "secret": {"secretName": policy_secret, "defaultMode": 0o444}})
     if registry_secret:
