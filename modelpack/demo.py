@@ -62,7 +62,6 @@ def tiny_llama(seed: int):  # type: ignore[no-untyped-def]
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        torch_dtype="float32",
     )
     return LlamaForCausalLM(config).eval()
 

@@ -10,18 +10,14 @@ a `--hash`, or a local wheel with `--no-index` (the wheel the job built from its
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import ReleaseDist
 from tests.paths import REPO_ROOT
 
 EXAMPLES_CI = REPO_ROOT / "examples" / "ci"
@@ -191,33 +187,3 @@ def test_the_scan_finds_unpinned_installs_in_jobs_holding_secrets(tmp_path: Path
         "```sh\npip install modelpack-oci && modelpack push ckpt r --sign-key env:MODELPACK_SIGNING_KEY\n```\n"
     )
     assert len(violations_in_document(doc)) == 1
-
-
-def test_the_pinned_requirements_install_the_release_wheel_with_nothing_unlisted(
-    release_dist: ReleaseDist, tmp_path: Path
-) -> None:
-    """The requirements file covers everything the wheel (with `keyless`) and its build need:
-    pip's resolver, in --require-hashes mode, accepts the file plus the wheel by its hash."""
-    requirements = tmp_path / "requirements.txt"
-    requirements.write_text(
-        (EXAMPLES_CI / "modelpack-requirements.txt").read_text()
-        + f"modelpack-oci[keyless] @ {release_dist.wheel.as_uri()} \\\n"
-        + f"    --hash=sha256:{hashlib.sha256(release_dist.wheel.read_bytes()).hexdigest()}\n"
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--dry-run",
-            "--ignore-installed",
-            "--require-hashes",
-            "-r",
-            str(requirements),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "Would install" in proc.stdout and "modelpack-oci-" in proc.stdout

@@ -132,3 +132,33 @@ def test_the_sbom_refuses_a_requirement_the_build_environment_lacks(tmp_path: Pa
     )
     assert proc.returncode == 1 and "no-such-distribution-anywhere" in proc.stderr, proc.stderr
     assert proc.stdout == ""
+
+
+def test_the_pinned_requirements_install_the_release_wheel_with_nothing_unlisted(
+    release_dist: ReleaseDist, tmp_path: Path
+) -> None:
+    """The requirements file covers everything the wheel (with `keyless`) and its build need:
+    pip's resolver, in --require-hashes mode, accepts the file plus the wheel by its hash."""
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(
+        (REPO_ROOT / "examples" / "ci" / "modelpack-requirements.txt").read_text()
+        + f"modelpack-oci[keyless] @ {release_dist.wheel.as_uri()} \\\n"
+        + f"    --hash=sha256:{hashlib.sha256(release_dist.wheel.read_bytes()).hexdigest()}\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--require-hashes",
+            "-r",
+            str(requirements),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Would install" in proc.stdout and "modelpack-oci-" in proc.stdout
