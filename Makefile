@@ -7,7 +7,7 @@ PYTEST_ARGS ?= -n auto --dist loadfile
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 
-.PHONY: deps demo-deps demo test lint typecheck fmt bench clean
+.PHONY: deps demo-deps demo test lint typecheck fmt bench clean dist
 
 # deps: everything `make test` needs; demo-deps: only what the demo uses (a first `make demo` on a
 # fresh machine skips the vLLM and peer venvs, containerd, skopeo and the test extras)
@@ -59,6 +59,12 @@ bench: deps
 	$(PY) benchmarks/gpu_load.py --device cpu --size 64MiB --workers 2 --json-out $(BENCH_OUT)/gpu_load.json
 	$(PY) benchmarks/storm.py --nodes 1,4 --size 16MiB --shards 4 --no-faults --out $(BENCH_OUT)/storm || [ $$? -eq 77 ]
 	if [ -x .venv-vllm/bin/python ]; then $(PY) benchmarks/vllm_start.py --weights-only --weights-repeat 1; fi
+
+# The release files of modelpack/_version.py's version under $(DIST): wheel, sdist, SHA256SUMS, a
+# CycloneDX SBOM and the version's CHANGELOG section, reproducibly from the last commit (.ci/dist.sh)
+DIST ?= dist
+dist:
+	VENV=$(VENV) DIST=$(DIST) bash .ci/dist.sh
 
 clean:
 	rm -rf build examples/generated .pytest_cache .mypy_cache .ruff_cache

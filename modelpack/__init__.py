@@ -10,6 +10,8 @@ checkout).
 
 from __future__ import annotations
 
+from modelpack._version import __version__ as __version__
+
 # The public API, importable as ``modelpack.pack(...)`` etc. Resolved on first use so that
 # ``import modelpack`` (and so every CLI start) stays cheap.
 _PUBLIC_API = {

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from modelpack._version import __version__
 from modelpack.cli.lazy_group import LazyCommand, LazyGroup
 from modelpack.cli.options import PASS_THROUGH, TIMEOUT, parse_size, report_failure
 from modelpack.terminal import terminal_safe_output
@@ -130,7 +131,7 @@ class MainGroup(LazyGroup):
     lazy_commands=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
-@click.version_option(package_name="modelpack-oci")  # the distribution; the command stays `modelpack`
+@click.version_option(__version__, prog_name="modelpack")  # modelpack/_version.py, not the metadata
 @click.option(
     "--debug",
     is_flag=True,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from modelpack._version import __version__
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.e2e.conftest import ReleaseDist
 from tests.fixtures.registry import RegistryServer
 from tests.paths import REPO_ROOT
 
@@ -56,20 +59,6 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _copy_checkout(dest: Path) -> Path:
-    """The files a clone has (tracked, plus new files not ignored): what `pip wheel .` would see in
-    a fresh checkout, built away from the working tree so no build/ or egg-info lands in it."""
-    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout
-    for rel in filter(None, listed.split("\0")):
-        src = ROOT / rel
-        if not src.is_file():  # deleted in the working tree, not yet committed
-            continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, target)
-    return dest
-
-
 def _build(source: Path, out: Path, *kinds: str) -> None:
     # no isolation: the dev venv has setuptools and build (test extra); an isolated build would
     # fetch setuptools each time
@@ -92,15 +81,15 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+def built(release_dist: ReleaseDist, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    """The wheel and sdist of `make dist` (built once per session, tests/e2e/conftest.py), and a
+    wheel built again from that sdist."""
     work = tmp_path_factory.mktemp("build")
-    tree = _copy_checkout(work / "src")
-    _build(tree, work / "dist", "--sdist", "--wheel")
-    (sdist,) = (work / "dist").glob("*.tar.gz")
-    (wheel,) = (work / "dist").glob("*.whl")
-    _build(sdist, work / "from-sdist", "--wheel")  # an sdist path is unpacked and built by `build`
+    _build(
+        release_dist.sdist, work / "from-sdist", "--wheel"
+    )  # an sdist path is unpacked and built by `build`
     (wheel2,) = (work / "from-sdist").glob("*.whl")
-    return Built(wheel, sdist, wheel2)
+    return Built(release_dist.wheel, release_dist.sdist, wheel2)
 
 
 class Venv:
@@ -138,7 +127,9 @@ def test_the_wheel_holds_every_module_of_the_source_folders_and_nothing_else(bui
         "modelpack/cli/schemas/cache-gc.json",
     } <= names  # --json contracts
     top = {n.split("/", 1)[0] for n in names}
-    assert top == {"modelpack", "modelpack_oci-0.1.0.dist-info"}, top  # no tests/, benchmarks/, mount/
+    assert top == {"modelpack", f"modelpack_oci-{__version__}.dist-info"}, (
+        top
+    )  # no tests/, benchmarks/, mount/
 
 
 def test_the_sdist_builds_a_wheel_with_the_same_files(built: Built) -> None:
@@ -275,3 +266,33 @@ print(json.dumps(cycles))
     env = _clean_env(PYTHONPATH=str(tmp_path / "installed"))
     cycles = json.loads(_run([DEV_PYTHON, "-c", script], env=env, cwd=tmp_path).stdout)
     assert cycles == [], cycles
+
+
+def test_the_installed_command_and_package_print_the_release_version(venv: Venv, tmp_path: Path) -> None:
+    proc = _run([venv.modelpack, "--version"], env=_clean_env(), cwd=tmp_path)
+    assert proc.stdout == f"modelpack, version {__version__}\n", proc.stdout
+    script = (
+        "import modelpack, importlib.metadata as m; print(modelpack.__version__, m.version('modelpack-oci'))"
+    )
+    proc = _run([venv.python, "-c", script], env=_clean_env(), cwd=tmp_path)
+    assert proc.stdout.split() == [__version__, __version__]
+
+
+def test_the_demo_runs_from_the_installed_wheel_as_the_readme_says(
+    venv: Venv, built: Built, tmp_path: Path
+) -> None:
+    """A pip user's demo: the `demo` extra on top of the install above, then `python -m
+    modelpack.demo`, from a folder outside the checkout (no tests/ or examples/ on the path)."""
+    readme = (ROOT / "README.md").read_text()
+    install = "pip install 'modelpack-oci[demo]'"
+    command = "python -m modelpack.demo --out /tmp/modelpack-demo"
+    assert install in readme and command in readme
+    env = _clean_env(HOME=str(tmp_path / "home"), CI="1")
+    _run([venv.python, "-m", "pip", "install", "-q", f"{built.wheel}[demo]"], env=env, cwd=tmp_path)
+    out = tmp_path / "modelpack-demo"
+    proc = _run([venv.python, "-m", "modelpack.demo", "--out", out], env=env, cwd=tmp_path)
+    assert proc.stdout.count("logits identical: True") == 3, proc.stdout[-3000:]  # cache miss, hit, stream
+    assert re.search(r"demo finished in [0-9.]+ s; artifact sha256:[0-9a-f]{64}", proc.stdout), proc.stdout[
+        -500:
+    ]
+    assert (out / "events.jsonl").is_file() and (out / "cache").is_dir()
