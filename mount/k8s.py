@@ -103,6 +103,11 @@ def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str
     raise K8sError(f"cache volume must be hostPath or emptyDir, got {kind!r}")
 
 
+#: how long an init container's pull keeps a base and its adapters from ``cache gc``: the
+#: serving container's image pull and start, until vLLM leases each adapter it serves
+ADAPTER_POD_HOLD = "1h"
+
+
 def _pull_command(
     references: Sequence[str],
     cache_path: str,
@@ -116,6 +121,8 @@ def _pull_command(
         one = [*args, r, "--cache", cache_path, "--json"]
         for a in adapters:  # LoRA adapters of this base, each checked against it by the pull
             one += ["--adapter", a]
+        if adapters:  # kept from gc until the server starts and leases them (serving.adapter_leases)
+            one += ["--hold", ADAPTER_POD_HOLD]
         if policy_secret:
             one += ["--policy", f"{POLICY_MOUNT}/{policy_key}"]
         cmd.append(shlex.join(one))
@@ -210,7 +217,8 @@ def init_container_pod(
     The serving container mounts the cache read-only and finds the model at
     ``<cache>/snapshots/<manifest hex>`` (``$MODELPACK_MODEL_DIR``), known up front because the
     reference is pinned by digest. ``adapters`` (pinned references of LoRA adapters of this
-    base) are pulled by the same command (``--adapter``), each into its own snapshot.
+    base) are pulled by the same command (``--adapter``), each into its own snapshot, held from
+    ``cache gc`` (``--hold``, ``ADAPTER_POD_HOLD``) until the server leases them.
     """
     ref, image_ref = _pinned_image_ref(reference, what="init container")
     assert ref.digest is not None
