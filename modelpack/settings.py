@@ -413,6 +413,7 @@ POLICY = _setting(
     text,
     None,
     "Storage initializer: path of the trust policy every reference must satisfy (a refusal exits 1); "
+    "``cache lora-args``: the policy base and adapters must have passed (without ``--key``/``--policy``); "
     "set but empty is refused.",
     kind="path",
     group=_SERVE,
@@ -422,8 +423,8 @@ POLICY_YAML = _setting(
     "MODELPACK_POLICY_YAML",
     text,
     None,
-    "Storage initializer: the trust policy's YAML text (e.g. from a ConfigMap key); not with "
-    "``MODELPACK_POLICY``; set but empty is refused.",
+    "Storage initializer and ``cache lora-args``: the trust policy's YAML text (e.g. from a ConfigMap "
+    "key); not with ``MODELPACK_POLICY``; set but empty is refused.",
     kind="YAML",
     group=_SERVE,
     protective=True,

@@ -114,6 +114,11 @@ def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str
     raise K8sError(f"cache volume must be hostPath or emptyDir, got {kind!r}")
 
 
+#: how long an init container's pull keeps a base and its adapters from ``cache gc``: the
+#: serving container's image pull and start, until vLLM leases each adapter it serves
+ADAPTER_POD_HOLD = "1h"
+
+
 def _pull_command(
     references: Sequence[str],
     cache_path: str,
@@ -127,6 +132,8 @@ def _pull_command(
         one = [*args, r, "--cache", cache_path, "--json"]
         for a in adapters:  # LoRA adapters of this base, each checked against it by the pull
             one += ["--adapter", a]
+        if adapters:  # kept from gc until the server starts and leases them (serving.adapter_leases)
+            one += ["--hold", ADAPTER_POD_HOLD]
         if policy_secret:
             one += ["--policy", f"{POLICY_MOUNT}/{policy_key}"]
         cmd.append(shlex.join(one))
@@ -222,7 +229,8 @@ def init_container_pod(
     The serving container mounts the cache read-only and finds the model at
     ``<cache>/snapshots/<manifest hex>`` (``$MODELPACK_MODEL_DIR``), known up front because the
     reference is pinned by digest. ``adapters`` (pinned references of LoRA adapters of this
-    base) are pulled by the same command (``--adapter``), each into its own snapshot. ``pull``
+    base) are pulled by the same command (``--adapter``), each into its own snapshot, held from
+    ``cache gc`` (``--hold``, ``ADAPTER_POD_HOLD``) until the server leases them. ``pull``
     (mirrors, plain HTTP, CA bundle, retry budget, timeout) reaches the init container as the
     ``MODELPACK_*`` settings ``modelpack pull`` reads.
     """

@@ -37,7 +37,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,18 @@ class TrustPolicy:
         return cls.from_dict(doc, base_dir=os.path.dirname(os.path.abspath(p)), path=p)
 
     @classmethod
+    def from_text(cls, text: str, where: str) -> TrustPolicy:
+        """A policy given as YAML text (``$MODELPACK_POLICY_YAML``, a ConfigMap key); ``where``
+        names its origin in every error. Relative key paths are relative to the working directory."""
+        if len(text.encode()) > MAX_POLICY_BYTES:
+            raise PolicyError(f"{where}: larger than {MAX_POLICY_BYTES} bytes")
+        try:
+            doc = yaml.safe_load(text)
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise PolicyError(f"{where}: not a YAML policy: {exc}") from None
+        return cls.from_dict(doc, path=where)
+
+    @classmethod
     def from_dict(cls, doc: Any, *, base_dir: str = ".", path: str = "<policy>") -> TrustPolicy:
         if not isinstance(doc, dict):
             raise PolicyError(f"{path}: a policy is a mapping with 'rules' (and optional 'default')")
@@ -161,6 +173,23 @@ class TrustPolicy:
             if any(fnmatch.fnmatchcase(name, g) for g in globs for name in names):
                 return rp
         return self.default
+
+
+def policy_from_environ(environ: Mapping[str, str] | None = None) -> TrustPolicy | None:
+    """The node's configured policy: ``$MODELPACK_POLICY`` (a file) or ``$MODELPACK_POLICY_YAML``
+    (its text), else None. Fails closed: either set but empty (``SettingsError``), both set, or a
+    file that is not there (``PolicyError``) never reads as "no policy"."""
+    from modelpack import settings
+
+    path = settings.POLICY.get(environ)
+    text = settings.POLICY_YAML.get(environ)
+    if path is not None and text is not None:
+        raise PolicyError(f"set ${settings.POLICY.name} or ${settings.POLICY_YAML.name}, not both")
+    if path is not None:
+        return TrustPolicy.load(path)
+    if text is not None:
+        return TrustPolicy.from_text(text, f"${settings.POLICY_YAML.name}")
+    return None
 
 
 def policy_names(ref: Reference) -> list[str]:

@@ -187,15 +187,22 @@ class SelectedAdapter:
     path: str = ""  # where it landed (DEST/adapters/NAME, or its cache snapshot)
     verification: dict[str, Any] | None = None
     listed: bool = False  # found in the base's referrers (not named with --adapter)
+    hold_path: str = ""  # ``pull --cache --hold``: GC keeps the snapshot until ``hold_until``
+    hold_until: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "name": self.name,
             "reference": str(self.reference),
             "digest": str(self.descriptor.digest),
             "path": self.path,
             "verification": self.verification,
         }
+        if self.hold_path:
+            from modelpack.timestamps import rfc3339_utc
+
+            doc["hold"] = {"path": self.hold_path, "until": rfc3339_utc(self.hold_until)}
+        return doc
 
 
 @dataclass
@@ -314,14 +321,20 @@ def pull_with_adapters(
     jobs: int = 4,
     progress: str = "auto",
     force: bool = False,
+    hold: float | None = None,
 ) -> BasePullResult:
     """Pull the base at ``reference`` and its adapters into ``dest_dir`` or into ``cache``.
 
     ``policy`` (a ``TrustPolicy``, public keys, or None) is checked for the base and for each
     adapter (each is its own signed artifact) before anything of it is written; with a cache,
     the cache checks it as for any pull. Adapters land at ``dest_dir/adapters/<name>/``, or each in
-    its own snapshot; ``result.adapters`` says where.
+    its own snapshot; ``result.adapters`` says where. ``hold`` (seconds, with a cache) keeps the
+    base and every adapter from GC for that long, as ``NodeCache.pull(hold=…)`` does for one
+    snapshot: the engine they are handed to takes its own leases when it starts
+    (``serving.adapter_leases``).
     """
+    if hold is not None and cache is None:
+        raise PullError("pull with adapters: a hold keeps node-cache snapshots; give a node cache")
     if (dest_dir is None) == (cache is None):
         raise PullError("pull with adapters: give a destination directory or a node cache, not both")
     ref = parse_reference(reference) if isinstance(reference, str) else reference
@@ -344,9 +357,10 @@ def pull_with_adapters(
         chosen = apply_policy(pinned, chosen, policy, topts, skipped)
     unique_names(chosen, str(desc.digest))
     if cache is not None:  # the cache checks the policy again, as for any pull, before publishing
-        base_result = cache.pull(pinned, topts, policy=policy, jobs=jobs, progress=progress)
+        base_result = cache.pull(pinned, topts, policy=policy, jobs=jobs, progress=progress, hold=hold)
         for a in chosen:
-            a.path = cache.pull(a.reference, topts, policy=policy, jobs=jobs, progress=progress).path
+            got = cache.pull(a.reference, topts, policy=policy, jobs=jobs, progress=progress, hold=hold)
+            a.path, a.hold_path, a.hold_until = got.path, got.hold_path, got.hold_until
         return BasePullResult(str(ref), str(desc.digest), base_result.path, chosen, skipped, base_result)
     assert dest_dir is not None
     from modelpack.api.transfer import pull

@@ -21,7 +21,7 @@ from modelpack.cli.options import (
     json_option,
     signals_interrupt,
 )
-from modelpack.cli.trust_options import push_signing_key, trust_policy_from
+from modelpack.cli.trust_options import key_policy_options, push_signing_key, trust_policy_from
 from modelpack.terminal import for_terminal
 
 if TYPE_CHECKING:
@@ -87,8 +87,9 @@ def pull_with_adapters_cmd(
     as_json: bool,
     force: bool,
     kwargs: dict[str, Any],
+    hold: float | None = None,
 ) -> None:
-    """``pull BASE [DEST] [--cache DIR] --with-adapters / --adapter REF``."""
+    """``pull BASE [DEST] [--cache DIR [--hold D]] --with-adapters / --adapter REF``."""
     from modelpack.api.adapters import pull_with_adapters
 
     if kwargs.pop("signature_path", None):
@@ -115,16 +116,22 @@ def pull_with_adapters_cmd(
             jobs=jobs,
             progress=progress,
             force=force,
+            hold=hold,
         )
     if as_json:
         emit_json(result.to_json())
         return
+    from modelpack.timestamps import rfc3339_utc
+
     for note in result.skipped:
         click.echo(f"skipped a listed adapter: {for_terminal(note)}", err=True)
     for a in result.adapters:
-        click.echo(f"adapter {a.name} {a.descriptor.digest} at {for_terminal(a.path)}", err=True)
+        held = f"; held until {rfc3339_utc(a.hold_until)}" if a.hold_path else ""
+        click.echo(f"adapter {a.name} {a.descriptor.digest} at {for_terminal(a.path)}{held}", err=True)
+    base_hold = getattr(result.base, "hold_path", "")
+    held = f"; held until {rfc3339_utc(result.base.hold_until)}" if base_hold else ""
     click.echo(
-        f"pulled {result.digest} with {len(result.adapters)} adapter(s) to {for_terminal(result.path)}",
+        f"pulled {result.digest} with {len(result.adapters)} adapter(s) to {for_terminal(result.path)}{held}",
         err=True,
     )
     click.echo(result.path if cache is not None else result.digest)
@@ -172,40 +179,75 @@ def print_adapters(doc: dict[str, Any]) -> None:
     envvar=settings.CACHE.name,
     default=None,
     metavar="DIR",
-    help="Node cache directory (default: $MODELPACK_CACHE, else $XDG_CACHE_HOME/modelpack, else ~/.cache/modelpack).",
+    help="Node cache directory, which must exist (default: $MODELPACK_CACHE, else "
+    "$XDG_CACHE_HOME/modelpack, else ~/.cache/modelpack).",
 )
 @click.option(
     "--adapter",
     "adapter_refs",
     multiple=True,
     metavar="REF",
-    help="Serve only this cached adapter (reference or digest; repeatable); refused unless its subject is BASE.",
+    help="Serve only this cached adapter (reference or digest; repeatable); refused unless its subject is BASE "
+    "and it passed BASE's trust.",
+)
+@key_policy_options(
+    "Serve only adapters this public key verified when the cache pulled them (PEM file or env:VAR; "
+    "repeatable); BASE too."
 )
 @json_option
 @handle_errors
-def cache_lora_args(base: str, cache_dir: str | None, adapter_refs: tuple[str, ...], as_json: bool) -> None:
-    """Print vLLM's LoRA flags for BASE and its cached adapters (no network).
+def cache_lora_args(
+    base: str,
+    cache_dir: str | None,
+    adapter_refs: tuple[str, ...],
+    keys: tuple[str, ...],
+    policy: str | None,
+    as_json: bool,
+) -> None:
+    """Print vLLM's LoRA flags for BASE and its cached adapters (no network; creates nothing).
 
     Every cached adapter whose subject is BASE (pulled with 'pull --cache --with-adapters'), each
     checked again from the cache (manifest digest, subject, name, rank): '--enable-lora
     --max-lora-rank R --max-loras N --lora-modules NAME=SNAPSHOT …', shell-quoted on one line.
     Requests then name an adapter as the model.
 
+    Only adapters that passed the trust BASE passed on this node are served: under --key/--policy
+    (default: $MODELPACK_POLICY or $MODELPACK_POLICY_YAML) the cache must have recorded that the
+    policy accepted BASE and each adapter; without a policy, that a key which verified BASE also
+    verified the adapter. Another adapter of BASE in the cache (another job pulled it without the
+    policy) is left out with a line on stderr; one named with --adapter fails the command.
+
     \b
     Examples:
-      modelpack pull reg.example/llama@sha256:… --cache /var/cache/modelpack --with-adapters
-      python -m vllm.entrypoints.openai.api_server --model "$(modelpack cache path reg.example/llama@sha256:…)" \\
-          $(modelpack cache lora-args reg.example/llama@sha256:…)
+      modelpack pull reg.example/llama@sha256:… --cache /var/cache/modelpack --with-adapters --policy policy.yaml
+      modelpack cache lora-args reg.example/llama@sha256:… --cache /var/cache/modelpack --policy policy.yaml
+      python -m vllm.entrypoints.openai.api_server --model "$(modelpack cache path reg.example/llama@sha256:… \\
+          --cache /var/cache/modelpack)" $(modelpack cache lora-args reg.example/llama@sha256:… \\
+          --cache /var/cache/modelpack --policy policy.yaml)
     """
     import shlex
 
-    from modelpack.mount.cache import NodeCache, default_cache_dir
-    from modelpack.serving.lora_adapters import cached_adapters, vllm_lora_args
+    from modelpack.cli.cache import open_cache
+    from modelpack.serving.lora_adapters import select_cached_adapters, vllm_lora_args
+    from modelpack.signing.policy import policy_from_environ
 
-    adapters = cached_adapters(NodeCache(cache_dir or default_cache_dir()), base, adapter_refs)
+    trust = trust_policy_from(keys, policy)
+    if trust is None:
+        trust = policy_from_environ()
+    selection = select_cached_adapters(open_cache(cache_dir), base, adapter_refs, policy=trust)
+    for line in selection.left_out:
+        click.echo(for_terminal(line), err=True)
+    adapters = selection.served
     args = vllm_lora_args(adapters)
     if as_json:
-        emit_json({"base": base, "adapters": [a.to_json() for a in adapters], "args": args})
+        emit_json(
+            {
+                "base": base,
+                "adapters": [a.to_json() for a in adapters],
+                "skippedAdapters": selection.left_out,
+                "args": args,
+            }
+        )
         return
     if not adapters:
         click.echo(f"no cached adapters of {for_terminal(base)}", err=True)

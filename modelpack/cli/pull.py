@@ -131,12 +131,9 @@ def pull_into_cache(
         )
     events = kwargs.pop("trust_events", None)
     allow_rollback = bool(kwargs.pop("allow_rollback", False))
-    from modelpack.cli.cache import SECONDS, cache_pull
+    from modelpack.cli.cache import cache_pull
 
-    try:
-        hold_s = None if hold is None else SECONDS.convert(hold, None, None)
-    except click.BadParameter as exc:
-        raise click.BadParameter(exc.message, param_hint="'--hold'") from None
+    hold_s = _hold_seconds(hold)
     cache_pull(
         reference,
         cache_dir,
@@ -154,6 +151,18 @@ def pull_into_cache(
     )
 
 
+def _hold_seconds(hold: str | None) -> float | None:
+    """``--hold``'s DURATION in seconds (None when not given)."""
+    if hold is None:
+        return None
+    from modelpack.cli.cache import SECONDS
+
+    try:
+        return SECONDS.convert(hold, None, None)
+    except click.BadParameter as exc:
+        raise click.BadParameter(exc.message, param_hint="'--hold'") from None
+
+
 def _hold_option(fn: Any) -> Any:
     # a plain string here, read as a duration by the cache branch: the pull-to-directory path
     # does not import the node cache's command module
@@ -161,8 +170,9 @@ def _hold_option(fn: Any) -> Any:
         "--hold",
         default=None,
         metavar="DURATION",
-        help="With --cache: keep the snapshot from 'cache gc' for DURATION after the pull (e.g. 10m), "
-        "so the process it is handed to finds it; that process's own lease protects it from then on.",
+        help="With --cache: keep the snapshot (and each adapter's) from 'cache gc' for DURATION after the "
+        "pull (e.g. 10m), so the process it is handed to finds it; that process's own lease protects it "
+        "from then on.",
     )(fn)
 
 
@@ -273,21 +283,24 @@ def pull_cmd(
       modelpack pull quay.example/org/llama-modelcar:v1 ./model
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --policy policy.yaml --json
       modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --hold 10m
-      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --with-adapters --json
+      modelpack pull reg.example/m@sha256:… --cache /var/cache/modelpack --with-adapters --hold 10m --json
     """
     with_adapters = kwargs.pop("with_adapters", False)
     adapter_refs = kwargs.pop("adapter_refs", ())
     if with_adapters or adapter_refs:
-        if include or exclude or any(kwargs.get(k) for k in ("delete", "max_bytes", "keep_prefix", "hold")):
+        if include or exclude or any(kwargs.get(k) for k in ("delete", "max_bytes", "keep_prefix")):
             raise click.UsageError(
                 "--with-adapters/--adapter pull whole artifacts: drop --include/--exclude/--delete/"
-                "--max-bytes/--keep-prefix/--hold"
+                "--max-bytes/--keep-prefix"
             )
-        for k in ("delete", "max_bytes", "keep_prefix", "hold", "max_cache_bytes"):
+        hold = kwargs.pop("hold", None)
+        for k in ("delete", "max_bytes", "keep_prefix", "max_cache_bytes"):
             kwargs.pop(k, None)
         cache_dir = kwargs.pop("cache_dir", None)
         if (dest_dir is None) == (cache_dir is None):
             raise click.UsageError("give DEST_DIR or --cache DIR")
+        if hold is not None and cache_dir is None:
+            raise click.UsageError("--hold keeps node-cache snapshots: it needs --cache DIR")
         from modelpack.cli.adapters import pull_with_adapters_cmd
 
         pull_with_adapters_cmd(
@@ -300,6 +313,7 @@ def pull_cmd(
             progress=progress,
             as_json=as_json,
             force=kwargs.pop("force", False),
+            hold=_hold_seconds(hold),
             kwargs=kwargs,
         )
         return

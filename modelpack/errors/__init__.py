@@ -16,6 +16,9 @@ from modelpack.errors.adapters import (
 from modelpack.errors.adapters import (
     AdapterSubjectError as AdapterSubjectError,
 )
+from modelpack.errors.adapters import (
+    AdapterUntrustedError as AdapterUntrustedError,
+)
 from modelpack.errors.base import (
     ConfigError as ConfigError,
 )

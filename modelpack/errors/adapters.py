@@ -28,3 +28,15 @@ class AdapterBaseMismatchError(AdapterError):
         self.adapter_digest = adapter_digest
         self.subject_digest = subject_digest
         self.base_digest = base_digest
+
+
+class AdapterUntrustedError(AdapterError):
+    """A cached adapter (or its base) with no record on this node of passing the trust its base
+    passed: no policy verification the cache recorded for it, or one by keys the base's trust does
+    not name. Carries the adapter's name (or the base's reference) and digest."""
+
+    def __init__(self, what: str, digest: str, reason: str) -> None:
+        super().__init__(f"{what} ({digest}): {reason}")
+        self.what = what
+        self.digest = digest
+        self.reason = reason

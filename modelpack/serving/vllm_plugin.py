@@ -1,14 +1,20 @@
-"""vLLM plugin entry point: registers the ``modelpack`` load format in each vLLM process, and
-checks ``--model`` before vLLM reads anything from it."""
+"""vLLM plugin entry point: registers the ``modelpack`` load format in each vLLM process, checks
+``--model`` before vLLM reads anything from it, and, in the OpenAI server, holds the node cache's
+reader lease on every LoRA adapter snapshot it serves (``serving.adapter_leases``)."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
 LOAD_FORMAT = "modelpack"
 _GUARDED = "_modelpack_checks_model_dir"
+_LEASING = "_modelpack_leases_adapters"
+#: where vLLM's OpenAI server keeps the adapters it serves (imported by the server's entry point
+#: before it builds any engine arguments, so before ``register`` runs in that process)
+_SERVING_MODELS = "vllm.entrypoints.openai.models.serving"
 
 
 def register() -> None:
@@ -30,6 +36,7 @@ def register() -> None:
 
     share_with_child_processes(t0=process_start_time(), start_id=resolve_start_id())
     guard_model_directory()
+    lease_served_adapters()
     from modelpack.serving import vllm_loader  # noqa: F401  (the decorator registers the format)
 
 
@@ -53,6 +60,7 @@ def _checked_first(original: Callable[..., Any]) -> Callable[..., Any]:
                 tp_size=int(getattr(self, "tensor_parallel_size", 1) or 1),
             )
             setattr(self, _GUARDED, True)  # checked once per EngineArgs
+        lease_served_adapters()  # the server's modules are imported by now, whichever way it started
         return original(self, *args, **kwargs)
 
     setattr(wrapper, _GUARDED, True)
@@ -67,3 +75,55 @@ def guard_model_directory() -> None:
         current = getattr(EngineArgs, name)
         if not getattr(current, _GUARDED, False):
             setattr(EngineArgs, name, _checked_first(current))
+
+
+def lease_served_adapters() -> None:
+    """In vLLM's OpenAI server process (idempotent; nothing elsewhere): each adapter it loads
+    whose path is a node-cache snapshot holds that snapshot's reader lease for as long as the
+    server serves it, so ``cache gc`` cannot remove it from under the engine, which reads its
+    files again whenever it reloads it. A snapshot that is gone fails the load (at start: the
+    start); a reload from another snapshot releases the old lease once vLLM serves the new one;
+    an unload releases it; the process's end releases all of them."""
+    models = getattr(sys.modules.get(_SERVING_MODELS), "OpenAIServingModels", None)
+    if models is None or getattr(models.load_lora_adapter, _LEASING, False):
+        return
+    models.load_lora_adapter = _leased_while_served(models.load_lora_adapter)
+    models.unload_lora_adapter = _released_on_unload(models.unload_lora_adapter)
+
+
+def _leased_while_served(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from modelpack.serving.adapter_leases import ENGINE_ADAPTER_LEASES as leases
+
+        name = str(request.lora_name)
+        before = leases.held().get(name, [])
+        digest = leases.take(name, str(request.lora_path))  # before vLLM reads a file of it
+        try:
+            result = await original(self, request, *args, **kwargs)
+        except BaseException:
+            if digest is not None and digest not in before:
+                leases.release(name, digest)
+            raise
+        if isinstance(result, str):  # vLLM's "Success: …"; an ErrorResponse otherwise
+            leases.keep_only(name, digest)
+        elif digest is not None and digest not in before:
+            leases.release(name, digest)
+        return result
+
+    setattr(wrapper, _LEASING, True)
+    return wrapper
+
+
+def _released_on_unload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, request, *args, **kwargs)
+        if isinstance(result, str):
+            from modelpack.serving.adapter_leases import ENGINE_ADAPTER_LEASES
+
+            ENGINE_ADAPTER_LEASES.release(str(request.lora_name))
+        return result
+
+    setattr(wrapper, _LEASING, True)
+    return wrapper

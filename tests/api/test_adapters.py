@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -406,15 +407,20 @@ def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: 
     i = server.index("--lora-modules")
     assert server[i + 1] == f"sql-lora=/cache/snapshots/{ad.digest.split(':')[1]}"
     assert server[server.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in server
-    # what the init container runs publishes the adapter at that path (below the cache root)
+    # what the init container runs publishes the adapter at that path (below the cache root) and
+    # holds it, as the base, until the server's own lease protects it
     cache = tmp_path / "cache"
-    pulled = runner.invoke(
-        main, ["pull", base, "--cache", str(cache), "--json", "--adapter", f"{repo}@{ad.digest}"]
-    )
+    argv = shlex.split(init["command"][-1])
+    assert argv[:2] == ["modelpack", "pull"] and "--hold" in argv, argv
+    argv = [str(cache) if a == "/cache" else a for a in argv[1:]]
+    pulled = runner.invoke(main, argv)
     assert pulled.exit_code == 0, pulled.output
-    assert json.loads(pulled.stdout)["adapters"][0]["path"] == str(
-        cache / "snapshots" / ad.digest.split(":")[1]
-    )
+    doc = json.loads(pulled.stdout)
+    assert doc["adapters"][0]["path"] == str(cache / "snapshots" / ad.digest.split(":")[1])
+    assert doc["adapters"][0]["hold"]["until"] and doc["cache"]["hold"]["until"], doc
+    gc = runner.invoke(main, ["cache", "gc", "--cache", str(cache), "--keep-versions", "0", "--min-age", "0"])
+    assert gc.exit_code == 0, gc.output
+    assert (cache / "snapshots" / ad.digest.split(":")[1] / "adapter_model.safetensors").exists()
     # an adapter of the other base: refused, naming both digests, and no YAML
     out = runner.invoke(
         main,
@@ -441,3 +447,38 @@ def test_an_oci_layout_holds_a_base_and_its_adapters(tmp_path: Path) -> None:
     result = pull_with_adapters(f"{layout}:base", str(tmp_path / "dest"))
     assert [a.name for a in result.adapters] == ["lay"]
     assert (tmp_path / "dest" / "adapters" / "lay" / "adapter_model.safetensors").exists()
+
+
+def test_pull_hold_keeps_each_adapter_from_gc_like_the_base(tmp_path: Path, repo: str) -> None:
+    """``pull BASE --cache DIR --adapter REF --hold D`` holds the base and each adapter: gc
+    (everything may go) keeps them all while the holds last, and removes them once released."""
+    from modelpack.mount.cache import NodeCache
+
+    _, base_digest = _base(tmp_path, repo)
+    ad = push_adapter(str(_adapter(tmp_path, "sql-lora")), f"{repo}:sql", f"@{base_digest}")
+    cache = tmp_path / "cache"
+    runner = CliRunner()
+    argv = [
+        "pull",
+        f"{repo}@{base_digest}",
+        "--cache",
+        str(cache),
+        "--adapter",
+        f"{repo}:sql",
+        "--hold",
+        "1h",
+    ]
+    out = runner.invoke(main, [*argv, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    holds = [doc["cache"]["hold"]["path"], doc["adapters"][0]["hold"]["path"]]
+    gc = ["cache", "gc", "--cache", str(cache), "--keep-versions", "0", "--min-age", "0", "--json"]
+    kept = json.loads(runner.invoke(main, gc).stdout)
+    assert sorted(kept["keptHeld"]) == sorted([base_digest, ad.digest]) and kept["evicted"] == [], kept
+    text = runner.invoke(main, argv)  # the human summary says each is held
+    assert text.exit_code == 0 and text.output.count("held until") == 2, text.output
+    node = NodeCache(str(cache), create=False)
+    for hold in [*holds, *(h.path for h in node.leases.holds())]:
+        node.release_hold(hold)
+    gone = json.loads(runner.invoke(main, gc).stdout)
+    assert sorted(gone["evicted"]) == sorted([base_digest, ad.digest]), gone

@@ -6,7 +6,9 @@ pulled into a node cache with ``--with-adapters``. One OpenAI API server starts 
 snapshot (load format ``modelpack``, digest pinned) with the flags ``vllm_lora_args`` builds from
 the cache. The adapter's greedy tokens must differ from the base's and equal a reference computed
 in plain torch/transformers with the LoRA merged (``W + alpha/r · B @ A``); the base's equal the
-unmerged reference.
+unmerged reference. While the server runs it holds the adapter snapshot's lease, so a ``cache gc``
+under which everything may go keeps it (and the adapter still answers); once it stopped, gc
+removes it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tests.vllm_helpers import (
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(900),  # one vLLM start (minutes on a loaded CPU), then requests and gc
     pytest.mark.skipif(
         not vllm_available(),
         reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
@@ -78,6 +81,16 @@ def _reference(model_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> 
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [float(torch.log_softmax(s[0], -1)[t]) for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
+
+
+def _gc(cache: Path) -> dict[str, Any]:
+    """``cache gc`` under which every snapshot may go that nothing keeps."""
+    out = CliRunner().invoke(
+        main, ["cache", "gc", "--cache", str(cache), "--keep-versions", "0", "--min-age", "0", "--json"]
+    )
+    assert out.exit_code == 0, out.output
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
 
 
 def test_vllm_serves_the_cached_base_with_its_adapter(tmp_path: Path, registry: RegistryServer) -> None:
@@ -156,6 +169,11 @@ def test_vllm_serves_the_cached_base_with_its_adapter(tmp_path: Path, registry: 
         for prompt in PROMPTS:
             results.setdefault("base", []).append(complete(url, prompt, MAX_TOKENS, model="tiny"))
             results.setdefault("lora", []).append(complete(url, prompt, MAX_TOKENS, model="sql-lora"))
+        # the running engine holds its adapter's lease: a gc under which everything may go keeps it
+        doc = _gc(tmp_path / "cache")
+        assert served[0].digest in doc["keptInUse"] and served[0].digest not in doc["evicted"], doc
+        assert (Path(served[0].path) / "adapter_model.safetensors").exists()
+        results["after_gc"] = complete(url, PROMPTS[0], MAX_TOKENS, model="sql-lora")
     except Exception:
         print(log_path.read_text(errors="replace")[-6000:])
         raise
@@ -166,6 +184,9 @@ def test_vllm_serves_the_cached_base_with_its_adapter(tmp_path: Path, registry: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+    # the engine stopped: its lease went with it, and gc may remove the adapter
+    assert served[0].digest in _gc(tmp_path / "cache")["evicted"]
+    assert results["after_gc"] == results["lora"][0]
     for i, prompt in enumerate(PROMPTS):
         (base_tokens, base_lp), (lora_tokens, lora_lp) = results["base"][i], results["lora"][i]
         assert lora_tokens != base_tokens, (prompt, base_tokens)

@@ -213,19 +213,9 @@ def _load_policy(settings: InitializerSettings) -> TrustPolicy | None:
 
         return TrustPolicy.load(settings.policy_path)
     if settings.policy_yaml:
-        import yaml
+        from modelpack.signing.policy import TrustPolicy
 
-        from modelpack.errors import PolicyError
-        from modelpack.signing.policy import MAX_POLICY_BYTES, TrustPolicy
-
-        where = "$MODELPACK_POLICY_YAML"
-        if len(settings.policy_yaml.encode()) > MAX_POLICY_BYTES:
-            raise PolicyError(f"{where}: larger than {MAX_POLICY_BYTES} bytes")
-        try:
-            doc = yaml.safe_load(settings.policy_yaml)
-        except (yaml.YAMLError, RecursionError) as exc:
-            raise PolicyError(f"{where}: not a YAML policy: {exc}") from None
-        return TrustPolicy.from_dict(doc, path=where)
+        return TrustPolicy.from_text(settings.policy_yaml, "$MODELPACK_POLICY_YAML")
     return None
 
 
