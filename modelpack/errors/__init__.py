@@ -29,6 +29,9 @@ from modelpack.errors.base import (
     DocumentError as DocumentError,
 )
 from modelpack.errors.base import (
+    FileSelectionError as FileSelectionError,
+)
+from modelpack.errors.base import (
     HFRevisionNotFoundError as HFRevisionNotFoundError,
 )
 from modelpack.errors.base import (

@@ -141,6 +141,12 @@ class SettingsError(ModelpackError, ValueError):
         self.name = name
 
 
+class FileSelectionError(ModelpackError, ValueError):
+    """``--include``/``--exclude`` patterns beyond their bounds (count, length). A usage error."""
+
+    exit_code = 2
+
+
 class ConfigError(ModelpackError, ValueError):
     """A model config that breaks the ModelPack schema; ``path`` is the JSON path at fault."""
 

@@ -7,12 +7,12 @@ consumer can tell a known file from one packed under ``--other-files``.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import stat
 from collections.abc import Sequence
 
 from modelpack.errors import PackError, UnsafePathError
+from modelpack.file_selection import matches_pattern
 from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 
@@ -59,14 +59,6 @@ def classify(relpath: str, other: str = LayerKind.DOC) -> tuple[LayerKind | None
     if other == "refuse":
         return None, True
     return LayerKind(other), True
-
-
-def matches_pattern(relpath: str, patterns: Sequence[str]) -> bool:
-    """``--include``/``--exclude`` semantics for every source: a glob matches the relative path or
-    its base name."""
-    return any(
-        fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(os.path.basename(relpath), p) for p in patterns
-    )
 
 
 def discover_files(
@@ -126,4 +118,4 @@ def discover_files(
     return out
 
 
-__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files", "matches_pattern"]
+__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files"]

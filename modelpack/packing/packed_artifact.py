@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from modelpack.errors import NotFoundError, PackError
+from modelpack.file_selection import check_patterns
 from modelpack.mediatypes import LayerKind, ModelSpecConfig
 from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -63,6 +64,7 @@ class PackOptions:
             )
         if self.name is not None and not self.name:
             raise PackError("--name must not be empty")
+        check_patterns(self.include, self.exclude)
         if self.mtime is None:
             source_date_epoch()  # a malformed SOURCE_DATE_EPOCH is refused before any hashing
 

@@ -14,9 +14,7 @@ between hashing and uploading, the upload fails instead of publishing bytes nobo
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
-import os
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from modelpack.errors import InvalidReferenceError, PackError, UnsafePathError
+from modelpack.file_selection import matches_pattern
 from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.oci.digest import HASH_CHUNK, Digest
@@ -101,12 +100,6 @@ class S3Object:
     etag: str
 
 
-def _matches(relpath: str, patterns: Sequence[str]) -> bool:
-    return any(
-        fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(os.path.basename(relpath), p) for p in patterns
-    )
-
-
 def _refuse_unplain_key(bucket: str, key: str, rel: str) -> None:
     """Raise ``PackError`` naming ``s3://bucket/key`` unless ``rel`` is a plain relative path
     (a trailing ``/`` of a directory marker aside)."""
@@ -154,9 +147,9 @@ def list_checkpoint(
                 continue  # a "directory" marker
             if any(part.startswith(".") for part in rel.split("/")):
                 continue  # hidden (``.cache/…``); ``.`` and ``..`` were refused above
-            if include and not _matches(rel, include):
+            if include and not matches_pattern(rel, include):
                 continue
-            if exclude and _matches(rel, exclude):
+            if exclude and matches_pattern(rel, exclude):
                 continue
             out.append(S3Object(key, rel, int(obj["Size"]), str(obj.get("ETag") or "")))
         if not resp.get("IsTruncated"):

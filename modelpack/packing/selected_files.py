@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from modelpack.errors import PackError
+from modelpack.file_selection import matches_pattern
 from modelpack.mediatypes import LayerKind
-from modelpack.packing.file_discovery import matches_pattern
 from modelpack.packing.file_metadata import file_identity, file_mode
 from modelpack.packing.model_config import describe_model, read_json
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions

@@ -20,9 +20,7 @@ resumes or sweeps what a killed one left (``staging``).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
-import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from modelpack.errors import (
     LayerFormatError,
     PullError,
 )
+from modelpack.file_selection import file_selector
 from modelpack.files import DirSyncs, free_bytes, write_error
 from modelpack.mediatypes.annotations import layer_filepath, restored_mode
 from modelpack.oci.descriptor import Descriptor, Manifest
@@ -83,24 +82,6 @@ class PullPlan:
     raw: list[LayerJob]  # raw files selected by include/exclude
     tar: list[LayerJob]  # every tar layer (the filters apply to the files inside)
     raw_paths: dict[str, str]  # every raw file of the artifact → its layer digest
-
-
-def _matches(relpath: str, patterns: Sequence[str]) -> bool:
-    name = posixpath.basename(relpath)
-    return any(fnmatch.fnmatchcase(relpath, p) or fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def file_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[str], bool] | None:
-    """Whether a file path (relative, ``/``-separated) is pulled; None when everything is."""
-    if not include and not exclude:
-        return None
-
-    def selected(relpath: str) -> bool:
-        if include and not _matches(relpath, include):
-            return False
-        return not (exclude and _matches(relpath, exclude))
-
-    return selected
 
 
 def plan_layers(

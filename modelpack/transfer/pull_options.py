@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelpack.file_selection import check_patterns
+
 
 @dataclass(frozen=True)
 class PullOptions:
@@ -35,6 +37,7 @@ class PullOptions:
         # tuples, so a caller's list cannot change the options afterwards (and they hash)
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
+        check_patterns(self.include, self.exclude)
 
     @property
     def selects_files(self) -> bool:

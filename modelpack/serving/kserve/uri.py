@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
-from modelpack.errors import InvalidReferenceError
+from modelpack.errors import FileSelectionError, InvalidReferenceError
+from modelpack.file_selection import check_patterns
 from modelpack.oci.reference import OCI_REGISTRY_SCHEME, Reference, parse_reference
 
 MODELPACK_SCHEME = "modelpack://"
@@ -60,6 +61,10 @@ def _filters(text: str, query: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
                 f"{text!r}: only ?include=GLOB and ?exclude=GLOB may follow the reference"
             )
         (include if key == "include" else exclude).append(value)
+    try:
+        check_patterns(include, exclude, names=("?include=", "?exclude="))
+    except FileSelectionError as exc:
+        raise InvalidReferenceError(f"{text[:200]!r}: {exc}") from None
     return tuple(include), tuple(exclude)
 
 
