@@ -56,7 +56,7 @@ from modelpack.mount.refs import Pins
 from modelpack.mount.store import FULL_CACHE_HINT, LockedTemp, Store
 
 from modelpack.errors import CacheServeError, ModelpackError, TransferCancelled
-from modelpack.files import TEMP_PREFIX
+from modelpack.files import TEMP_PREFIX, write_error
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
@@ -281,11 +281,22 @@ class Filler:
         A record that cannot be written (a full disk) leaves the fill working; GC then may
         take its blobs, the peers refill."""
         try:
-            self.store.add_manifest(raw, media_type, annotations={FILL_ANNOTATION: pin.reference})
+            try:
+                self.store.add_manifest(raw, media_type, annotations={FILL_ANNOTATION: pin.reference})
+            except OSError as exc:  # the blob's own commit names its path; index.json's did not
+                raise write_error(self.store.index_path, exc) from exc
             if digest == pin.digest:
-                Pins(self.store.root, self.store.owner).add(pin.digest, pin.reference)
-        except (ModelpackError, OSError) as exc:
-            log.warning("fill: cannot record pinned manifest %s in %s: %s", digest, self.store.root, exc)
+                pins = Pins(self.store.root, self.store.owner)
+                try:
+                    pins.add(pin.digest, pin.reference)
+                except OSError as exc:
+                    raise write_error(pins.path(pin.digest), exc) from exc
+        except ModelpackError as exc:
+            log.warning(
+                "fill: cannot record pinned manifest %s (fills go on; cache gc may take them): %s",
+                digest,
+                exc,
+            )
 
     @property
     def quota(self) -> int | None:

@@ -52,6 +52,24 @@ def _blobs(manifest: Manifest) -> list[Descriptor]:
     return [manifest.config, *manifest.layers]
 
 
+def variant_index(registry: RegistryServer, tmp_path: Path, repo: str) -> tuple[str, dict[str, Manifest]]:
+    """A bf16 and an f32 variant in ``repo`` and an index of them: (index digest, entries)."""
+    spec = {"hidden": 64, "intermediate": 128, "vocab": 128, "layers": 1}
+    entries: dict[str, Manifest] = {}
+    for dtype in ("BF16", "F32"):
+        d = tmp_path / dtype.lower()
+        write_checkpoint(str(d), SyntheticSpec(dtype=dtype, **spec))  # type: ignore[arg-type]
+        digest = str(api.push(str(d), registry.ref(repo, dtype.lower()), target_options=PLAIN).digest)
+        entries[digest] = fetch_manifest(open_readable(registry.ref(repo, None)), digest)[0]
+    made = create_index(
+        registry.ref(repo, "v1"),
+        [registry.ref(repo, "bf16"), registry.ref(repo, "f32")],
+        overrides={1: {"accelerator": "cpu"}},
+        target_options=PLAIN,
+    )
+    return str(made.digest), entries
+
+
 @pytest.fixture
 def in_process(tmp_path: Path) -> Iterator[Any]:
     """Start ``CacheServer`` over an empty cache in this process (its filler's counters readable)."""
@@ -93,22 +111,8 @@ def test_a_pinned_variant_index_fills_every_entrys_manifest_and_blobs_once(
     """``--fill REF@<index>``: the node fills each entry's manifest and every blob of every entry
     (peers of any platform pull through it); each blob crosses the origin's link once, and a
     node pulling the index through the owner gets its entry's blobs from the owner."""
-    spec = {"hidden": 64, "intermediate": 128, "vocab": 128, "layers": 1}
-    entries: dict[str, Manifest] = {}
-    for dtype in ("BF16", "F32"):
-        d = tmp_path / dtype.lower()
-        write_checkpoint(str(d), SyntheticSpec(dtype=dtype, **spec))  # type: ignore[arg-type]
-        digest = str(
-            api.push(str(d), registry.ref("fill/variants", dtype.lower()), target_options=PLAIN).digest
-        )
-        entries[digest] = fetch_manifest(open_readable(registry.ref("fill/variants", None)), digest)[0]
-    made = create_index(
-        registry.ref("fill/variants", "v1"),
-        [registry.ref("fill/variants", "bf16"), registry.ref("fill/variants", "f32")],
-        overrides={1: {"accelerator": "cpu"}},
-        target_options=PLAIN,
-    )
-    pinned = f"{registry.host}/fill/variants@{made.digest}"
+    index, entries = variant_index(registry, tmp_path, "fill/variants")
+    pinned = f"{registry.host}/fill/variants@{index}"
     owner_cache = tmp_path / "owner"
     Store(str(owner_cache))
     owner = serve(owner_cache, "--fill", pinned)
@@ -258,3 +262,38 @@ def test_fill_concurrency_bounds_the_fills_running_at_once(
         assert sum(proxy.blob_gets.values()) == len(blobs)
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("leave", [4096, 256 * 1024], ids=["recording-the-pin", "filling-the-layer"])
+def test_a_full_disk_during_a_fill_is_logged_naming_the_path_and_leaves_no_temp_file(
+    registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+    leave: int,
+) -> None:
+    """The serving node's disk fills up (room for the pinned manifest's blob but not for its
+    index.json record; or room for the manifests but not for a ~2 MB layer): the fill fails (the
+    requester asks its next source), every disk-full line the node logs names the file it could
+    not write, and no temp file is left."""
+    from tests.mount.test_cache_enospc import _fill
+    from tests.pull_dir_helpers import small_tmpfs, temp_entries
+
+    digest, manifest = _push(registry, checkpoint, "fill/enospc")
+    layer = max(manifest.layers, key=lambda d: d.size)
+    with small_tmpfs(tmp_path / "fs", "4m") as fs:
+        if fs is None:
+            pytest.skip("mounting a tmpfs is not allowed here")
+        cache = fs / "cache"
+        Store(str(cache))
+        _fill(fs, leave=leave)
+        owner = serve(cache, "--fill", f"{registry.host}/fill/enospc@{digest}")
+        status = _request(owner, "GET", f"/v2/any/name/blobs/{layer.digest}")[0]
+        assert status in (404, 503), status
+        owner.proc.send_signal(signal.SIGTERM)
+        _out, err = owner.proc.communicate(timeout=15)
+        lines = [line for line in err.splitlines() if str(layer.digest) in line and "fill" in line]
+        assert lines, err
+        full = [line for line in err.splitlines() if "space" in line.lower()]
+        assert full and all(f"{cache}/" in line and "no space left" in line for line in full), full
+        assert temp_entries(cache) == []
