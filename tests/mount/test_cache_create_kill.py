@@ -52,7 +52,11 @@ print(count[0])
 
 def _cli_ok(tmp_path: Path, root: Path, *argv: str) -> tuple[bool, str]:
     res = subprocess.run(
-        _cli("cache", *argv, "--cache", str(root)), env=_env(tmp_path), capture_output=True, text=True, timeout=60
+        _cli("cache", *argv, "--cache", str(root)),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     return res.returncode == 0 or "no node cache here" in res.stderr, res.stderr
 
@@ -62,13 +66,18 @@ def test_a_kill_at_any_step_of_cache_creation_leaves_a_cache_readers_accept(tmp_
     no cache yet or accepts the one it finds, never a half-made one it rejects."""
     steps = int(
         subprocess.run(
-            [sys.executable, "-c", _CHILD, str(tmp_path / "whole"), "0"], capture_output=True, text=True, check=True
+            [sys.executable, "-c", _CHILD, str(tmp_path / "whole"), "0"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     )
     assert steps > 5
     for n in range(1, steps + 1):
         root = tmp_path / f"c{n}"
-        killed = subprocess.run([sys.executable, "-c", _CHILD, str(root), str(n)], capture_output=True, text=True)
+        killed = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(root), str(n)], capture_output=True, text=True
+        )
         assert killed.returncode == 9, killed.stderr
         for argv in (("verify",), ("ls",), ("gc", "--dry-run")):
             ok, err = _cli_ok(tmp_path, root, *argv)
