@@ -14,8 +14,13 @@ What a requester controls is only the path of its GET (and its bearer token). Th
 therefore bounded by what the *operator* pinned, never by the request:
 
 - only blobs referenced by a manifest given with ``--fill REF@sha256:…`` (the digests the node
-  pre-warms), and those manifests themselves, can be filled; any other digest is a plain miss
-  (404), so a hostile requester cannot make a peer fetch arbitrary content or fill its disk;
+  pre-warms), and those manifests themselves, can be filled (for a pinned variant index: every
+  entry's manifest, fetched by digest and verified, at most ``MAX_INDEX_ENTRIES``, and its
+  blobs); any other digest is a plain miss (404), so a hostile requester cannot make a peer
+  fetch arbitrary content or fill its disk;
+- each pinned manifest is fetched on its own thread, outside the lock that misses and fills
+  share: a miss waits (at most ``wait_s``) only until the manifest naming its digest loaded, so
+  one pinned manifest stalling at the origin never holds up another model's requesters;
 - the repository a blob is fetched from is the pinned reference's, never the request's name;
 - the origin is asked with the serving node's own credentials (its docker config / environment);
   the requester's ``Authorization`` header is never forwarded;
@@ -39,6 +44,11 @@ of a blob is held back until the fill verified and committed it: a fill that fai
 long, wrong digest, origin error) cuts every response still streaming from it before its last
 byte, so no client ever receives a complete wrong blob from a peer, and it abandons this source
 for its next one at once.
+
+Stopping (``Filler.close``, run when ``CacheServer.serve_forever`` returns: a signal or
+``shutdown``) starts no new fill, stops the running ones at their next read and waits a bounded
+time for them to remove their temp files (removing what is left itself); a new ``Filler`` first
+removes the fill temp files a killed server left (unlocked ``.tmp-modelpack-fill-*``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Real parts: a real child process creates the cache (``NodeCache``) and is killed (``os._exit``)
 at its Nth filesystem change — every directory, file creation and rename in turn — then the
-real CLI inspects what it left. What is checked: at every kill point ``cache verify``,
+CLI (in this process) inspects what it left. What is checked: at every kill point ``cache verify``,
 ``cache ls`` and ``cache gc --dry-run`` either find no cache yet (nothing marked it as one) or
 accept it, and the next run completes it.
 """
@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from tests.mount.test_cache_serve import _cli, _env
+from modelpack.cli import main
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 _CHILD = r"""
 import os, sys
@@ -50,15 +51,10 @@ print(count[0])
 """
 
 
-def _cli_ok(tmp_path: Path, root: Path, *argv: str) -> tuple[bool, str]:
-    res = subprocess.run(
-        _cli("cache", *argv, "--cache", str(root)),
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return res.returncode == 0 or "no node cache here" in res.stderr, res.stderr
+def _reader_ok(root: Path, *argv: str) -> tuple[bool, str]:
+    """Run a reading ``cache`` command in this process: accepted, or no cache there yet."""
+    res = CliRunner().invoke(main, ["cache", *argv, "--cache", str(root)])
+    return res.exit_code == 0 or "no node cache here" in res.output, res.output
 
 
 def test_a_kill_at_any_step_of_cache_creation_leaves_a_cache_readers_accept(tmp_path: Path) -> None:
@@ -80,5 +76,5 @@ def test_a_kill_at_any_step_of_cache_creation_leaves_a_cache_readers_accept(tmp_
         )
         assert killed.returncode == 9, killed.stderr
         for argv in (("verify",), ("ls",), ("gc", "--dry-run")):
-            ok, err = _cli_ok(tmp_path, root, *argv)
+            ok, err = _reader_ok(root, *argv)
             assert ok, (n, argv, err)
