@@ -77,7 +77,7 @@ def in_process(tmp_path: Path) -> Iterator[Any]:
 
     def start(*pinned: str, **fill: Any) -> CacheServer:
         cache = tmp_path / f"owner-{len(started)}"
-        Store(str(cache))
+        Store(str(cache))  # an empty cache, or the one already there
         server = CacheServer(
             str(cache), ServeSettings(port=0), FillSettings(references=pinned, plain_http=True, **fill)
         )
@@ -297,3 +297,31 @@ def test_a_full_disk_during_a_fill_is_logged_naming_the_path_and_leaves_no_temp_
         full = [line for line in err.splitlines() if "space" in line.lower()]
         assert full and all(f"{cache}/" in line and "no space left" in line for line in full), full
         assert temp_entries(cache) == []
+
+
+def test_a_restarted_server_removes_the_temp_files_of_fills_a_killed_one_left(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, in_process: Any
+) -> None:
+    """A ``kill -9`` mid-fill leaves its temp file (no cleanup runs); the next server over the
+    cache removes it at start, and keeps a fill temp file whose writer still holds its lock
+    (another live server's)."""
+    import fcntl
+    import os
+
+    from modelpack.files import TEMP_PREFIX
+
+    digest, _manifest = _push(registry, checkpoint, "fill/restart")
+    ingest = tmp_path / "owner-0" / "ingest"
+    Store(str(tmp_path / "owner-0"))
+    dead = ingest / f"{TEMP_PREFIX}fill-0123456789abcdef-4242-deadbeef"
+    live = ingest / f"{TEMP_PREFIX}fill-fedcba9876543210-4343-0badf00d"
+    dead.write_bytes(b"x" * 1024)
+    live.write_bytes(b"y" * 1024)
+    fd = os.open(live, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        in_process(f"{registry.host}/fill/restart@{digest}")
+        assert not dead.exists()
+        assert live.exists()
+    finally:
+        os.close(fd)
