@@ -157,19 +157,29 @@ class GCPlan:
 
 def plan_removals(scan: CacheScan, eviction: Plan, pulling: set[str], leftovers: list[Removal]) -> GCPlan:
     """What goes besides the victims, from the scan: index entries a dead pull left (not ready,
-    not being pulled, not pinned), kept referrers whose model stays nowhere (no snapshot that
-    stays, no pin, no pull, no fill), and every blob that neither a snapshot that stays, a
-    pull, nor an ``index.json`` entry that stays needs. Linear in the scan."""
+    not being pulled, not pinned, not an entry of a kept index), kept referrers whose model
+    stays nowhere (no snapshot that stays, no pin, no pull, no fill), and every blob that
+    neither a snapshot that stays, a pull, nor an ``index.json`` entry that stays needs.
+    Linear in the scan."""
     victims = {s.digest for s in eviction.victims}
     ready = scan.ready
     manifests: list[Removal] = []
     kept_models = (ready - victims) | pulling
+    work = [
+        m
+        for m in scan.manifest_blobs
+        if m not in scan.subjects
+        and m not in victims
+        and (m in ready or m in pulling or m in scan.pinned_manifests)
+    ]
+    kept_models.update(work)
+    while work:  # a kept index (a ``--fill`` pin of a variant index) keeps its entries' manifests
+        for n in scan.manifest_blobs[work.pop()]:
+            if n in scan.manifest_blobs and n not in kept_models and n not in scan.subjects:
+                kept_models.add(n)
+                work.append(n)
     for m in scan.manifest_blobs:
-        if m in scan.subjects or m in victims:
-            continue
-        if m in ready or m in pulling or m in scan.pinned_manifests:
-            kept_models.add(m)
-        else:
+        if m not in scan.subjects and m not in victims and m not in kept_models:
             manifests.append(Removal("leftover", m, 0, "a manifest a pull stored but never made ready"))
     for d, (path, size) in scan.unmarked_dirs.items():
         if d not in pulling:

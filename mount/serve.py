@@ -473,7 +473,10 @@ class CacheServer:
         try:
             self._server.serve_forever(poll_interval=0.2)
         finally:
+            self._server.closing.set()
             self._server.server_close()
+            if self.filler is not None:  # running fills stop and take their temp files with them
+                self.filler.close()
 
     def shutdown(self) -> None:
         self._server.closing.set()

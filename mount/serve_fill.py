@@ -14,8 +14,13 @@ What a requester controls is only the path of its GET (and its bearer token). Th
 therefore bounded by what the *operator* pinned, never by the request:
 
 - only blobs referenced by a manifest given with ``--fill REF@sha256:…`` (the digests the node
-  pre-warms), and those manifests themselves, can be filled; any other digest is a plain miss
-  (404), so a hostile requester cannot make a peer fetch arbitrary content or fill its disk;
+  pre-warms), and those manifests themselves, can be filled (for a pinned variant index: every
+  entry's manifest, fetched by digest and verified, at most ``MAX_INDEX_ENTRIES``, and its
+  blobs); any other digest is a plain miss (404), so a hostile requester cannot make a peer
+  fetch arbitrary content or fill its disk;
+- each pinned manifest is fetched on its own thread, outside the lock that misses and fills
+  share: a miss waits (at most ``wait_s``) only until the manifest naming its digest loaded, so
+  one pinned manifest stalling at the origin never holds up another model's requesters;
 - the repository a blob is fetched from is the pinned reference's, never the request's name;
 - the origin is asked with the serving node's own credentials (its docker config / environment);
   the requester's ``Authorization`` header is never forwarded;
@@ -39,6 +44,11 @@ of a blob is held back until the fill verified and committed it: a fill that fai
 long, wrong digest, origin error) cuts every response still streaming from it before its last
 byte, so no client ever receives a complete wrong blob from a peer, and it abandons this source
 for its next one at once.
+
+Stopping (``Filler.close``, run when ``CacheServer.serve_forever`` returns: a signal or
+``shutdown``) starts no new fill, stops the running ones at their next read and waits a bounded
+time for them to remove their temp files (removing what is left itself); a new ``Filler`` first
+removes the fill temp files a killed server left (unlocked ``.tmp-modelpack-fill-*``).
 """
 
 from __future__ import annotations
@@ -50,12 +60,14 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from modelpack.mount.locks import is_locked
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.refs import Pins
 from modelpack.mount.store import FULL_CACHE_HINT, LockedTemp, Store
 
-from modelpack.errors import CacheServeError, ModelpackError
-from modelpack.oci.descriptor import Descriptor, Manifest
+from modelpack.errors import CacheServeError, ModelpackError, TransferCancelled
+from modelpack.files import TEMP_PREFIX, write_error
+from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import Closable, ReadableTarget
@@ -65,11 +77,15 @@ from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_v
 log = logging.getLogger("modelpack.mount.serve")
 
 _CHUNK = 1024 * 1024
+#: a fill's temp file in ``ingest/``: TEMP_PREFIX + this + …
+_FILL_TAG = "fill-"
 #: a fill reads the origin in pieces this small so its readers follow closely (a read blocks
 #: until the whole piece arrived: 1 MiB on a slow link would hold the first byte back seconds)
 _FILL_CHUNK = 256 * 1024
 #: pinned manifests a server fills for, at most
 MAX_PINNED = 64
+#: entries of one pinned variant index that are filled, at most
+MAX_INDEX_ENTRIES = 64
 #: the index.json annotation naming the ``--fill`` reference a manifest is kept for
 FILL_ANNOTATION = "io.modelpack.cache.fill"
 #: the origin's retry budget and per-read timeout for a fill (a requester is waiting)
@@ -92,11 +108,21 @@ class FillSettings:
 
 @dataclass
 class _Pinned:
+    """A ``--fill`` reference: once loaded, the manifests it names (itself; for a variant index
+    also every entry's manifest) by digest, with their media types, and every blob they name."""
+
     target: ReadableTarget
     digest: str
     reference: str
-    raw: bytes = b""
+    docs: dict[str, tuple[bytes, str]] = field(default_factory=dict)
     blobs: dict[str, Descriptor] = field(default_factory=dict)
+    total: int = 0  # bytes of every manifest and blob it names
+    loading: bool = False
+    load_again_at: float = 0.0  # after a failed load: not before this (monotonic)
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self.docs)
 
 
 @dataclass
@@ -131,6 +157,7 @@ class Fill:
         self.written = 0
         self.state = RUNNING
         self._fd: int | None = None  # read-only fd on the temp file while the fill runs
+        self.temp_path: str | None = None  # the temp file, once opened
 
     def sendable(self) -> int:
         if self.state == DONE:
@@ -201,67 +228,126 @@ class Filler:
                 timeout=min(settings.options.timeout or ORIGIN_TIMEOUT_S, ORIGIN_TIMEOUT_S),
             )
             self._pinned.append(_Pinned(_origin_target(text, opts.bound_to(ref)), str(ref.digest), str(ref)))
-        self._lock = threading.Lock()
-        self._loaded = False
-        self._load_again_at = 0.0  # after a failed manifest fetch: not before this (monotonic)
+        self._lock = threading.Lock()  # state only: never held across network or disk I/O
+        self._loads = threading.Condition(self._lock)  # notified when a pinned manifest loads
         self._inflight: dict[str, Fill] = {}
         self._failed_until: dict[str, float] = {}
         self._slots = threading.BoundedSemaphore(settings.concurrency)
+        self._closing = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._sweep_dead_temps()
 
     # ------------------------------------------------------------------ what may be filled
-    def _load(self) -> None:
-        """Fetch each pinned manifest by digest (verified by the target) once, on first need."""
-        with self._lock:
-            if self._loaded or time.monotonic() < self._load_again_at:
-                return  # a flood of misses while the origin is down costs one fetch per interval
-            total = 0
-            for pin in self._pinned:
-                if pin.raw:
-                    continue
-                try:
-                    raw, media_type = pin.target.fetch_manifest(pin.digest)
-                    manifest = Manifest.parse(raw, media_type=media_type)
-                except ModelpackError as exc:
-                    log.warning("fill: cannot read pinned manifest %s: %s", pin.digest, exc)
-                    continue
-                if Digest.from_bytes(raw) != pin.digest:  # the target verifies; say it here too
-                    log.warning("fill: origin's manifest for %s has another digest", pin.digest)
-                    continue
-                pin.raw = raw
-                pin.blobs = {str(d.digest): d for d in (manifest.config, *manifest.layers)}
-                self._record(pin, media_type)
-                total += manifest.total_size + len(raw)
-            self._loaded = all(pin.raw for pin in self._pinned)
-            if not self._loaded:
-                self._load_again_at = time.monotonic() + self.settings.retry_after_s
-            if self.settings.quota is None and self._loaded:
-                self._quota = 2 * total
-
-    def _record(self, pin: _Pinned, media_type: str) -> None:
-        """Pin the manifest and enter it in ``index.json`` (``FILL_ANNOTATION``: the reference):
-        GC keeps what a node fills for its peers while the pin stands, and frees it after
-        ``cache unpin`` or ``cache rm --force`` of that reference. A record that cannot be written
-        (a full disk) leaves the fill working; GC then may take its blobs, the peers refill."""
+    def _load_pin(self, pin: _Pinned) -> None:
+        """Fetch ``pin``'s manifest by digest (and, for a variant index, every entry's manifest
+        by digest), verified, outside every lock: a pinned manifest that stalls at the origin
+        holds up only the requesters of its own blobs."""
         try:
-            self.store.add_manifest(pin.raw, media_type, annotations={FILL_ANNOTATION: pin.reference})
-            Pins(self.store.root, self.store.owner).add(pin.digest, pin.reference)
-        except (ModelpackError, OSError) as exc:
-            log.warning("fill: cannot record pinned manifest %s: %s", pin.digest, exc)
+            docs, blobs = self._fetch_pinned(pin)
+        except Exception as exc:  # any failure: logged, tried again after retry_after_s
+            log.warning("fill: cannot read pinned manifest %s: %s", pin.digest, exc)
+            with self._loads:
+                pin.loading = False
+                pin.load_again_at = time.monotonic() + self.settings.retry_after_s
+                self._loads.notify_all()
+            return
+        for digest, (raw, media_type) in docs.items():
+            self._record(pin, digest, raw, media_type)
+        with self._loads:
+            pin.docs, pin.blobs = docs, blobs
+            pin.total = sum(d.size for d in blobs.values()) + sum(len(raw) for raw, _ in docs.values())
+            pin.loading = False
+            self._loads.notify_all()
 
-    _quota: int | None = None
+    def _fetch_pinned(self, pin: _Pinned) -> tuple[dict[str, tuple[bytes, str]], dict[str, Descriptor]]:
+        raw, media_type = pin.target.fetch_manifest(pin.digest)
+        if Digest.from_bytes(raw) != pin.digest:  # the target verifies; say it here too
+            raise CacheServeError(f"the origin's manifest for {pin.digest} has another digest")
+        docs = {pin.digest: (raw, media_type)}
+        parsed = parse_manifest_or_index(raw, media_type)
+        manifests: list[Manifest] = []
+        if isinstance(parsed, Index):  # a variant index: every entry (peers of any platform)
+            if len(parsed.manifests) > MAX_INDEX_ENTRIES:
+                raise CacheServeError(f"{pin.digest}: more than {MAX_INDEX_ENTRIES} entries")
+            for entry in parsed.manifests:
+                entry_raw, entry_type = pin.target.fetch_manifest(str(entry.digest))
+                if Digest.from_bytes(entry_raw) != entry.digest:
+                    raise CacheServeError(f"the origin's manifest for {entry.digest} has another digest")
+                entry_doc = parse_manifest_or_index(entry_raw, entry_type or entry.media_type)
+                if isinstance(entry_doc, Index):
+                    raise CacheServeError(f"{pin.digest}: entry {entry.digest} is itself an index")
+                docs[str(entry.digest)] = (entry_raw, entry_type or entry.media_type)
+                manifests.append(entry_doc)
+        else:
+            manifests.append(parsed)
+        blobs = {str(d.digest): d for m in manifests for d in (m.config, *m.layers)}
+        return docs, blobs
+
+    def _record(self, pin: _Pinned, digest: str, raw: bytes, media_type: str) -> None:
+        """Commit a pinned manifest (or an entry of a pinned index) and enter it in
+        ``index.json`` (``FILL_ANNOTATION``: the reference); the pinned digest is also pinned:
+        GC keeps what a node fills for its peers while the pin stands (an index keeps its
+        entries), and frees it after ``cache unpin`` or ``cache rm --force`` of that reference.
+        A record that cannot be written (a full disk) leaves the fill working; GC then may
+        take its blobs, the peers refill."""
+        try:
+            try:
+                self.store.add_manifest(raw, media_type, annotations={FILL_ANNOTATION: pin.reference})
+            except OSError as exc:  # the blob's own commit names its path; index.json's did not
+                raise write_error(self.store.index_path, exc) from exc
+            if digest == pin.digest:
+                pins = Pins(self.store.root, self.store.owner)
+                try:
+                    pins.add(pin.digest, pin.reference)
+                except OSError as exc:
+                    raise write_error(pins.path(pin.digest), exc) from exc
+        except ModelpackError as exc:
+            log.warning(
+                "fill: cannot record pinned manifest %s (fills go on; cache gc may take them): %s",
+                digest,
+                exc,
+            )
 
     @property
     def quota(self) -> int | None:
-        return self.settings.quota if self.settings.quota is not None else self._quota
+        """Bytes fills may take from the origin over the process's life: ``--fill-quota``, else
+        twice what the pinned manifests loaded so far name (None before any has loaded)."""
+        if self.settings.quota is not None:
+            return self.settings.quota
+        loaded = [pin.total for pin in self._pinned if pin.loaded]
+        return 2 * sum(loaded) if loaded else None
 
-    def _lookup(self, digest: str) -> tuple[_Pinned, Descriptor | None] | None:
-        self._load()
+    def _find(self, digest: str) -> tuple[_Pinned, Descriptor] | None:
         for pin in self._pinned:
-            if pin.digest == digest and pin.raw:
-                return pin, None
+            if digest in pin.docs:
+                raw, media_type = pin.docs[digest]
+                return pin, Descriptor(media_type, Digest(digest), len(raw))
             if digest in pin.blobs:
                 return pin, pin.blobs[digest]
         return None
+
+    def _lookup(self, digest: str, deadline: float) -> tuple[_Pinned, Descriptor] | str:
+        """The pin that names ``digest`` and its descriptor; MISS when no loaded pin names it and
+        none is loading, BUSY when pins still load at ``deadline``. Loads start here (one at a
+        time per pin, each on its own thread) and a lookup waits only until its digest is found:
+        a pin that stalls never holds up the others' requesters."""
+        with self._loads:
+            while True:
+                found = self._find(digest)
+                if found is not None:
+                    return found
+                now = time.monotonic()
+                for pin in self._pinned:
+                    if not pin.loaded and not pin.loading and now >= pin.load_again_at:
+                        pin.loading = True
+                        threading.Thread(
+                            target=self._load_pin, args=(pin,), name="modelpack-fill-load", daemon=True
+                        ).start()
+                if not any(pin.loading for pin in self._pinned):
+                    return MISS
+                if now >= deadline or self._closing.is_set():
+                    return BUSY
+                self._loads.wait(min(deadline - now, _WAKE_S))
 
     # ------------------------------------------------------------------ filling
     def fill(self, hex_digest: str) -> str:
@@ -281,13 +367,16 @@ class Filler:
         stream from; MISS when it may not be filled (or failed just now), BUSY when no fill slot
         freed up within ``wait_s`` or the quota is spent."""
         digest = "sha256:" + hex_digest
-        found = self._lookup(digest)
-        if found is None:
-            with self._lock:
-                self.stats.refused += 1
-            return MISS
-        pin, desc = found
         deadline = time.monotonic() + self.settings.wait_s
+        found = self._lookup(digest, deadline)
+        if isinstance(found, str):
+            with self._lock:
+                if found == MISS:
+                    self.stats.refused += 1
+                else:
+                    self.stats.busy += 1
+            return found
+        pin, desc = found
         with self._lock:
             if self._failed_until.get(digest, 0.0) > time.monotonic():
                 return MISS
@@ -296,7 +385,7 @@ class Filler:
             fill = self._start(digest, pin, desc, deadline)
         return BUSY if fill is None else fill
 
-    def _start(self, digest: str, pin: _Pinned, desc: Descriptor | None, deadline: float) -> Fill | None:
+    def _start(self, digest: str, pin: _Pinned, desc: Descriptor, deadline: float) -> Fill | None:
         """The fill of ``digest`` (started here, or by whoever started it while this requester
         waited for a free slot), or None when no slot freed up before ``deadline`` or the quota
         is spent (BUSY: the requester asks its next source)."""
@@ -309,7 +398,10 @@ class Filler:
             if fill is not None:  # another requester started it while this one queued
                 self._slots.release()
                 return fill
-            size = desc.size if desc is not None else len(pin.raw)
+            if self._closing.is_set():  # shutting down: no new fill (and no new temp file)
+                self._slots.release()
+                return None
+            size = desc.size
             quota = self.quota
             if quota is not None and self.stats.origin_bytes + size > quota:
                 self._slots.release()
@@ -318,16 +410,19 @@ class Filler:
                 return None
             fill = Fill(digest, size)
             self._inflight[digest] = fill
-        threading.Thread(target=self._run, args=(pin, desc, fill), name="modelpack-fill", daemon=True).start()
+            thread = threading.Thread(
+                target=self._run, args=(pin, desc, fill), name="modelpack-fill", daemon=True
+            )
+            self._threads.add(thread)
+        thread.start()
         return fill
 
-    def _run(self, pin: _Pinned, desc: Descriptor | None, fill: Fill) -> None:
+    def _run(self, pin: _Pinned, desc: Descriptor, fill: Fill) -> None:
         state = FAILED
         try:
-            if desc is None:
-                self.store.put_bytes(
-                    Descriptor("application/octet-stream", Digest(fill.digest), len(pin.raw)), pin.raw
-                )
+            if desc.digest in pin.docs:
+                raw, _ = pin.docs[str(desc.digest)]
+                self.store.put_bytes(Descriptor("application/octet-stream", desc.digest, len(raw)), raw)
             elif not self.store.has(desc):
                 self._fetch(pin.target, desc, fill)
             with self._lock:
@@ -342,6 +437,7 @@ class Filler:
         finally:
             with self._lock:
                 self._inflight.pop(fill.digest, None)
+                self._threads.discard(threading.current_thread())
             self._slots.release()
             fill._end(state)
 
@@ -354,6 +450,8 @@ class Filler:
 
         def wrote(n: int) -> None:  # unbuffered writes: what ``_landed`` announces is in the file
             nonlocal landed
+            if self._closing.is_set():  # shutdown: the writer removes its temp file on the way out
+                raise TransferCancelled(f"fill of {desc.digest} stopped: the server is shutting down")
             landed += n
             with self._lock:
                 self.stats.origin_bytes += n
@@ -377,7 +475,34 @@ class Filler:
             time.monotonic() - start,
         )
 
-    def close(self) -> None:
+    def _sweep_dead_temps(self) -> None:
+        """Remove the temp files of fills a killed server left in ``ingest/`` (a fill is never
+        resumed; a temp file whose writer still holds its lock is another server's, kept)."""
+        prefix = TEMP_PREFIX + _FILL_TAG
+        with contextlib.suppress(OSError):
+            for entry in list(os.scandir(self.store.ingest_dir)):
+                if entry.name.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                    if not is_locked(entry.path):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+                            log.info("fill: removed %s, left by a stopped fill", entry.path)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: no new fill starts, running fills stop at their next read (a signal's
+        ``stopping.request_stop`` ends a blocked one at once) and remove their temp files; waits
+        at most ``timeout`` seconds for them, then removes what is left of theirs itself."""
+        self._closing.set()
+        with self._loads:
+            self._loads.notify_all()
+            threads = list(self._threads)
+            fills = list(self._inflight.values())
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for fill in fills:
+            if fill.temp_path is not None and fill.state == RUNNING:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(fill.temp_path)
         for pin in self._pinned:
             if isinstance(pin.target, Closable):
                 with contextlib.suppress(Exception):
@@ -394,7 +519,8 @@ class _FillSlot:
         self.fill = fill
 
     def open(self) -> Partial:
-        partial = LockedTemp(self.store.ingest_dir, self.digest, tag="fill-").open()
+        partial = LockedTemp(self.store.ingest_dir, self.digest, tag=_FILL_TAG).open()
+        self.fill.temp_path = partial.path
         try:
             self.fill._opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except BaseException:

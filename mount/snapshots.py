@@ -43,7 +43,7 @@ from modelpack.mount.modes import (
 )
 from modelpack.mount.removals import Removal
 from modelpack.mount.snapshot_files import SnapshotFile, materialise
-from modelpack.mount.store import Store
+from modelpack.mount.store import SNAPSHOTS_DIR, Store
 from modelpack.mount.treewalk import make_read_only
 from modelpack.mount.treewalk import remove_tree as _remove_tree
 
@@ -90,7 +90,7 @@ class SnapshotInfo:
 class Snapshots:
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.dir = os.path.join(store.root, "snapshots")
+        self.dir = os.path.join(store.root, SNAPSHOTS_DIR)
         if store.writable:
             ensure_dir(self.dir, DIR_MODE, store.owner)
 

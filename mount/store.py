@@ -67,6 +67,18 @@ PARTIAL_TTL_S = 86400.0
 QUARANTINE_TTL_S = 7 * 86400.0
 #: what a person does about a full disk under the cache
 FULL_CACHE_HINT = "free space or run 'modelpack cache gc'"
+#: published snapshots (``mount.snapshots``)
+SNAPSHOTS_DIR = "snapshots"
+#: the directories of the other parts of a node cache that its readers list (snapshots, refs and
+#: pins, running pulls' leases, variant index records: ``mount.cache``), created with the store
+#: before its ``oci-layout`` so that a cache a reader finds has every one of them
+READER_DIRS = (
+    (SNAPSHOTS_DIR, DIR_MODE),
+    ("refs", DIR_MODE),
+    ("pins", DIR_MODE),
+    ("leases", PRIVATE_DIR_MODE),
+    ("indexes", DIR_MODE),
+)
 
 
 class Store:
@@ -109,20 +121,25 @@ class Store:
         return os.path.isfile(os.path.join(self.root, "oci-layout"))
 
     def _create_layout(self) -> None:
+        """Create what is missing, ``oci-layout`` last: that file is what makes a directory a
+        cache to its readers (``create=False``), so a process killed while it first creates
+        one leaves either no cache yet or one with every part a reader lists (the directories
+        below and ``READER_DIRS``), never a half-made cache that ``cache verify`` rejects."""
         ensure_dir(os.path.join(self.root, "blobs"), DIR_MODE, self.owner)
         for path, mode in (
             (self.blobs_dir, DIR_MODE),
             (self.ingest_dir, PRIVATE_DIR_MODE),
             (self.locks_dir, PRIVATE_DIR_MODE),
+            *((os.path.join(self.root, name), dir_mode) for name, dir_mode in READER_DIRS),
         ):
             ensure_dir(path, mode, self.owner)
-        layout = os.path.join(self.root, "oci-layout")
-        if read_trusted(layout, self.owner, len(LAYOUT_FILE)) != LAYOUT_FILE:
-            atomic_write_bytes(layout, LAYOUT_FILE, mode=FILE_MODE)
         if read_trusted(self.index_path, self.owner, MAX_INDEX_BYTES) is None:
             self._write_index(_empty_index())
         # OCILayoutTarget would create it 0644 (lockable by anyone who can read the cache)
         os.close(open_private(self.index_lock_path, os.O_RDWR, self.owner))
+        layout = os.path.join(self.root, "oci-layout")
+        if read_trusted(layout, self.owner, len(LAYOUT_FILE)) != LAYOUT_FILE:
+            atomic_write_bytes(layout, LAYOUT_FILE, mode=FILE_MODE)
 
     # ------------------------------------------------------------------ paths
     def blob_path(self, digest: str) -> str:

@@ -43,6 +43,7 @@ SLOW_MODULES = {
     # a 2 GiB model per subprocess; a process killed at every filesystem mutation
     "loader/test_loader_memory.py",
     "mount/test_cache_repair_kill.py",
+    "mount/test_cache_create_kill.py",
     # measured at 15-50 s a test on 2 cores: CI jobs run as written, endless catalogs and tag
     # lists cut at their bounds, twenty racing pulls into one directory, a second uid's attacks
     # on a shared cache (about 3 minutes for the module)

@@ -226,3 +226,40 @@ def test_blobs_a_node_filled_for_its_peers_stay_until_the_fill_pin_is_released(
     real = json.loads(run(tmp_path, "cache", "gc", "--cache", str(owner_cache), "--json").stdout)
     assert dry["plan"] == real["plan"] and real["blobsRemoved"] == len(filled) + 1  # and the manifest
     assert not any(store.has(d) for d in filled)
+
+
+def test_an_index_a_node_fills_for_its_peers_keeps_every_entry_until_unpinned(
+    registry: Any,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+) -> None:
+    """``cache serve --fill REF@<index>`` keeps the index, every entry's manifest and every
+    entry's blobs through a plain ``cache gc`` (the index pin keeps its entries); after
+    ``cache unpin`` the dry run and the real run free the same: all of it."""
+    from modelpack.mount.store import Store
+
+    from tests.mount.test_cache_fill_faults import variant_index
+    from tests.mount.test_cache_serve import _request
+
+    index, entries = variant_index(registry, tmp_path, "fill/kept-index")
+    pinned = f"{registry.host}/fill/kept-index@{index}"
+    owner_cache = tmp_path / "owner"
+    Store(str(owner_cache))
+    owner = serve(owner_cache, "--fill", pinned)
+    blobs = [d for m in entries.values() for d in (m.config, *m.layers)]
+    for d in blobs:
+        assert _request(owner, "GET", f"/v2/any/name/blobs/{d.digest}")[0] == 200
+    store = NodeCache(str(owner_cache)).store
+    kept = {*entries, index, *(str(d.digest) for d in blobs)}
+    assert all(os.path.exists(store.blob_path(d)) for d in kept)
+
+    gc = run(tmp_path, "cache", "gc", "--cache", str(owner_cache), "--min-age", "0s", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert json.loads(gc.stdout)["blobsRemoved"] == 0
+    assert all(os.path.exists(store.blob_path(d)) for d in kept)
+
+    assert run(tmp_path, "cache", "unpin", pinned, "--cache", str(owner_cache)).returncode == 0
+    dry = json.loads(run(tmp_path, "cache", "gc", "--cache", str(owner_cache), "--dry-run", "--json").stdout)
+    real = json.loads(run(tmp_path, "cache", "gc", "--cache", str(owner_cache), "--json").stdout)
+    assert dry["plan"] == real["plan"] and real["blobsRemoved"] == len(kept)
+    assert not any(os.path.exists(store.blob_path(d)) for d in kept)

@@ -24,6 +24,7 @@ from modelpack.oci.descriptor import Manifest
 from modelpack.targets.fetch import fetch_manifest
 from modelpack.targets.opener import open_readable
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.registry import RegistryServer
 from tests.mount.test_cache_serve import (
     _cli,
@@ -154,13 +155,20 @@ def test_an_origin_serving_wrong_bytes_commits_nothing_and_is_not_asked_again_at
     with open(data_path, "r+b") as f:  # same length, other bytes: only the digest can tell
         f.write(b"\0" * min(size, 4096))
     cache = _empty_cache(tmp_path, "owner")
-    owner = serve(cache, "--fill", f"{origin.host}/fill/lying@{digest}")
+    # a link slow enough that the fill is still running when its requester starts to stream (at
+    # loopback speed the wrong blob could be fetched and refused before the request handler
+    # followed the fill: a plain 404 then, and this test failed 2 runs in 5)
+    link = FaultProxy(origin.host, rate=1024 * 1024)
+    owner = serve(cache, "--fill", f"{link.host}/fill/lying@{digest}")
     mark = origin.log_mark()
 
     # the fill streams to its requester as the bytes land; failing the digest, it cuts the
     # response before its last byte (the requester never holds a complete wrong blob)
-    with pytest.raises(http.client.IncompleteRead) as cut:
-        _request(owner, "GET", f"/v2/fill/lying/blobs/{layer.digest}")
+    try:
+        with pytest.raises(http.client.IncompleteRead) as cut:
+            _request(owner, "GET", f"/v2/fill/lying/blobs/{layer.digest}")
+    finally:
+        link.close()
     assert len(cut.value.partial) < size
     assert not (cache / "blobs" / "sha256" / layer.digest.hex).exists()
     assert [p.name for p in (cache / "ingest").iterdir()] == []  # no temp file left behind
