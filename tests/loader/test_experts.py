@@ -280,3 +280,38 @@ def test_dense_tensors_stay_as_before_when_ep_is_off(moe: dict[str, Path]) -> No
     assert rules["model.layers.0.mlp.experts.3.gate_proj.weight"] is ShardRule.DIM0
     assert rules["model.layers.0.mlp.experts.3.down_proj.weight"] is ShardRule.DIM1
     assert ShardRule.EXPERT not in rules.values()
+
+
+def test_placements_follow_vllm_and_group_ranks_must_agree_on_them() -> None:
+    """Linear placement gives the first E % EP ranks one more expert (vLLM's determine_expert_map);
+    round-robin strides; the plan digest the ranks of a group compare differs when their EP
+    layouts do; in a group EP rank r must be TP rank r % tp_size."""
+    from modelpack.loader.experts import ExpertLayout, experts_of
+    from modelpack.loader.plan import ReadPlan, group_position
+
+    owners = ExpertLayout(4, 0).owners(6)
+    assert [experts_of(owners, r) for r in range(4)] == [(0, 1), (2, 3), (4,), (5,)]
+    owners = ExpertLayout(4, 0, "round_robin").owners(6)
+    assert [experts_of(owners, r) for r in range(4)] == [(0, 4), (1, 5), (2,), (3,)]
+    assert group_position(2, 1, 1, 0, True) == (2, 1)
+    assert group_position(2, 1, 4, 3, True) == (4, 3)
+    with pytest.raises(PlanError, match="EP rank 2 is TP rank 1"):
+        group_position(2, 1, 4, 2, True)
+    assert group_position(2, 1, 4, 2, False) == (4, 2)  # standalone ranks may pair them freely
+    from modelpack.packing.safetensors_format import build_header, parse_header_bytes
+
+    prefix, _ = build_header(
+        [
+            ("layers.0.mlp.experts.gate_up_proj", "BF16", (4, 8, 8), 512),
+            ("layers.0.mlp.gate.weight", "BF16", (4, 8), 64),
+        ]
+    )
+    hdr = parse_header_bytes("m.safetensors", prefix[:8], prefix[8:], len(prefix) + 576)
+    plans = [
+        ReadPlan.build({"m.safetensors": hdr}, experts=ExpertLayout(2, r, m))
+        for m in ("linear", "round_robin")
+        for r in (0, 1)
+    ]
+    assert plans[0].rules_digest == plans[1].rules_digest != plans[2].rules_digest == plans[3].rules_digest
+    assert [p.experts for p in plans] == [(0, 1), (2, 3), (0, 2), (1, 3)]
+    assert plans[2].tensors[0].span.rows == 2 and plans[2].tensors[0].shape == (2, 8, 8)
