@@ -30,7 +30,7 @@ def bytes_by_split(
     out["header"] = {"read": 0}
     other = 0
     for rel, fp in plan.files.items():
-        kind_of = {t.name: t.rule.value for t in fp.tensors}
+        kind_of = {**fp.kinds, **{t.name: t.rule.value for t in fp.tensors}}
         for t in fp.tensors:
             out[t.rule.value]["planned"] += t.nbytes
         hdr = fp.header

@@ -267,6 +267,8 @@ class LoadEngine:
             "digest": self.src.digest,
             "tp_size": self.plan.tp_size,
             "tp_rank": self.plan.tp_rank,
+            "ep_size": self.plan.ep_size,
+            "ep_rank": self.plan.ep_rank,
             "device": str(self.device),
         }
 
@@ -293,6 +295,8 @@ class LoadEngine:
             stage="t4",
             **fields,
             bytes=self.stats.bytes_read,
+            bytes_to_read=self.plan.bytes_to_read,
+            model_bytes=self.plan.total_bytes,
             bytes_received=self.stats.bytes_received,
             bytes_by_split=self.stats.bytes_by_split,
             verification=self.stats.verification,

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import torch
 from modelpack.loader.dtypes import torch_dtype
 from modelpack.loader.engine import LoadEngine
-from modelpack.loader.plan import FilePlan, ReadPlan, ShardRule, TensorRead, shard_bounds
+from modelpack.loader.plan import FilePlan, ReadPlan, TensorRead
 from modelpack.loader.readers import FileReader
 from modelpack.loader.trusted import read_trusted_direct
 
@@ -64,11 +64,11 @@ def tensor_view(
     if begin % es:
         return None
     whole = base[begin : begin + nbytes].view(dt).view(t.full_shape)
-    if full or t.rule is ShardRule.REPLICATE or not t.sharded:
+    if full or t.part is None or not t.sharded:
         return whole
-    dim = 0 if t.rule is ShardRule.DIM0 else 1
-    b, e = shard_bounds(t.full_shape[dim], plan.tp_size, plan.tp_rank, uneven=plan.uneven, what=t.name)
-    return whole.narrow(dim, b, e - b)
+    if t.part[3] != 1:
+        return None  # every step-th expert of a stacked tensor: not one view, read it instead
+    return t.select(whole)
 
 
 def read_mapped(load: LoadEngine, reader: FileReader, fp: FilePlan) -> Iterator[int]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import torch
 from modelpack.loader.dtypes import torch_dtype
 from modelpack.loader.engine import LoadEngine
+from modelpack.loader.experts import ExpertLayout
 from modelpack.loader.fingerprint import (
     Fingerprint,
     check_fingerprint,
@@ -27,7 +28,7 @@ from modelpack.loader.fingerprint import (
 )
 from modelpack.loader.headers import ChunkFetcher, VerifiedChunks, read_header
 from modelpack.loader.options import LoaderOptions, LoadStats
-from modelpack.loader.plan import ReadPlan, RulesLike
+from modelpack.loader.plan import ReadPlan, RulesLike, group_position
 from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.request import EventsLike, LoadFields, LoadRequest
@@ -37,7 +38,7 @@ from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
 from modelpack.mediatypes.variants import LAYOUT_CANONICAL, LAYOUT_SHARDED_STATE
 
-from modelpack.errors import LoaderError, SizeMismatchError
+from modelpack.errors import LoaderError, PlanError, SizeMismatchError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.packing.safetensors_format import SafetensorsHeader
 from modelpack.settings import resolve_start_id
@@ -95,14 +96,26 @@ def prepare(
     allow_unverified: bool = False,
     options: LoaderOptions | None = None,
     layout: str = LAYOUT_CANONICAL,
+    experts: ExpertLayout | None = None,
 ) -> PreparedLoad:
     """Resolve the source, read (and verify, where a table exists) the headers, plan this rank.
 
     ``layout="sharded_state"``: only this rank's rank files are kept (``sharded_state.py``), before
     any header is read, and each is planned whole; the ranks read disjoint files, so there are no
-    shared reads (``options.group`` is not used)."""
+    shared reads (``options.group`` is not used).
+
+    ``experts``: the expert-parallel layout; with a group, the group holds the EP ranks in order
+    (group rank = EP rank) and EP rank r is TP rank r % tp_size."""
     opts = options or LoaderOptions()
     check_layout_name(layout)
+    ep = experts or ExpertLayout()
+    ep.check()
+    if ep.ep_size > 1 and layout == LAYOUT_SHARDED_STATE:
+        raise PlanError(
+            f"--ep-size {ep.ep_size}: a sharded_state artifact holds whole per-rank files; expert "
+            "parallelism needs the canonical layout"
+        )
+    group_size, group_rank = group_position(tp_size, tp_rank, ep.ep_size, ep.ep_rank, opts.group is not None)
     if layout == LAYOUT_SHARDED_STATE:
         rules, presets = REPLICATE_ALL, False
         opts = dataclasses.replace(opts, group=None)
@@ -127,7 +140,7 @@ def prepare(
         headers: dict[str, SafetensorsHeader] = {}
         header_bytes: dict[str, bytes] = {}
         if opts.group is not None:
-            check_sources(opts.group, src, tp_size, tp_rank)
+            check_sources(opts.group, src, group_size, group_rank)
         # plan order (the plan sorts files by path): the chunk budget goes to the files read first
         for i, f in enumerate(sorted(src.files, key=lambda f: f.relpath)):
             reader = f.open()
@@ -147,7 +160,20 @@ def prepare(
                 continue
             verify = ChunkFetcher(reader, f, verified) if f.mode == "chunks" else None
             headers[f.relpath], header_bytes[f.relpath] = read_header(reader, name, reader.size, verify)
-        plan = ReadPlan.build(headers, tp_size, tp_rank, rules, presets=presets, uneven=opts.uneven)
+
+        def build(tp_r: int, ep_r: int) -> ReadPlan:
+            return ReadPlan.build(
+                headers,
+                tp_size,
+                tp_r,
+                rules,
+                presets=presets,
+                uneven=opts.uneven,
+                experts=dataclasses.replace(ep, ep_rank=ep_r),
+                config=src.config,
+            )
+
+        plan = build(tp_rank, ep.ep_rank)
         dev = torch.device(device)
         for t in plan.tensors:
             torch_dtype(t.dtype, where=f"{t.file}: tensor {t.name!r}")
@@ -163,10 +189,7 @@ def prepare(
         peers: list[ReadPlan] = []
         if opts.group is not None:
             check_group(opts.group, plan, src)
-            peers = peer_plans(
-                plan,
-                lambda r: ReadPlan.build(headers, tp_size, r, rules, presets=presets, uneven=opts.uneven),
-            )
+            peers = peer_plans(plan, lambda r: build(r % tp_size, r) if ep.ep_size > 1 else build(r, 0))
         return PreparedLoad(src, headers, plan, fp, readers, header_bytes, verified, peers)
     except BaseException:
         verified.clear()
@@ -219,6 +242,7 @@ def iter_tensors(
             allow_unverified=req.allow_unverified,
             options=opts,
             layout=req.layout,
+            experts=req.experts,
         )
     except BaseException as exc:
         log.emit(

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+from modelpack.loader.experts import ExpertLayout, ExpertMapLike, ExpertRulesLike
 from modelpack.loader.fingerprint import FingerprintLike
 from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import ReadPlan, RulesLike
@@ -45,6 +46,13 @@ class LoadRequest:
     tp_rank: int = 0
     rules: RulesLike = None  # shard rules searched in tensor names, before the presets
     presets: bool = True
+    # expert parallelism (experts.py): this rank holds the routed experts the map gives ep_rank,
+    # whole; the rest follows tp_size/tp_rank. With a group, EP rank r must be TP rank r % tp_size.
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_map: ExpertMapLike = "linear"  # "linear" | "round_robin" | one rank per expert
+    expert_rules: ExpertRulesLike = None  # expert rules searched in tensor names, before the presets
+    expert_presets: bool = True
     expected_digest: str | None = None  # the pinned manifest digest
     # the artifact's weight layout: "canonical" (whole tensors, sliced per rank) or "sharded_state"
     # (vLLM's per-rank files: each rank reads its own files whole); any other artifact is refused
@@ -62,6 +70,12 @@ class LoadRequest:
     stats: LoadStats | None = None  # filled in place while the load runs
     out: Mapping[str, torch.Tensor] | None = None  # caller-owned destinations, filled in place
     on_plan: Callable[[ReadPlan], None] | None = None  # called with the plan before any data read
+
+    @property
+    def experts(self) -> ExpertLayout:
+        return ExpertLayout(
+            self.ep_size, self.ep_rank, self.expert_map, self.expert_rules, self.expert_presets
+        )
 
     def replace(self, **changes: Any) -> LoadRequest:
         return dataclasses.replace(self, **changes)
@@ -89,6 +103,11 @@ class LoadFields(TypedDict, total=False):
     tp_rank: int
     rules: RulesLike
     presets: bool
+    ep_size: int
+    ep_rank: int
+    expert_map: ExpertMapLike
+    expert_rules: ExpertRulesLike
+    expert_presets: bool
     expected_digest: str | None
     layout: str
     fingerprint: FingerprintLike | None

@@ -140,7 +140,8 @@ def _agree(group: Any, doc: Any, what: str) -> None:
 
 
 def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -> None:
-    """Before any collective read: the group is exactly the TP ranks, all loading the same files."""
+    """Before any collective read: the group is exactly the TP ranks (with expert parallelism, the
+    EP ranks: ``tp_size``/``tp_rank`` are then the EP size and rank), all loading the same files."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -149,7 +150,8 @@ def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -
     if size != tp_size or rank != tp_rank:
         raise LoaderError(
             f"LoaderOptions.group has {size} ranks and this process is rank {rank}; the load is rank "
-            f"{tp_rank} of --tp-size {tp_size}: the group must hold exactly the TP ranks in order"
+            f"{tp_rank} of --tp-size {tp_size} (or --ep-size, with expert parallelism): the group must "
+            "hold exactly the TP ranks (or EP ranks) in order"
         )
     files = sorted(
         (f.relpath, f.mode, f.chunks.chunk_size if f.mode == "chunks" else 0, f.size) for f in src.files
@@ -160,7 +162,11 @@ def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -
 def check_group(group: Any, plan: ReadPlan, src: ResolvedSource) -> None:
     """After planning: every rank planned with the same rules (so every rank's view of who needs
     which chunk, and so the order of the broadcasts, is the same)."""
-    _agree(group, {"tp": plan.tp_size, "rules": plan.rules_digest, "uneven": plan.uneven}, "a plan")
+    _agree(
+        group,
+        {"tp": plan.tp_size, "ep": plan.ep_size, "rules": plan.rules_digest, "uneven": plan.uneven},
+        "a plan",
+    )
 
 
 def read_header_shared(
@@ -254,7 +260,7 @@ def read_chunked_shared(
     import torch.distributed as dist
 
     group = load.opts.group
-    me = load.plan.tp_rank
+    me = load.plan.group_rank
     table = f.chunks
     layer = str(f.descriptor.digest) if f.descriptor else ""
     cs = table.chunk_size
@@ -355,5 +361,5 @@ def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool,
 
 
 def peer_plans(plan: ReadPlan, build: Any) -> list[ReadPlan]:
-    """Every rank's plan (``build(rank)``), this rank's being ``plan`` itself."""
-    return [plan if r == plan.tp_rank else build(r) for r in range(plan.tp_size)]
+    """Every rank's plan (``build(group rank)``), this rank's being ``plan`` itself."""
+    return [plan if r == plan.group_rank else build(r) for r in range(plan.group_size)]

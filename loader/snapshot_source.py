@@ -90,7 +90,9 @@ def open_snapshot(
     if not files:
         raise SourceError(f"{real}: no .safetensors files")
     hf = read_small(os.path.join(real, "config.json"))
-    return ResolvedSource(real, None, None, files, False, quantization_from_hf_config(hf), "local", [])
+    return ResolvedSource(
+        real, None, None, files, False, quantization_from_hf_config(hf), "local", [], config=hf
+    )
 
 
 def _open_bound_snapshot(
@@ -167,14 +169,15 @@ def _open_bound_snapshot(
                     },
                 )
             )
-        quant = quantization_from_hf_config(_verified_snapshot_config(real, manifest, marker))
+        config = _verified_snapshot_config(real, manifest, marker)
+        quant = quantization_from_hf_config(config)
     except UnsafePathError as exc:
         release()
         raise SourceError(str(exc)) from exc
     except BaseException:
         release()
         raise
-    return ResolvedSource(real, digest, manifest, files, False, quant, "hit", [release], notices)
+    return ResolvedSource(real, digest, manifest, files, False, quant, "hit", [release], notices, config)
 
 
 def _verified_snapshot_config(

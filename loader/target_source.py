@@ -145,6 +145,7 @@ def open_target_source(
             )
         )
     quant = "none"
+    data: bytes | None = None
     cfg = config_json_layer(manifest)
     if cfg is not None:
         with target.fetch_blob(cfg) as f:
@@ -152,7 +153,15 @@ def open_target_source(
         verify_bytes(data, cfg.digest, cfg.size, what="config.json", source=pinned_ref)
         quant = quantization_from_hf_config(data)
     return ResolvedSource(
-        pinned_ref, pinned, manifest, files, local_path is None, quant, "streamed", notices=notices
+        pinned_ref,
+        pinned,
+        manifest,
+        files,
+        local_path is None,
+        quant,
+        "streamed",
+        notices=notices,
+        config=data,
     )
 
 

@@ -70,6 +70,8 @@ class ResolvedSource:
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
     # (event, fields) the load records once it starts: downgrades and re-hashing, with the reason
     notices: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # the model's config.json as verified with the source (expert count, FP8 block size), if any
+    config: bytes | None = None
 
     def close(self) -> None:
         while self._cleanup:

@@ -74,10 +74,39 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
     return (target, str(ref.digest) if ref.digest else ref.tag), target
 
 
+def _expert_map(value: str) -> str | list[int]:
+    """--expert-map: a placement name, or one EP rank per expert (``0,0,1,1``)."""
+    if value in ("linear", "round_robin"):
+        return value
+    try:
+        return [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(
+            f"{value[:80]!r}: use linear, round_robin or a comma-separated rank per expert",
+            param_hint="--expert-map",
+        ) from None
+
+
 @click.command("load")
 @click.argument("source")
 @click.option("--tp-size", type=click.IntRange(1, 1024), default=1, show_default=True)
 @click.option("--tp-rank", type=click.IntRange(0, 1023), default=0, show_default=True)
+@click.option(
+    "--ep-size",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Expert-parallel ranks: this rank reads only its routed experts (whole), the router and "
+    "its --tp-rank share of the rest.",
+)
+@click.option("--ep-rank", type=click.IntRange(0, 1023), default=0, show_default=True)
+@click.option(
+    "--expert-map",
+    default="linear",
+    show_default=True,
+    help="Expert → EP rank: linear (vLLM's default: contiguous runs), round_robin (expert e on "
+    "rank e % --ep-size), or a comma-separated rank per expert.",
+)
 @click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu or cuda:0.")
 @click.option("--expected-digest", help="Pin the manifest digest (required for tag references).")
 @click.option(
@@ -135,6 +164,9 @@ def load_cmd(
     source: str,
     tp_size: int,
     tp_rank: int,
+    ep_size: int,
+    ep_rank: int,
+    expert_map: str,
     device: str,
     expected_digest: str | None,
     trusted_keys: tuple[str, ...],
@@ -151,13 +183,14 @@ def load_cmd(
     as_json: bool,
     **kwargs: Any,
 ) -> None:
-    """Load SOURCE's weights for one tensor-parallel rank and report what it cost.
+    """Load SOURCE's weights for one tensor-parallel (and expert-parallel) rank and report what it cost.
 
     SOURCE is a snapshot directory (printed by 'modelpack pull --cache'), or a reference
     streamed by range reads: host/repo@sha256:…, oci:DIR@sha256:…, s3://BUCKET/PREFIX@sha256:….
     With --trusted-key every chunk is checked against the signed chunk table before it is used;
     a model without one is refused unless --allow-missing-chunk-table. The report (and --json:
-    bytesRead, bytesBySplit, verification) says what each rank read, per split kind.
+    bytesRead against modelBytes, bytesBySplit, verification) says what each rank read, per split
+    kind. With --ep-size the rank reads only its routed experts (docs/loader.md).
 
     \b
     Examples:
@@ -165,12 +198,15 @@ def load_cmd(
       modelpack load registry.example/llama@sha256:<hex> --trusted-key ci.pub --tp-size 8 --tp-rank 3 --json
       modelpack load oci:./layout@sha256:<hex> --allow-missing-chunk-table --trusted-key ci.pub
       modelpack load oci:./layout@sha256:<hex> --layout sharded_state --tp-size 2 --tp-rank 1 --json
+      modelpack load oci:./moe@sha256:<hex> --trusted-key ci.pub --ep-size 8 --ep-rank 5 --json
     """
-    from modelpack.errors import PlanError
     from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
 
     if tp_rank >= tp_size:
-        raise PlanError(f"--tp-rank {tp_rank} must be below --tp-size {tp_size}")
+        raise click.UsageError(f"--tp-rank {tp_rank} must be below --tp-size {tp_size}")
+    if ep_rank >= ep_size:
+        raise click.UsageError(f"--ep-rank {ep_rank} must be below --ep-size {ep_size}")
+    placement = _expert_map(expert_map)
     keys = None
     if trusted_keys:
         from modelpack.signing.keys import load_public_key
@@ -194,6 +230,9 @@ def load_cmd(
         allow_unverified=allow_unverified,
         target_options=opts,
         layout=layout,
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        expert_map=placement,
         options=LoaderOptions(
             direct_io=direct_io,
             uneven=uneven,
@@ -217,6 +256,10 @@ def load_cmd(
         "gbps": round(stats.gbps, 3),
         "tpSize": tp_size,
         "tpRank": tp_rank,
+        "epSize": ep_size,
+        "epRank": ep_rank,
+        "experts": list(stats.plan.experts) if stats.plan else [],
+        "modelBytes": stats.plan.total_bytes if stats.plan else 0,
         "layout": layout,
         "bytesByFile": dict(sorted(stats.per_file_bytes.items())),
         "device": device,
@@ -233,8 +276,19 @@ def load_cmd(
         f"loaded {len(sd)} tensors ({human_size(stats.bytes_read)} read) in {stats.seconds:.3f} s "
         f"({stats.gbps:.2f} GB/s), rank {tp_rank}/{tp_size} on {device}"
     )
+    if stats.plan is not None:
+        share = stats.bytes_read / stats.plan.total_bytes if stats.plan.total_bytes else 0.0
+        click.echo(f"model       {human_size(stats.plan.total_bytes)} ({share:.3f}× read by this rank)")
+    if ep_size > 1 and stats.plan is not None:
+        held = ", ".join(str(e) for e in stats.plan.experts) or "none"
+        click.echo(f"ep rank     {ep_rank}/{ep_size}: experts {held} of {stats.plan.num_experts}")
     click.echo(f"digest      {stats.digest or '-'}")
-    for kind, label in (("dim0", "row-split"), ("dim1", "column-split"), ("replicate", "replicated")):
+    for kind, label in (
+        ("dim0", "row-split"),
+        ("dim1", "column-split"),
+        ("replicate", "replicated"),
+        ("expert", "routed experts"),
+    ):
         b = stats.bytes_by_split.get(kind)
         if b and b["tensorBytes"]:
             click.echo(

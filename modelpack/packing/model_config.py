@@ -68,6 +68,8 @@ PRECISION_NAMES = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "I8": "int8",
     "U8": "uint8",
     "F4": "float4_e2m1",

@@ -42,6 +42,8 @@ DTYPE_BITS: dict[str, int] = {
     "F8_E5M2": 8,
     "F8_E4M3": 8,
     "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,  # ROCm (MI300) float8 variants: no inf, one NaN, bias +1
+    "F8_E5M2FNUZ": 8,
     "F4": 4,
     "F6_E2M3": 6,
     "F6_E3M2": 6,

@@ -30,7 +30,7 @@ import torch
 
 from modelpack.loader import LoadFields, LoadRequest, ReadPlan, ShardRule, iter_tensors
 from modelpack.loader.dtypes import torch_dtype
-from modelpack.loader.plan import TensorRead, shard_bounds
+from modelpack.loader.plan import TensorRead
 
 
 class RowSliceDestinations(Mapping[str, torch.Tensor]):
@@ -63,11 +63,7 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
         if full is None:
             full = torch.empty(t.full_shape, dtype=torch_dtype(t.dtype, where=f"{t.file}: {name}"))
             self.full[name] = full
-        assert self._plan is not None
-        b, e = shard_bounds(
-            t.full_shape[0], self._plan.tp_size, self._plan.tp_rank, uneven=self._plan.uneven, what=name
-        )
-        return full[b:e]
+        return t.select(full)  # this rank's rows, as the plan computed them (scales: block rows)
 
     def __iter__(self) -> Iterator[str]:
         return iter({**dict.fromkeys(self.direct), **dict.fromkeys(self._reads)})
@@ -98,16 +94,13 @@ def iter_full_shape(
     as those tensors.
     """
     req = LoadRequest.of(request, fields)
-    tp_size, tp_rank = req.tp_size, req.tp_rank
     dests = RowSliceDestinations(into)
     caller_on_plan = req.on_plan
     reads: dict[str, TensorRead] = {}
-    uneven = ["refuse"]
 
     def on_plan(plan: ReadPlan) -> None:
         dests.set_plan(plan)
         reads.update((t.name, t) for t in plan.tensors)
-        uneven[0] = plan.uneven
         if caller_on_plan is not None:
             caller_on_plan(plan)
 
@@ -125,8 +118,7 @@ def iter_full_shape(
                 continue
             if t.rule is ShardRule.DIM1 and t.sharded:
                 full = torch.empty(t.full_shape, dtype=shard.dtype)
-                b, e = shard_bounds(t.full_shape[1], tp_size, tp_rank, uneven=uneven[0], what=name)
-                full[:, b:e].copy_(shard)
+                t.select(full).copy_(shard)
                 del shard
                 yield name, full
                 continue

@@ -52,6 +52,8 @@ def test_full_dtype_table() -> None:
         "F8_E4M3",
         "F8_E5M2",
         "F8_E8M0",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
         "BF16",
         "F16",
         "F32",
