@@ -312,6 +312,7 @@ def test_empty_means_default_but_an_empty_protective_setting_is_refused() -> Non
         "MODELPACK_POLICY",
         "MODELPACK_POLICY_YAML",
         "MODELPACK_PEER_TOKEN",
+        "MODELPACK_SERVE_TOKEN",
     }
     for s in protective:
         assert s.get({}) is None

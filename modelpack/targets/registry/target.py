@@ -132,7 +132,9 @@ class RegistryTarget:
         )
         target.events = opts.events
         if not for_write:
-            endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
+            endpoints = configured_mirrors(
+                ref.location, opts.mirrors, opts.hosts_dir, peer_token=opts.peer_token
+            )
             if endpoints:
                 stall, floor = mirror_limits(opts.mirror_thresholds)
                 target.mirrors = MirroredBlobs(
