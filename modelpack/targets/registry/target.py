@@ -39,7 +39,7 @@ from modelpack.targets.registry.blob_reads import open_blob, read_range, read_ra
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
-from modelpack.targets.registry.peer_referrers import mirror_referrers
+from modelpack.targets.registry.peer_referrers import ListingClock, mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
@@ -91,6 +91,8 @@ class RegistryTarget:
         self._origin_unreachable: RegistryConnectionError | None = None
         #: the origin's referrers with a short retry budget, when mirrors can answer instead
         self._origin_referrers: ManifestStore | None = None
+        #: the time left for peer referrer listings (``peer_referrers.LISTING_BUDGET_S``)
+        self._listing_clock = ListingClock()
 
     @property
     def chunk_size(self) -> int:
@@ -176,8 +178,13 @@ class RegistryTarget:
                 if not again:
                     self._manifest_event(reference, got, self.mirrors.url_of(name), "mirror")
                 return got
-        fresh = self._manifests.cached(reference) is None if reference.startswith("sha256:") else True
-        got = op(self._manifests)
+        store = self._manifests
+        if self._origin_unreachable is not None and self._origin_referrers is not None:
+            # the origin could not be reached this run (its referrers fell through to the peers):
+            # each digest no peer had (a listed junk referrer) costs the short budget, not --retry-for
+            store = self._origin_referrers
+        fresh = store.cached(reference) is None if reference.startswith("sha256:") else True
+        got = op(store)
         if fresh:
             self._manifest_event(reference, got, origin_url(self.client), "origin")
         return got
@@ -346,6 +353,7 @@ class RegistryTarget:
             artifact_type,
             self._origin_unreachable,
             self.events,
+            self._listing_clock,
         )
 
     @staticmethod
