@@ -22,6 +22,15 @@ Every mirror read has a stall limit (no byte for ``stall_s``) and a throughput f
 trickles), and is abandoned mid-blob for the next mirror and finally the origin, from the byte
 reached. A stop request (``stopping``: SIGTERM) ends every wait at once.
 
+What a lying mirror can cost: a whole-blob spool is verified only at its last byte, so a mirror
+serving wrong bytes just above the floor would hold each blob for size ÷ floor. Bounded twice:
+a mirror's part of a spool must average ``BLOB_RATE_FACTOR`` times the floor after a grace of
+``BLOB_GRACE_WINDOWS`` windows (``blob_deadline_s``; with the default floor, 30 s + 1 s per MiB),
+else the next source continues from the byte reached; and a mirror that alone served a blob
+whose bytes failed its digest is not asked again during this run (``_Mirror.lied``), so a liar
+costs at most the blobs it was already serving. With a signed chunk table the loader's ranges
+are checked chunk by chunk as they arrive (``read_range``'s ``check``).
+
 Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
 a range cannot be verified alone, so the caller may pass ``check`` (the loader's signed chunk
 table): the chunks of a mirror's bytes that fail it are fetched again from the next source and
@@ -40,6 +49,7 @@ from typing import Any, BinaryIO
 
 from modelpack import stopping
 from modelpack.errors import (
+    MirrorTooSlowError,
     ModelpackError,
     RegistryConnectionError,
     RegistryError,
@@ -73,6 +83,18 @@ DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
+#: a mirror's part of a whole-blob spool must average this many times the floor…
+BLOB_RATE_FACTOR = 4
+#: …after a grace of this many floor windows
+BLOB_GRACE_WINDOWS = 3
+
+
+def blob_deadline_s(floor: Floor | None, nbytes: int) -> float | None:
+    """Seconds a mirror may take to deliver ``nbytes`` of a blob: ``BLOB_GRACE_WINDOWS`` windows
+    plus ``nbytes`` at ``BLOB_RATE_FACTOR`` times the floor; None without a floor."""
+    if floor is None or floor.min_bps <= 0:
+        return None
+    return BLOB_GRACE_WINDOWS * floor.window_s + nbytes / (BLOB_RATE_FACTOR * floor.min_bps)
 
 
 class _Mirror:
@@ -80,6 +102,8 @@ class _Mirror:
         self.endpoint = endpoint
         self.repo = repo
         self.down_until = 0.0
+        #: it alone served a blob whose bytes failed the digest: not asked again this run
+        self.lied = False
 
     @property
     def name(self) -> str:
@@ -188,7 +212,7 @@ class MirroredBlobs:
 
     def _usable(self) -> list[_Mirror]:
         now = time.monotonic()
-        return [m for m in self.mirrors if m.down_until <= now]
+        return [m for m in self.mirrors if m.down_until <= now and not m.lied]
 
     def _for_blob(self, desc: Descriptor) -> list[_Mirror]:
         """The usable mirrors for ``desc``. With blob order, the peers (in the place of the first
@@ -300,6 +324,8 @@ class MirroredBlobs:
                 repo = mirror.repo if mirror is not None else self.origin
                 floor = self.floor if mirror is not None else None
                 start = pos
+                limit = blob_deadline_s(floor, desc.size - pos)
+                began = time.monotonic()
                 try:
                     with ResumingBlobStream(repo, desc, pos, floor=floor) as stream:
                         while pos < desc.size:
@@ -310,6 +336,8 @@ class MirroredBlobs:
                             hasher.update(data)
                             spool.write(data)
                             pos += len(data)
+                            if limit is not None and time.monotonic() - began > limit:
+                                raise self._too_slow_for_blob(desc, floor, pos - start, began, pos)
                     if pos < desc.size and mirror is not None:
                         self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
                 except TransferInterrupted:
@@ -338,6 +366,11 @@ class MirroredBlobs:
                 spool.seek(0)
                 return spool, set()  # type: ignore[return-value]
             liars: set[str] = set()
+            served_by = {m.name if m is not None else "" for m, n in sources if n}
+            if len(served_by) == 1 and "" not in served_by:  # one mirror served every byte: it lied
+                for mirror, n in sources:
+                    if mirror is not None and n:
+                        mirror.lied = True
             for mirror, n in sources:
                 if mirror is not None and n:
                     self._abandon(
@@ -355,6 +388,18 @@ class MirroredBlobs:
         except BaseException:
             spool.close()
             raise
+
+    @staticmethod
+    def _too_slow_for_blob(
+        desc: Descriptor, floor: Floor | None, got: int, began: float, pos: int
+    ) -> MirrorTooSlowError:
+        assert floor is not None
+        elapsed = time.monotonic() - began
+        return MirrorTooSlowError(
+            f"blob {desc.digest}: too slow for a whole blob, {got} bytes in {elapsed:.1f} s (a mirror "
+            f"must average {BLOB_RATE_FACTOR * floor.min_bps:.0f} B/s over a blob after "
+            f"{BLOB_GRACE_WINDOWS * floor.window_s:g} s), at byte {pos}"
+        )
 
     # ------------------------------------------------------------------ ranges
     def read_range(
@@ -552,10 +597,13 @@ class _SourcesStream:
 
 
 __all__ = [
+    "BLOB_GRACE_WINDOWS",
+    "BLOB_RATE_FACTOR",
     "DEFAULT_HOSTS_DIR",
     "MIRROR_STALL_S",
     "MirrorEndpoint",
     "MirroredBlobs",
+    "blob_deadline_s",
     "configured_mirrors",
     "hosts_toml_mirrors",
     "mirror_limits",
