@@ -459,3 +459,59 @@ def test_a_mirror_caught_lying_is_not_asked_again_in_the_run(
     asked = [p for m, p in liar.requests if m == "GET" and "/blobs/" in p]
     assert len(asked) == 1, asked
     assert len(blobs) > 2
+
+
+def test_with_a_signed_chunk_table_a_liar_is_dropped_at_its_first_bad_chunk(
+    registry: RegistryServer, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """With a signed chunk table (64 KiB chunks) verified before the blobs are fetched, a mirror's
+    spool is checked chunk by chunk as it arrives: a liar sending zeroes just above the floor is
+    dropped at its first bad chunk (a few seconds), not at the last byte of a 27 MiB shard, and
+    the origin continues from the last good chunk. Before, each shard waited for the whole blob
+    (or the whole-blob limit: 3 windows + size at 4 x the floor)."""
+    from modelpack.signing import sign_artifact
+    from modelpack.signing.keys import generate_key
+
+    from modelpack.targets.opener import open_target
+    from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+
+    big = tmp_path / "big"
+    write_checkpoint(str(big), SyntheticSpec(hidden=512, intermediate=1376, layers=2, vocab=8192))
+    digest, manifest, blobs = push_and_read_back(registry, big, "faults/chunks")
+    target = open_target(f"{registry.host}/faults/chunks@{digest}", for_write=True)
+    key = generate_key()
+    sign_artifact(target, target.resolve(digest), key, chunk_size=64 * 1024)
+    pub = tmp_path / "k.pub"
+    pub.write_bytes(key.public.pem)
+    shard = max(manifest.layers, key=lambda d: d.size)
+    assert shard.size > 16 * 1024 * 1024
+    liar = HostileMirror({str(shard.digest): blobs[str(shard.digest)]}, "zero", rate=80 * 1024)
+    crawler_for.append(liar)
+    env = _env(tmp_path, MODELPACK_MIRROR_MIN_RATE=str(64 * 1024), MODELPACK_MIRROR_RATE_WINDOW="1")
+    started = time.monotonic()
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--key",
+            str(pub),
+            "--mirror",
+            liar.url,
+            "--json",
+            f"{registry.host}/faults/chunks@{digest}",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    took = time.monotonic() - started
+    print(f"pull through a liar with a 64 KiB chunk table: {took:.1f} s")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["signature"] == "verified"
+    assert (Path(doc["path"]) / "model.safetensors").read_bytes() == (big / "model.safetensors").read_bytes()
+    assert "chunk" in proc.stderr and "digest mismatch" in proc.stderr, proc.stderr
+    assert liar.served < 4 * 64 * 1024, liar.served  # dropped within its first chunks
+    assert took < 30, took

@@ -265,7 +265,9 @@ def test_node_cache_and_loader_ranges_go_through_the_mirror(
     for f in checkpoint.glob("*.safetensors"):
         assert (Path(result.path) / f.name).read_bytes() == f.read_bytes()
     origin.settle()
-    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
+    # the corrupted blob came whole from the origin (the mirror, caught, is not asked again in
+    # that pull: ``_Mirror.lied``)
+    assert origin.blob_bytes[str(big.digest)] == big.size
 
     origin.clear()
     target = open_readable(f"{origin.host}/mirrors/cache:v1", opts)

@@ -28,8 +28,11 @@ a mirror's part of a spool must average ``BLOB_RATE_FACTOR`` times the floor aft
 ``BLOB_GRACE_WINDOWS`` windows (``blob_deadline_s``; with the default floor, 30 s + 1 s per MiB),
 else the next source continues from the byte reached; and a mirror that alone served a blob
 whose bytes failed its digest is not asked again during this run (``_Mirror.lied``), so a liar
-costs at most the blobs it was already serving. With a signed chunk table the loader's ranges
-are checked chunk by chunk as they arrive (``read_range``'s ``check``).
+costs at most the blobs it was already serving. With a signed chunk table the caller verified
+(``check_chunks``, from ``RegistryTarget.use_chunk_table``) a spool is checked chunk by chunk as
+it arrives (``_ChunkGate``): a liar is dropped at its first wrong chunk and the next source
+continues from the last good one. The loader's ranges are checked the same way (``read_range``'s
+``check``).
 
 Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
 a range cannot be verified alone, so the caller may pass ``check`` (the loader's signed chunk
@@ -97,6 +100,59 @@ def blob_deadline_s(floor: Floor | None, nbytes: int) -> float | None:
     return BLOB_GRACE_WINDOWS * floor.window_s + nbytes / (BLOB_RATE_FACTOR * floor.min_bps)
 
 
+class _BadChunk(Exception):
+    """A chunk a mirror sent does not match the signed chunk table (``_ChunkGate``)."""
+
+    def __init__(self, offset: int, length: int) -> None:
+        super().__init__(f"chunk at byte {offset}")
+        self.offset = offset
+        self.length = length
+
+
+class _ChunkGate:
+    """Between a spool's sources and its hasher and file: with a signed chunk table for the blob
+    (``MirroredBlobs.check_chunks``), a mirror's bytes are held back until their chunk is whole,
+    checked against the table, and only then hashed and spooled; a wrong chunk raises
+    ``_BadChunk`` (its bytes are dropped: the next source starts at that chunk). The origin's
+    bytes are not judged here (the whole blob's digest is checked as always), nor are bytes of a
+    blob without a table."""
+
+    def __init__(
+        self, desc: Descriptor, checks: tuple[int, RangeCheck] | None, hasher: Any, spool: Any
+    ) -> None:
+        self.size = desc.size
+        self.checks = checks
+        self.hasher = hasher
+        self.spool = spool
+        self.done = 0  # bytes hashed and spooled (a chunk boundary while a table is used)
+        self.pending = bytearray()
+
+    def _commit(self, data: bytes | bytearray) -> None:
+        self.hasher.update(data)
+        self.spool.write(data)
+        self.done += len(data)
+
+    def add(self, data: bytes, *, checked: bool) -> None:
+        if self.checks is None or not checked:
+            if self.pending:
+                self._commit(self.pending)
+                self.pending = bytearray()
+            self._commit(data)
+            return
+        chunk_size, check = self.checks
+        self.pending += data
+        while self.pending:
+            length = min(chunk_size - self.done % chunk_size, self.size - self.done)
+            if len(self.pending) < length:
+                return
+            chunk = bytes(self.pending[:length])
+            if self.done % chunk_size == 0 and check(self.done, chunk):
+                self.pending = bytearray()
+                raise _BadChunk(self.done, length)
+            del self.pending[:length]
+            self._commit(chunk)
+
+
 class _Mirror:
     def __init__(self, endpoint: MirrorEndpoint, repo: RepositoryAPI) -> None:
         self.endpoint = endpoint
@@ -149,6 +205,15 @@ class MirroredBlobs:
         self.blob_order = blob_order()
         #: blob digest → owner peer, from the manifests read (``plan``; ``owners.balanced_owners``)
         self._owners: dict[str, str] = {}
+        #: layer digest → (chunk size, check) from a verified signed chunk table (``check_chunks``)
+        self._chunk_checks: dict[str, tuple[int, RangeCheck]] = {}
+
+    def check_chunks(self, layer_digest: str, chunk_size: int, check: RangeCheck) -> None:
+        """Check mirrors' whole-blob spools of ``layer_digest`` chunk by chunk with ``check`` (a
+        verified signed chunk table's): a liar is dropped at its first wrong chunk."""
+        if chunk_size > 0:
+            with self._lock:
+                self._chunk_checks[layer_digest] = (chunk_size, check)
 
     # ------------------------------------------------------------------ bookkeeping
     def _count(self, source: str, n: int) -> None:
@@ -317,6 +382,7 @@ class MirroredBlobs:
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
         pos = 0
         sources: list[tuple[_Mirror | None, int]] = []
+        chunks = _ChunkGate(desc, self._chunk_checks.get(str(desc.digest)), hasher, spool)
         try:
             for mirror in [*(m for m in self._for_blob(desc) if m.name not in excluded), None]:
                 if pos >= desc.size:
@@ -333,20 +399,32 @@ class MirroredBlobs:
                             data = stream.read(min(_CHUNK, desc.size - pos))
                             if not data:
                                 break
-                            hasher.update(data)
-                            spool.write(data)
                             pos += len(data)
+                            chunks.add(data, checked=mirror is not None)
                             if limit is not None and time.monotonic() - began > limit:
                                 raise self._too_slow_for_blob(desc, floor, pos - start, began, pos)
                     if pos < desc.size and mirror is not None:
                         self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
                 except TransferInterrupted:
                     raise
+                except _BadChunk as bad:
+                    assert mirror is not None
+                    if bad.offset >= start:  # this mirror alone served the chunk: it lied
+                        mirror.lied = True
+                    pos = bad.offset  # the next source continues from the last good chunk
+                    self._abandon(
+                        mirror,
+                        desc,
+                        f"digest mismatch: chunk at byte {bad.offset} ({bad.length} bytes) does not "
+                        "match the signed chunk table",
+                        bad.offset,
+                        failure="digest_mismatch",
+                    )
                 except (RegistryError, ModelpackError) as exc:
                     if mirror is None:
                         raise
                     self._mirror_failed(mirror, desc, exc, pos)
-                sources.append((mirror, pos - start))
+                sources.append((mirror, max(0, pos - start)))
             if pos == desc.size and hasher.hexdigest() == want:
                 split: dict[str, int] = {}
                 for mirror, n in sources:

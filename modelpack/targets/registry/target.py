@@ -32,7 +32,7 @@ from modelpack.errors import (
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
-from modelpack.targets.base import BlobSource, RangeCheck
+from modelpack.targets.base import BlobSource, ChunkTableLike, RangeCheck
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
@@ -214,6 +214,15 @@ class RegistryTarget:
         """The whole blob from the mirrors, verified (``VerifiedSpooler``); None without mirrors
         or when the origin must serve it."""
         return self.mirrors.spool_verified(descriptor) if self.mirrors is not None else None
+
+    def use_chunk_table(self, table: ChunkTableLike) -> None:
+        """Check the mirrors' whole-blob spools of ``table``'s layers chunk by chunk against it
+        (a table the caller verified; ``ChunkCheckedSpools``): a liar is dropped at its first
+        wrong chunk, the next source continues from the last good one."""
+        if self.mirrors is None:
+            return
+        for layer in table.layers:
+            self.mirrors.check_chunks(str(layer), table.chunk_size, table.range_check(str(layer)))
 
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         if self.mirrors is not None:
