@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SUBNET = "10.231.0"
+#: the peers' ``cache serve`` token (``MODELPACK_SERVE_TOKEN``) and the nodes' ``MODELPACK_PEER_TOKEN``
+STORM_PEER_TOKEN = "storm-peer-token"
 ORIGIN_IP = f"{SUBNET}.1"
 MIRROR_IP = f"{SUBNET}.2"
 PEER_PORT = 5050
@@ -272,6 +274,8 @@ def _env(**extra: str) -> dict[str, str]:
     env.update(
         PYTHONPATH=str(ROOT), MODELPACK_HOSTS_DIR="/nonexistent-storm-hosts", CI="1", MODELPACK_LOG="info"
     )
+    # peers listen beyond loopback, so they need a token; the pulling nodes present the same one
+    env.update(MODELPACK_SERVE_TOKEN=STORM_PEER_TOKEN, MODELPACK_PEER_TOKEN=STORM_PEER_TOKEN)
     env.update(extra)
     return env
 

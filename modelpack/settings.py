@@ -345,7 +345,8 @@ SERVE_TOKEN = _setting(
     "MODELPACK_SERVE_TOKEN",
     text,
     None,
-    "``cache serve``: the bearer token peers must present (never on the command line).",
+    "``cache serve``: the bearer token peers must present (never on the command line); required "
+    "to listen beyond loopback.",
     kind="secret",
     group=_CREDS,
     secret=True,

@@ -20,12 +20,21 @@ committed blob (a regular, read-only file of the cache owner that nobody else ca
 planted, writable, linked or quarantined file, a partial download or anything outside the store
 is 404. Whatever a peer serves, its client verifies against the digest.
 
-Bounded: at most ``max_connections`` connections at once (the next is answered ``503`` with
-``Retry-After`` and closed), request lines and headers bounded by ``http.server`` (64 KiB, 100
-headers), paths of more than 2 KiB refused, every socket read and write times out after
-``io_timeout`` seconds (a peer that stops reading frees its slot). Optional TLS (certificate and
-key; the handshake runs on the connection's thread, bounded by the same timeout) and bearer token
-(compared in constant time; ``401`` with a ``WWW-Authenticate`` challenge otherwise).
+Who may read: beyond loopback (any listen address but a loopback one or ``localhost``: 0.0.0.0,
+a pod or node address, a name) it refuses to start without a bearer token
+(``MODELPACK_SERVE_TOKEN`` or ``--token-file``) unless the operator opts out loudly
+(``allow_no_token``, ``--insecure-no-auth``). The token is compared in constant time before
+anything else is done for a request (``401`` with a ``WWW-Authenticate`` challenge otherwise):
+no file is opened, no fill started, for a requester without it. TLS (certificate and key) is
+optional.
+
+Bounded: at most ``max_connections`` connections at once and ``max_per_address`` from one
+client address (the next is answered ``503`` with ``Retry-After`` and closed), each request
+head (the TLS handshake too, for the first) within ``head_timeout`` seconds as a whole, however
+slowly its bytes trickle (``_HeadDeadlines``: the connection is shut down when it passes; an
+idle keep-alive connection likewise), request lines and headers bounded by ``http.server``
+(64 KiB, 100 headers), paths of more than 2 KiB refused, every socket read and write times out
+after ``io_timeout`` seconds (a peer that stops reading frees its slot).
 
 With ``fill`` (``cache serve --fill REF@DIGEST``, ``mount/serve_fill.py``) a miss for a blob of a
 pinned manifest is fetched once from that manifest's registry, verified and committed: the one
@@ -43,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import http.server
+import ipaddress
 import json
 import logging
 import os
@@ -52,6 +62,7 @@ import ssl
 import stat
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -92,6 +103,60 @@ class ServeSettings:
     token: str | None = None
     max_connections: int = 64
     io_timeout: float = 30.0
+    #: seconds for a whole request head (and the first one's TLS handshake), however it trickles
+    head_timeout: float = 10.0
+    #: connections at once from one client address
+    max_per_address: int = 16
+    #: listen beyond loopback without a token (``--insecure-no-auth``): anyone reaching the port reads
+    allow_no_token: bool = False
+
+
+def beyond_loopback(host: str) -> bool:
+    """Whether listening on ``host`` reaches beyond this machine: every address but a loopback
+    one, and every name but ``localhost`` (a name is never resolved to decide it; an IPv4-mapped
+    IPv6 address counts as beyond: the check fails closed)."""
+    name = host.strip("[]")
+    try:
+        return not ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return name.lower() != "localhost"
+
+
+class _HeadDeadlines:
+    """Cuts connections whose request head (or TLS handshake) is not complete by its deadline.
+
+    A per-read timeout does not bound a head sent one byte every few seconds; this does, for the
+    head as a whole: a watch (a duplicate of the connection's socket, so shutting it down ends a
+    read blocked on the original, TLS or not) is armed when a head is awaited and disarmed once it
+    is parsed. One thread checks every armed deadline four times a second."""
+
+    def __init__(self, closing: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[float, socket.socket]] = {}
+        self._closing = closing
+        self._thread: threading.Thread | None = None
+
+    def arm(self, key: int, watch: socket.socket, seconds: float) -> None:
+        with self._lock:
+            if key not in self._armed:
+                self._armed[key] = (time.monotonic() + seconds, watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="modelpack-serve-heads", daemon=True)
+                self._thread.start()
+
+    def disarm(self, key: int) -> None:
+        with self._lock:
+            self._armed.pop(key, None)
+
+    def _run(self) -> None:
+        while not self._closing.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [k for k, (deadline, _) in self._armed.items() if deadline <= now]
+                cut = [self._armed.pop(k)[1] for k in late]
+            for watch in cut:
+                with contextlib.suppress(OSError):
+                    watch.shutdown(socket.SHUT_RDWR)
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -106,7 +171,9 @@ class _Server(http.server.ThreadingHTTPServer):
         self.tls = tls
         self.filler = filler  # fill-on-miss for pinned manifests' blobs (``serve_fill``), or None
         self.slots = threading.BoundedSemaphore(settings.max_connections)
+        self.per_address: dict[str, int] = {}  # open connections by client address
         self.closing = threading.Event()  # set on shutdown: ends the waits of streamed fills
+        self.heads = _HeadDeadlines(self.closing)
         self.served = 0
         self.refused = 0
         self.count_lock = threading.Lock()
@@ -114,8 +181,28 @@ class _Server(http.server.ThreadingHTTPServer):
         self.address_family = family
         super().__init__((settings.host, settings.port), _Handler)
 
+    def _take_slot(self, address: str) -> bool:
+        """One of this address's ``max_per_address`` and one of the ``max_connections`` slots."""
+        with self.count_lock:
+            if self.per_address.get(address, 0) >= self.settings.max_per_address:
+                return False
+            if not self.slots.acquire(blocking=False):
+                return False
+            self.per_address[address] = self.per_address.get(address, 0) + 1
+            return True
+
+    def _give_slot(self, address: str) -> None:
+        with self.count_lock:
+            left = self.per_address.get(address, 1) - 1
+            if left > 0:
+                self.per_address[address] = left
+            else:
+                self.per_address.pop(address, None)
+            self.slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        address = str(client_address[0])
+        if not self._take_slot(address):
             with self.count_lock:
                 self.refused += 1
             with contextlib.suppress(OSError):
@@ -130,7 +217,7 @@ class _Server(http.server.ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._give_slot(address)
             raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -149,17 +236,27 @@ class _Server(http.server.ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._give_slot(str(client_address[0]))
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(self.settings.io_timeout)
-        if self.tls is not None:
-            try:
-                request = self.tls.wrap_socket(request, server_side=True)
-            except (OSError, ssl.SSLError) as exc:
-                log.debug("TLS handshake with %s failed: %s", client_address, exc)
-                return
-        _Handler(request, client_address, self)
+        try:
+            watch = request.dup()  # shut down when a head is late: ends reads on ``request`` too
+        except OSError:
+            return
+        key = id(watch)
+        try:
+            self.heads.arm(key, watch, self.settings.head_timeout)  # the handshake and first head
+            if self.tls is not None:
+                try:
+                    request = self.tls.wrap_socket(request, server_side=True)
+                except (OSError, ssl.SSLError) as exc:
+                    log.debug("TLS handshake with %s failed: %s", client_address, exc)
+                    return
+            _Handler(request, client_address, self, head_watch=(key, watch))
+        finally:
+            self.heads.disarm(key)
+            watch.close()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -168,8 +265,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "modelpack-cache"
     sys_version = ""
 
+    def __init__(
+        self,
+        request: Any,
+        client_address: Any,
+        server: Any,
+        head_watch: tuple[int, socket.socket] | None = None,
+    ) -> None:
+        self.head_watch = head_watch  # (key, socket) in ``server.heads``: see ``_HeadDeadlines``
+        super().__init__(request, client_address, server)
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+    # ------------------------------------------------------------------ head deadline
+    def handle_one_request(self) -> None:
+        """Each request head (an idle keep-alive wait too) within ``head_timeout`` as a whole."""
+        if self.head_watch is not None:
+            key, watch = self.head_watch
+            self.server.heads.arm(key, watch, self.server.settings.head_timeout)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers: the end of the head
+        if self.head_watch is not None:
+            self.server.heads.disarm(self.head_watch[0])
+        return parsed
 
     # ------------------------------------------------------------------ answers
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
@@ -437,6 +558,24 @@ class CacheServer:
             raise CacheServeError("--max-connections must be at least 1")
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise CacheServeError("--tls-cert and --tls-key go together")
+        if settings.max_per_address < 1 or not settings.head_timeout > 0:
+            raise CacheServeError("--max-per-address and --head-timeout must be positive")
+        if settings.token is not None and not settings.token.strip():
+            raise CacheServeError("the token is empty; an empty token is never 'no token'")
+        if beyond_loopback(settings.host) and settings.token is None:
+            if not settings.allow_no_token:
+                raise CacheServeError(
+                    f"{settings.host} is beyond loopback: peers must present a token there; set "
+                    "MODELPACK_SERVE_TOKEN (or --token-file) here and the same value as "
+                    "MODELPACK_PEER_TOKEN on the pulling nodes (or --insecure-no-auth to serve "
+                    "every model in this cache to anyone who reaches the port)"
+                )
+            log.warning(
+                "serving %s without a token (--insecure-no-auth): anyone who reaches "
+                "the port reads every model in this cache%s",
+                settings.host,
+                ", and has it fetched with this node's credentials (--fill)" if fill is not None else "",
+            )
         # with --fill this server writes the cache: on a node with none yet (a DaemonSet's first
         # rollout) it is created as 'pull --cache' creates it (Store: owner, 0750, layout);
         # read-only serving never turns a mistyped --cache into a new cache

@@ -44,7 +44,7 @@ from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor, Manifest, parse_manifest_or_index
 from modelpack.oci.digest import verify_bytes
 from modelpack.oci.reference import Reference, parse_reference
-from modelpack.targets.base import ReadableTarget
+from modelpack.targets.base import ChunkCheckedSpools, ReadableTarget
 from modelpack.targets.options import TargetOptions
 
 PolicyOrKeys = TrustPolicy | RepositoryPolicy | PublicKey | Sequence[PublicKey]
@@ -259,6 +259,8 @@ def _check_chunk_table(
         table = load_chunk_table(target, manifest_desc, keys, manifest=manifest, events=events)
     except (ChunkTableError, ModelpackError):
         return "invalid"
+    if table is not None and isinstance(target, ChunkCheckedSpools):
+        target.use_chunk_table(table)  # mirrors' spools of its layers checked chunk by chunk
     return "absent" if table is None else "verified"
 
 

@@ -396,11 +396,34 @@ def cache_rm(reference: str, cache_dir: str | None, force: bool) -> None:
     "(env MODELPACK_SERVE_TOKEN); never on the command line.",
 )
 @click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    help="Listen beyond loopback without a token: anyone who reaches the port reads every model "
+    "in this cache (and, with --fill, has it fetched with this node's credentials). Without a "
+    "token, an address other than loopback is refused.",
+)
+@click.option(
     "--max-connections",
     type=click.IntRange(1, 4096),
     default=64,
     show_default=True,
     help="Connections served at once; the next is answered 503 with Retry-After.",
+)
+@click.option(
+    "--max-per-address",
+    type=click.IntRange(1, 4096),
+    default=16,
+    show_default=True,
+    help="Connections at once from one client address; the next is answered 503.",
+)
+@click.option(
+    "--head-timeout",
+    type=click.FloatRange(0.1, 600),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Time for a whole request head (and the TLS handshake), however slowly it trickles; "
+    "the connection is closed after it.",
 )
 @click.option(
     "--fill",
@@ -434,7 +457,10 @@ def cache_serve(
     tls_cert: str | None,
     tls_key: str | None,
     token_file: str | None,
+    insecure_no_auth: bool,
     max_connections: int,
+    max_per_address: int,
+    head_timeout: float,
     fill_refs: tuple[str, ...],
     fill_plain_http: bool,
     fill_concurrency: int,
@@ -447,11 +473,15 @@ def cache_serve(
     reachable. Use it as another
     node's --mirror, or in containerd's hosts.toml with capabilities = ["pull"].
 
+    Beyond loopback it needs a token (MODELPACK_SERVE_TOKEN or --token-file; pulling nodes
+    present it as MODELPACK_PEER_TOKEN): requests without it are 401 before anything is read or
+    filled.
+
     \b
     Examples:
-      modelpack cache serve --cache /var/cache/modelpack --listen 0.0.0.0:5050
-      modelpack pull reg.example/models/llama@sha256:<hex> --cache /var/cache/modelpack --mirror http://node-a:5050
-      modelpack cache serve --listen 0.0.0.0:5050 --fill reg.example/models/llama@sha256:<hex>
+      MODELPACK_SERVE_TOKEN=… modelpack cache serve --cache /var/cache/modelpack --listen 0.0.0.0:5050
+      MODELPACK_PEER_TOKEN=… modelpack pull reg.example/models/llama@sha256:<hex> --cache /var/cache/modelpack --mirror http://node-a:5050
+      modelpack cache serve --listen 0.0.0.0:5050 --token-file /run/secrets/peer-token --fill reg.example/models/llama@sha256:<hex>
 
     With --fill, a release storm costs the origin about one copy: pulling nodes set
     MODELPACK_PEER_ORDER=blob so every node asks each blob's owner peer first, and the owner
@@ -468,7 +498,7 @@ def cache_serve(
         raise click.BadParameter(
             f"{listen!r}: expected HOST:PORT, e.g. 127.0.0.1:5050", param_hint="--listen"
         )
-    token = env_settings.SERVE_TOKEN.get() or None
+    token = env_settings.SERVE_TOKEN.get()  # protective: set but empty is refused, never "no token"
     if token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read(4096).strip() or None
@@ -481,6 +511,9 @@ def cache_serve(
         tls_key=tls_key,
         token=token,
         max_connections=max_connections,
+        max_per_address=max_per_address,
+        head_timeout=head_timeout,
+        allow_no_token=insecure_no_auth,
     )
     fill = None
     if fill_refs:

@@ -17,9 +17,9 @@ A wrapper target (``CountingTarget``) declares the capabilities it forwards as m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from modelpack.oci.descriptor import Descriptor
 
@@ -184,6 +184,26 @@ class VerifiedSpooler(Protocol):
     lie. None: no mirror could serve it, so the origin is read by ranges as usual."""
 
     def fetch_blob_spooled(self, descriptor: Descriptor) -> BinaryIO | None: ...
+
+
+class ChunkTableLike(Protocol):
+    """What a blob reader needs of a verified signed chunk table (``signing.chunks.ChunkTable``)."""
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    @property
+    def layers(self) -> Mapping[str, Any]: ...
+
+    def range_check(self, layer_digest: str) -> RangeCheck: ...
+
+
+@runtime_checkable
+class ChunkCheckedSpools(Protocol):
+    """Checks the whole-blob spools its mirrors serve chunk by chunk against a chunk table the
+    caller verified (a liar is dropped at its first wrong chunk, not at the blob's last byte)."""
+
+    def use_chunk_table(self, table: ChunkTableLike) -> None: ...
 
 
 @runtime_checkable

@@ -74,6 +74,9 @@ class TargetOptions:
     timeout: float | None = None
     #: mirrors asked for blobs before the origin, in order (``--mirror``; else ``MODELPACK_MIRRORS``)
     mirrors: list[str] = field(default_factory=list)
+    #: the bearer token presented to ``mirrors`` (``MODELPACK_PEER_TOKEN``: the peers' ``cache
+    #: serve`` token); never to an origin registry, a hosts.toml mirror or a redirect target
+    peer_token: str | None = field(default=None, repr=False)
     #: containerd-style ``<dir>/<host>/hosts.toml`` mirror config (else ``MODELPACK_HOSTS_DIR``,
     #: else ``/etc/containerd/certs.d``)
     hosts_dir: str | None = None
@@ -93,8 +96,9 @@ class TargetOptions:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TargetOptions:
-        """What the environment (default ``os.environ``) says: plain HTTP, CA bundle, timeout, retry budget, mirrors,
-        hosts.toml directory, S3 endpoint and tuning, mirror thresholds. Every entry point starts
+        """What the environment (default ``os.environ``) says: plain HTTP, CA bundle, timeout, retry
+        budget, mirrors and the token presented to them, hosts.toml directory, S3 endpoint and
+        tuning, mirror thresholds. Every entry point starts
         here and overrides what it decides itself (``dataclasses.replace``)."""
         return cls(
             plain_http=settings.PLAIN_HTTP.get(environ),
@@ -102,6 +106,7 @@ class TargetOptions:
             timeout=settings.TIMEOUT.get(environ),
             retry_for=settings.RETRY_FOR.get(environ),
             mirrors=list(settings.MIRRORS.get(environ)),
+            peer_token=settings.PEER_TOKEN.get(environ),
             hosts_dir=settings.HOSTS_DIR.get(environ),
             s3_endpoint=settings.S3_ENDPOINT.get(environ),
             s3=S3Tuning(

@@ -207,3 +207,81 @@ def test_a_peer_cannot_forge_trust_a_withholding_one_hides_no_honest_one_and_a_h
         assert time.monotonic() - started < 90
     finally:
         huge.close()
+
+
+class _JunkListingPeer(http.server.BaseHTTPRequestHandler):
+    """A peer that lists 1,000 junk referrers for any digest (each of the type asked for, plus
+    some untyped and some of other types), and has none of them nor anything else."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        if self.path in ("/v2", "/v2/"):
+            self._reply(200, b"{}", "application/json")
+        elif "/referrers/" in self.path:
+            from urllib.parse import parse_qs, urlsplit
+
+            wanted = parse_qs(urlsplit(self.path).query).get("artifactType", [SIGNATURE])[0]
+            entries = []
+            for i in range(1000):
+                entry: dict[str, Any] = {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": "sha256:" + f"{i:064x}",
+                    "size": 1234,
+                }
+                if i % 10 == 1:
+                    entry["artifactType"] = "application/vnd.example.junk"
+                elif i % 10 != 2:
+                    entry["artifactType"] = wanted
+                entries.append(entry)
+            entries += entries[:100]  # and the same digests again
+            body = json.dumps(
+                {
+                    "schemaVersion": 2,
+                    "mediaType": "application/vnd.oci.image.index.v1+json",
+                    "manifests": entries,
+                }
+            ).encode()
+            self._reply(200, body, "application/vnd.oci.image.index.v1+json")
+        else:
+            time.sleep(0.05)  # a little slow for each junk digest, as a real flooder would be
+            self._reply(404, b'{"errors":[{"code":"MANIFEST_UNKNOWN"}]}', "application/json")
+
+    def _reply(self, status: int, body: bytes, ctype: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_peer_flooding_junk_referrers_hides_no_honest_signature(
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    serve: Any,  # noqa: F811
+) -> None:
+    """With the origin down, a peer listing 1,000 junk referrers (asked first) neither hides the
+    honest peer's signatures nor costs more than a few seconds: each peer's listing has a budget,
+    only entries of the type asked for count, and duplicates are dropped."""
+    origin, model, honest = signed_peer(registry_factory, checkpoint, tmp_path, serve, "peers/flooded")
+    junk = LoopbackServer(_JunkListingPeer)
+    origin.kill()
+    try:
+        started = time.monotonic()
+        b = run(
+            tmp_path,
+            "pull", "--cache", str(tmp_path / "node-b"), "--key", model.pub,
+            "--mirror", f"http://{junk.host}", "--mirror", honest.url,
+            "--retry-for", "2s", "--events", str(tmp_path / "b.jsonl"), "--json", model.pinned,
+        )  # fmt: skip
+        took = time.monotonic() - started
+        print(f"signed pinned pull with a junk-flooding peer first: {took:.1f} s")
+        assert b.returncode == 0, b.stderr
+        assert json.loads(b.stdout)["signature"] == "verified"
+        assert took < 20, took
+    finally:
+        junk.close()

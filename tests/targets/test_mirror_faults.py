@@ -180,7 +180,8 @@ def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_chunk_verified_load(
         if e["event"] == "registry.mirror_abandoned" and e.get("blob") in ours
     ]
     assert gone and all("digest mismatch" in e["reason"] for e in gone), gone
-    assert any("chunk(s) of range" in e["reason"] for e in gone), gone
+    # caught on its ranges (chunk by chunk), or on a whole blob: then it is not asked again
+    assert any("chunk(s) of range" in e["reason"] or "not the blob" in e["reason"] for e in gone), gone
 
 
 def test_a_mirror_serving_zeroed_bytes_cannot_deny_a_whole_layer_load(
@@ -385,3 +386,132 @@ def test_a_lying_mirror_sends_the_blob_to_the_next_mirror_not_to_the_origin(
     assert any("/blobs/" in p for _, p in liar.requests)  # the liar was asked, and lied
     assert not [p for m, p, _ in origin.requests_since(mark) if "/blobs/" in p and m == "GET"]
     assert set(doc["bytesBySource"]) == {honest.host}, doc
+
+
+def test_a_liar_just_above_the_floor_costs_a_bounded_time_per_blob(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """A mirror serving zeroed bytes at 1.25 times the throughput floor (never below it, so never
+    abandoned by the floor) cannot hold each blob for size / floor: a mirror must average four
+    times the floor over a whole blob after a grace of three windows, else the next source
+    continues from the byte reached; and once it alone served a blob that failed its digest it is
+    not asked again in this run. Before, this pull took about 50 s (the whole of each shard at
+    40 KiB/s, then the origin again)."""
+    digest, manifest, blobs = push_and_read_back(registry, checkpoint, "faults/liar")
+    layers = {str(d.digest): blobs[str(d.digest)] for d in manifest.layers if d.size > 1024 * 1024}
+    assert len(layers) == 2
+    liar = HostileMirror(layers, "zero", rate=40 * 1024)
+    crawler_for.append(liar)
+    env = _env(tmp_path, MODELPACK_MIRROR_MIN_RATE=str(32 * 1024), MODELPACK_MIRROR_RATE_WINDOW="1")
+    started = time.monotonic()
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--mirror",
+            liar.url,
+            "--json",
+            f"{registry.host}/faults/liar@{digest}",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    took = time.monotonic() - started
+    print(f"pull through a liar at 1.25 x the floor: {took:.1f} s")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for f in checkpoint.glob("*.safetensors"):
+        assert (Path(doc["path"]) / f.name).read_bytes() == f.read_bytes()
+    # each shard: at most 3 windows + size / (4 x floor) = 3 s + 15 s from the liar, then the origin
+    assert took < 30, (took, proc.stderr)
+    assert "too slow for a whole blob" in proc.stderr, proc.stderr
+
+
+def test_a_mirror_caught_lying_is_not_asked_again_in_the_run(
+    registry: RegistryServer, checkpoint: Path, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """A mirror that alone served a blob whose bytes failed the digest is not asked for any other
+    blob of the run: a liar costs one blob, not every blob. Before, it was asked for each."""
+    digest, _manifest, blobs = push_and_read_back(registry, checkpoint, "faults/once")
+    liar = HostileMirror(blobs, "zero")
+    crawler_for.append(liar)
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--jobs",
+            "1",
+            "--mirror",
+            liar.url,
+            "--json",
+            f"{registry.host}/faults/once@{digest}",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    asked = [p for m, p in liar.requests if m == "GET" and "/blobs/" in p]
+    assert len(asked) == 1, asked
+    assert len(blobs) > 2
+
+
+def test_with_a_signed_chunk_table_a_liar_is_dropped_at_its_first_bad_chunk(
+    registry: RegistryServer, tmp_path: Path, crawler_for: list[HostileMirror]
+) -> None:
+    """With a signed chunk table (64 KiB chunks) verified before the blobs are fetched, a mirror's
+    spool is checked chunk by chunk as it arrives: a liar sending zeroes just above the floor is
+    dropped at its first bad chunk (a few seconds), not at the last byte of a 27 MiB shard, and
+    the origin continues from the last good chunk. Before, each shard waited for the whole blob
+    (or the whole-blob limit: 3 windows + size at 4 x the floor)."""
+    from modelpack.signing import sign_artifact
+    from modelpack.signing.keys import generate_key
+
+    from modelpack.targets.opener import open_target
+    from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+
+    big = tmp_path / "big"
+    write_checkpoint(str(big), SyntheticSpec(hidden=512, intermediate=1376, layers=2, vocab=8192))
+    digest, manifest, blobs = push_and_read_back(registry, big, "faults/chunks")
+    target = open_target(f"{registry.host}/faults/chunks@{digest}", for_write=True)
+    key = generate_key()
+    sign_artifact(target, target.resolve(digest), key, chunk_size=64 * 1024)
+    pub = tmp_path / "k.pub"
+    pub.write_bytes(key.public.pem)
+    shard = max(manifest.layers, key=lambda d: d.size)
+    assert shard.size > 16 * 1024 * 1024
+    liar = HostileMirror({str(shard.digest): blobs[str(shard.digest)]}, "zero", rate=80 * 1024)
+    crawler_for.append(liar)
+    env = _env(tmp_path, MODELPACK_MIRROR_MIN_RATE=str(64 * 1024), MODELPACK_MIRROR_RATE_WINDOW="1")
+    started = time.monotonic()
+    proc = subprocess.run(
+        _cli(
+            "pull",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--key",
+            str(pub),
+            "--mirror",
+            liar.url,
+            "--json",
+            f"{registry.host}/faults/chunks@{digest}",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    took = time.monotonic() - started
+    print(f"pull through a liar with a 64 KiB chunk table: {took:.1f} s")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["signature"] == "verified"
+    assert (Path(doc["path"]) / "model.safetensors").read_bytes() == (big / "model.safetensors").read_bytes()
+    assert "chunk" in proc.stderr and "digest mismatch" in proc.stderr, proc.stderr
+    assert liar.served < 4 * 64 * 1024, liar.served  # dropped within its first chunks
+    assert took < 30, took

@@ -216,9 +216,10 @@ def test_mirror_corrupting_one_blob_is_abandoned_and_nothing_corrupt_is_written(
     mirror.add(Fault(match=blob_get(str(big.digest)), corrupt_at=big.size // 2, times=None))
     mark = registry.log_mark()
     _res, events = _pull_via(tmp_path, origin, f"http://{mirror.host}", "mirrors/corrupt", checkpoint)
-    # the origin served that one blob, whole, and nothing else
-    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
-    assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)] == [str(big.digest)]
+    # the origin served that one blob whole (once); the mirror, caught serving bytes that are not
+    # the blob, is not asked for the blobs it had not started yet (``_Mirror.lied``)
+    assert origin.blob_bytes[str(big.digest)] == big.size
+    assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)].count(str(big.digest)) == 1
     gone = _abandoned(events)
     assert len(gone) == 1 and "digest mismatch" in gone[0]["reason"] and gone[0]["blob"] == str(big.digest)
 
@@ -264,7 +265,9 @@ def test_node_cache_and_loader_ranges_go_through_the_mirror(
     for f in checkpoint.glob("*.safetensors"):
         assert (Path(result.path) / f.name).read_bytes() == f.read_bytes()
     origin.settle()
-    assert dict(origin.blob_bytes) == {str(big.digest): big.size}
+    # the corrupted blob came whole from the origin (the mirror, caught, is not asked again in
+    # that pull: ``_Mirror.lied``)
+    assert origin.blob_bytes[str(big.digest)] == big.size
 
     origin.clear()
     target = open_readable(f"{origin.host}/mirrors/cache:v1", opts)

@@ -46,7 +46,8 @@ class MirrorEndpoint:
     plain_http: bool = False
     ca_file: str | None = None
     skip_verify: bool = False
-    headers: Mapping[str, str] = field(default_factory=dict)
+    #: sent with every request to this mirror (hosts.toml ``header``; the peer token): never shown
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
     origin: str = ""  # where it was configured: "--mirror", or the hosts.toml path
     peer: bool = False  # one of the addresses of a ``dns+`` peers name
 
@@ -144,14 +145,23 @@ def mirror_limits(thresholds: MirrorThresholds | None = None) -> tuple[float, Fl
 
 
 def configured_mirrors(
-    registry: str, mirrors: list[str] | None, hosts_dir: str | None
+    registry: str, mirrors: list[str] | None, hosts_dir: str | None, *, peer_token: str | None = None
 ) -> list[MirrorEndpoint]:
     """``mirrors`` (``--mirror``, else ``MODELPACK_MIRRORS`` through ``TargetOptions.from_environ``)
     first, then the hosts.toml of ``registry`` in ``hosts_dir`` (default ``/etc/containerd/certs.d``);
-    a mirror that is the registry itself is dropped (it would be asked twice)."""
+    a mirror that is the registry itself is dropped (it would be asked twice).
+
+    ``peer_token`` (``MODELPACK_PEER_TOKEN``) is presented as ``Authorization: Bearer`` to the
+    ``mirrors`` entries (each address of a ``dns+`` name too), the peers' ``cache serve``; never to
+    a hosts.toml mirror (its ``header`` table says what it gets), never to the origin registry
+    (its client never has this header) and never to a host a mirror redirects to (``requests``
+    drops the header when a redirect leaves the mirror's host and port)."""
     urls = list(mirrors or [])
+    if peer_token is not None and not peer_token.strip():
+        raise MirrorConfigError("the peer token is empty; an empty token is never 'no token'", target="peers")
+    auth = {"Authorization": f"Bearer {peer_token.strip()}"} if peer_token else {}
     found = [
-        parse_mirror_url(u, origin="--mirror", peer=url.startswith(PREFIX))
+        parse_mirror_url(u, origin="--mirror", peer=url.startswith(PREFIX), headers=auth)
         for url in urls
         for u in expand_peer_urls([url])
     ]

@@ -22,6 +22,18 @@ Every mirror read has a stall limit (no byte for ``stall_s``) and a throughput f
 trickles), and is abandoned mid-blob for the next mirror and finally the origin, from the byte
 reached. A stop request (``stopping``: SIGTERM) ends every wait at once.
 
+What a lying mirror can cost: a whole-blob spool is verified only at its last byte, so a mirror
+serving wrong bytes just above the floor would hold each blob for size ÷ floor. Bounded twice:
+a mirror's part of a spool must average ``BLOB_RATE_FACTOR`` times the floor after a grace of
+``BLOB_GRACE_WINDOWS`` windows (``blob_deadline_s``; with the default floor, 30 s + 1 s per MiB),
+else the next source continues from the byte reached; and a mirror that alone served a blob
+whose bytes failed its digest is not asked again during this run (``_Mirror.lied``), so a liar
+costs at most the blobs it was already serving. With a signed chunk table the caller verified
+(``check_chunks``, from ``RegistryTarget.use_chunk_table``) a spool is checked chunk by chunk as
+it arrives (``_ChunkGate``): a liar is dropped at its first wrong chunk and the next source
+continues from the last good one. The loader's ranges are checked the same way (``read_range``'s
+``check``).
+
 Range reads (the loader's streaming) go to the mirrors in order too, falling back on any error;
 a range cannot be verified alone, so the caller may pass ``check`` (the loader's signed chunk
 table): the chunks of a mirror's bytes that fail it are fetched again from the next source and
@@ -40,6 +52,7 @@ from typing import Any, BinaryIO
 
 from modelpack import stopping
 from modelpack.errors import (
+    MirrorTooSlowError,
     ModelpackError,
     RegistryConnectionError,
     RegistryError,
@@ -73,6 +86,71 @@ DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
+#: a mirror's part of a whole-blob spool must average this many times the floor…
+BLOB_RATE_FACTOR = 4
+#: …after a grace of this many floor windows
+BLOB_GRACE_WINDOWS = 3
+
+
+def blob_deadline_s(floor: Floor | None, nbytes: int) -> float | None:
+    """Seconds a mirror may take to deliver ``nbytes`` of a blob: ``BLOB_GRACE_WINDOWS`` windows
+    plus ``nbytes`` at ``BLOB_RATE_FACTOR`` times the floor; None without a floor."""
+    if floor is None or floor.min_bps <= 0:
+        return None
+    return BLOB_GRACE_WINDOWS * floor.window_s + nbytes / (BLOB_RATE_FACTOR * floor.min_bps)
+
+
+class _BadChunk(Exception):
+    """A chunk a mirror sent does not match the signed chunk table (``_ChunkGate``)."""
+
+    def __init__(self, offset: int, length: int) -> None:
+        super().__init__(f"chunk at byte {offset}")
+        self.offset = offset
+        self.length = length
+
+
+class _ChunkGate:
+    """Between a spool's sources and its hasher and file: with a signed chunk table for the blob
+    (``MirroredBlobs.check_chunks``), a mirror's bytes are held back until their chunk is whole,
+    checked against the table, and only then hashed and spooled; a wrong chunk raises
+    ``_BadChunk`` (its bytes are dropped: the next source starts at that chunk). The origin's
+    bytes are not judged here (the whole blob's digest is checked as always), nor are bytes of a
+    blob without a table."""
+
+    def __init__(
+        self, desc: Descriptor, checks: tuple[int, RangeCheck] | None, hasher: Any, spool: Any
+    ) -> None:
+        self.size = desc.size
+        self.checks = checks
+        self.hasher = hasher
+        self.spool = spool
+        self.done = 0  # bytes hashed and spooled (a chunk boundary while a table is used)
+        self.pending = bytearray()
+
+    def _commit(self, data: bytes | bytearray) -> None:
+        self.hasher.update(data)
+        self.spool.write(data)
+        self.done += len(data)
+
+    def add(self, data: bytes, *, checked: bool) -> None:
+        if self.checks is None or not checked:
+            if self.pending:
+                self._commit(self.pending)
+                self.pending = bytearray()
+            self._commit(data)
+            return
+        chunk_size, check = self.checks
+        self.pending += data
+        while self.pending:
+            length = min(chunk_size - self.done % chunk_size, self.size - self.done)
+            if len(self.pending) < length:
+                return
+            chunk = bytes(self.pending[:length])
+            if self.done % chunk_size == 0 and check(self.done, chunk):
+                self.pending = bytearray()
+                raise _BadChunk(self.done, length)
+            del self.pending[:length]
+            self._commit(chunk)
 
 
 class _Mirror:
@@ -80,6 +158,8 @@ class _Mirror:
         self.endpoint = endpoint
         self.repo = repo
         self.down_until = 0.0
+        #: it alone served a blob whose bytes failed the digest: not asked again this run
+        self.lied = False
 
     @property
     def name(self) -> str:
@@ -125,6 +205,15 @@ class MirroredBlobs:
         self.blob_order = blob_order()
         #: blob digest → owner peer, from the manifests read (``plan``; ``owners.balanced_owners``)
         self._owners: dict[str, str] = {}
+        #: layer digest → (chunk size, check) from a verified signed chunk table (``check_chunks``)
+        self._chunk_checks: dict[str, tuple[int, RangeCheck]] = {}
+
+    def check_chunks(self, layer_digest: str, chunk_size: int, check: RangeCheck) -> None:
+        """Check mirrors' whole-blob spools of ``layer_digest`` chunk by chunk with ``check`` (a
+        verified signed chunk table's): a liar is dropped at its first wrong chunk."""
+        if chunk_size > 0:
+            with self._lock:
+                self._chunk_checks[layer_digest] = (chunk_size, check)
 
     # ------------------------------------------------------------------ bookkeeping
     def _count(self, source: str, n: int) -> None:
@@ -188,7 +277,7 @@ class MirroredBlobs:
 
     def _usable(self) -> list[_Mirror]:
         now = time.monotonic()
-        return [m for m in self.mirrors if m.down_until <= now]
+        return [m for m in self.mirrors if m.down_until <= now and not m.lied]
 
     def _for_blob(self, desc: Descriptor) -> list[_Mirror]:
         """The usable mirrors for ``desc``. With blob order, the peers (in the place of the first
@@ -293,6 +382,7 @@ class MirroredBlobs:
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
         pos = 0
         sources: list[tuple[_Mirror | None, int]] = []
+        chunks = _ChunkGate(desc, self._chunk_checks.get(str(desc.digest)), hasher, spool)
         try:
             for mirror in [*(m for m in self._for_blob(desc) if m.name not in excluded), None]:
                 if pos >= desc.size:
@@ -300,6 +390,8 @@ class MirroredBlobs:
                 repo = mirror.repo if mirror is not None else self.origin
                 floor = self.floor if mirror is not None else None
                 start = pos
+                limit = blob_deadline_s(floor, desc.size - pos)
+                began = time.monotonic()
                 try:
                     with ResumingBlobStream(repo, desc, pos, floor=floor) as stream:
                         while pos < desc.size:
@@ -307,18 +399,32 @@ class MirroredBlobs:
                             data = stream.read(min(_CHUNK, desc.size - pos))
                             if not data:
                                 break
-                            hasher.update(data)
-                            spool.write(data)
                             pos += len(data)
+                            chunks.add(data, checked=mirror is not None)
+                            if limit is not None and time.monotonic() - began > limit:
+                                raise self._too_slow_for_blob(desc, floor, pos - start, began, pos)
                     if pos < desc.size and mirror is not None:
                         self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
                 except TransferInterrupted:
                     raise
+                except _BadChunk as bad:
+                    assert mirror is not None
+                    if bad.offset >= start:  # this mirror alone served the chunk: it lied
+                        mirror.lied = True
+                    pos = bad.offset  # the next source continues from the last good chunk
+                    self._abandon(
+                        mirror,
+                        desc,
+                        f"digest mismatch: chunk at byte {bad.offset} ({bad.length} bytes) does not "
+                        "match the signed chunk table",
+                        bad.offset,
+                        failure="digest_mismatch",
+                    )
                 except (RegistryError, ModelpackError) as exc:
                     if mirror is None:
                         raise
                     self._mirror_failed(mirror, desc, exc, pos)
-                sources.append((mirror, pos - start))
+                sources.append((mirror, max(0, pos - start)))
             if pos == desc.size and hasher.hexdigest() == want:
                 split: dict[str, int] = {}
                 for mirror, n in sources:
@@ -338,6 +444,11 @@ class MirroredBlobs:
                 spool.seek(0)
                 return spool, set()  # type: ignore[return-value]
             liars: set[str] = set()
+            served_by = {m.name if m is not None else "" for m, n in sources if n}
+            if len(served_by) == 1 and "" not in served_by:  # one mirror served every byte: it lied
+                for mirror, n in sources:
+                    if mirror is not None and n:
+                        mirror.lied = True
             for mirror, n in sources:
                 if mirror is not None and n:
                     self._abandon(
@@ -355,6 +466,18 @@ class MirroredBlobs:
         except BaseException:
             spool.close()
             raise
+
+    @staticmethod
+    def _too_slow_for_blob(
+        desc: Descriptor, floor: Floor | None, got: int, began: float, pos: int
+    ) -> MirrorTooSlowError:
+        assert floor is not None
+        elapsed = time.monotonic() - began
+        return MirrorTooSlowError(
+            f"blob {desc.digest}: too slow for a whole blob, {got} bytes in {elapsed:.1f} s (a mirror "
+            f"must average {BLOB_RATE_FACTOR * floor.min_bps:.0f} B/s over a blob after "
+            f"{BLOB_GRACE_WINDOWS * floor.window_s:g} s), at byte {pos}"
+        )
 
     # ------------------------------------------------------------------ ranges
     def read_range(
@@ -552,10 +675,13 @@ class _SourcesStream:
 
 
 __all__ = [
+    "BLOB_GRACE_WINDOWS",
+    "BLOB_RATE_FACTOR",
     "DEFAULT_HOSTS_DIR",
     "MIRROR_STALL_S",
     "MirrorEndpoint",
     "MirroredBlobs",
+    "blob_deadline_s",
     "configured_mirrors",
     "hosts_toml_mirrors",
     "mirror_limits",

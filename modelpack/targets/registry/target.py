@@ -32,14 +32,14 @@ from modelpack.errors import (
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
-from modelpack.targets.base import BlobSource, RangeCheck
+from modelpack.targets.base import BlobSource, ChunkTableLike, RangeCheck
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
-from modelpack.targets.registry.peer_referrers import mirror_referrers
+from modelpack.targets.registry.peer_referrers import ListingClock, mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
 from modelpack.targets.registry.upload import DEFAULT_CHUNK_SIZE, DEFAULT_MONOLITHIC_MAX, BlobUploader
@@ -91,6 +91,8 @@ class RegistryTarget:
         self._origin_unreachable: RegistryConnectionError | None = None
         #: the origin's referrers with a short retry budget, when mirrors can answer instead
         self._origin_referrers: ManifestStore | None = None
+        #: the time left for peer referrer listings (``peer_referrers.LISTING_BUDGET_S``)
+        self._listing_clock = ListingClock()
 
     @property
     def chunk_size(self) -> int:
@@ -132,7 +134,9 @@ class RegistryTarget:
         )
         target.events = opts.events
         if not for_write:
-            endpoints = configured_mirrors(ref.location, opts.mirrors, opts.hosts_dir)
+            endpoints = configured_mirrors(
+                ref.location, opts.mirrors, opts.hosts_dir, peer_token=opts.peer_token
+            )
             if endpoints:
                 stall, floor = mirror_limits(opts.mirror_thresholds)
                 target.mirrors = MirroredBlobs(
@@ -174,8 +178,13 @@ class RegistryTarget:
                 if not again:
                     self._manifest_event(reference, got, self.mirrors.url_of(name), "mirror")
                 return got
-        fresh = self._manifests.cached(reference) is None if reference.startswith("sha256:") else True
-        got = op(self._manifests)
+        store = self._manifests
+        if self._origin_unreachable is not None and self._origin_referrers is not None:
+            # the origin could not be reached this run (its referrers fell through to the peers):
+            # each digest no peer had (a listed junk referrer) costs the short budget, not --retry-for
+            store = self._origin_referrers
+        fresh = store.cached(reference) is None if reference.startswith("sha256:") else True
+        got = op(store)
         if fresh:
             self._manifest_event(reference, got, origin_url(self.client), "origin")
         return got
@@ -205,6 +214,15 @@ class RegistryTarget:
         """The whole blob from the mirrors, verified (``VerifiedSpooler``); None without mirrors
         or when the origin must serve it."""
         return self.mirrors.spool_verified(descriptor) if self.mirrors is not None else None
+
+    def use_chunk_table(self, table: ChunkTableLike) -> None:
+        """Check the mirrors' whole-blob spools of ``table``'s layers chunk by chunk against it
+        (a table the caller verified; ``ChunkCheckedSpools``): a liar is dropped at its first
+        wrong chunk, the next source continues from the last good one."""
+        if self.mirrors is None:
+            return
+        for layer in table.layers:
+            self.mirrors.check_chunks(str(layer), table.chunk_size, table.range_check(str(layer)))
 
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         if self.mirrors is not None:
@@ -344,6 +362,7 @@ class RegistryTarget:
             artifact_type,
             self._origin_unreachable,
             self.events,
+            self._listing_clock,
         )
 
     @staticmethod
