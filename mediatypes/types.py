@@ -75,6 +75,21 @@ class SpecNames(StrEnum):
 _LEGACY_ARTIFACT_TYPE = SpecNames.CNAI.artifact_type
 _LEGACY_CONFIG = SpecNames.CNAI.config_media_type
 
+#: KitOps ModelKits: the Kitfile (as JSON) is the config; it records each layer's digest and
+#: diffId. Their layers are read (``KITOPS_LAYER_KINDS``), never written.
+MEDIA_TYPE_KITOPS_CONFIG = "application/vnd.kitops.modelkit.config.v1+json"
+_KITOPS_FAMILY = "application/vnd.kitops.modelkit."
+#: a ModelKit layer's name → the ModelPack kind its files are (a ``modelpart`` is an adapter or
+#: a part of the weights). Its ``prompts``, ``skill`` and ``mcpserver`` layers have no ModelPack
+#: kind and are refused (``is_layer_family``), never guessed at.
+KITOPS_LAYER_KINDS = {
+    "model": "weight",
+    "modelpart": "weight",
+    "dataset": "dataset",
+    "code": "code",
+    "docs": "doc",
+}
+
 MANIFEST_MEDIA_TYPES = (
     MEDIA_TYPE_OCI_MANIFEST,
     MEDIA_TYPE_OCI_INDEX,
@@ -197,6 +212,9 @@ def _layer_table() -> dict[str, LayerType]:
                 )
     for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
         table[MEDIA_TYPE_IMAGE_LAYER_TAR + fmt.removeprefix("tar")] = LayerType(LayerKind.IMAGE, fmt)
+    for name, kind in KITOPS_LAYER_KINDS.items():
+        for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
+            table[f"{_KITOPS_FAMILY}{name}.v1.{fmt}"] = LayerType(LayerKind(kind), fmt, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR] = LayerType(LayerKind.IMAGE, BlobFormat.TAR, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP] = LayerType(LayerKind.IMAGE, BlobFormat.TAR_GZIP, legacy=True)
     return table
@@ -210,12 +228,15 @@ _WRITTEN = {
     for names in SpecNames
     if (lt.names is names) or (lt.names is None and not lt.legacy)
 }
+#: the KitOps layer types: ModelPack kinds, read only, and only under a Kitfile config
+KITOPS_LAYER_MEDIA_TYPES = frozenset(mt for mt in LAYER_MEDIA_TYPES if mt.startswith(_KITOPS_FAMILY))
 # media types in these families name a layer format: one the table does not hold is refused by
 # readers, never taken for a raw file (``+lz4``, a ``v2``, a foreign or non-distributable layer)
 _LAYER_FAMILIES = (
     *(names.family for names in SpecNames),
     "application/vnd.oci.image.layer.",
     "application/vnd.docker.image.rootfs.",
+    _KITOPS_FAMILY,
 )
 
 
@@ -239,7 +260,8 @@ def parse_media_type(media_type: str) -> LayerType | None:
 
 
 def parse_layer_media_type(media_type: str) -> LayerType | None:
-    """A ModelPack layer media type (CNCF or legacy CNAI); None if it is not one."""
+    """A ModelPack layer media type (CNCF or legacy CNAI, or a KitOps layer: its files have a
+    ModelPack kind); None if it is not one."""
     lt = LAYER_MEDIA_TYPES.get(media_type)
     return lt if lt is not None and lt.kind.is_modelpack else None
 
