@@ -212,9 +212,9 @@ def _layer_table() -> dict[str, LayerType]:
                 )
     for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
         table[MEDIA_TYPE_IMAGE_LAYER_TAR + fmt.removeprefix("tar")] = LayerType(LayerKind.IMAGE, fmt)
-    for name, kind in KITOPS_LAYER_KINDS.items():
+    for name, kit_kind in KITOPS_LAYER_KINDS.items():
         for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
-            table[f"{_KITOPS_FAMILY}{name}.v1.{fmt}"] = LayerType(LayerKind(kind), fmt, legacy=True)
+            table[f"{_KITOPS_FAMILY}{name}.v1.{fmt}"] = LayerType(LayerKind(kit_kind), fmt, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR] = LayerType(LayerKind.IMAGE, BlobFormat.TAR, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP] = LayerType(LayerKind.IMAGE, BlobFormat.TAR_GZIP, legacy=True)
     return table

@@ -47,7 +47,7 @@ def kitfile_diff_ids(config_raw: bytes, layer_digests: Sequence[str], *, where: 
         if not isinstance(entry, dict) or "digest" not in entry:
             continue  # an entry without a layer (a reference to another ModelKit)
         try:
-            digest, diff_id = str(Digest(entry["digest"])), str(Digest(entry.get("diffId")))
+            digest, diff_id = str(Digest(entry["digest"])), str(Digest(entry.get("diffId", "")))
         except (TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: entry {str(entry.get('path'))[:100]!r}: {exc}") from None
         if recorded.setdefault(digest, diff_id) != diff_id:
