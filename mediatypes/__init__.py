@@ -1,8 +1,9 @@
 """The ModelPack contract: media types, annotation keys and the model config.
 
 Everything that names a byte format on the wire lives here so that the rest of the code never
-spells a media type string by hand. Writers always emit the CNCF (``vnd.cncf`` / ``org.cncf``)
-names; readers also accept the older CNAI names that modctl releases still produce.
+spells a media type string by hand. Writers emit the CNCF (``vnd.cncf``) media types unless asked
+for the CNAI ones (``SpecNames``: released Harbor recognises only those, modctl writes them);
+annotations are always ``org.cncf``. Readers accept both namings.
 """
 
 from modelpack.mediatypes.annotations import (
@@ -29,6 +30,7 @@ from modelpack.mediatypes.types import (
     MEDIA_TYPE_IMAGE_LAYER_TAR,
     MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP,
     MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD,
+    MEDIA_TYPE_KITOPS_CONFIG,
     MEDIA_TYPE_OCI_INDEX,
     MEDIA_TYPE_OCI_MANIFEST,
     MODELPACK_KINDS,
@@ -36,12 +38,15 @@ from modelpack.mediatypes.types import (
     Compression,
     LayerKind,
     LayerType,
+    SpecNames,
     is_layer_family,
     is_model_artifact_type,
     is_model_config,
     layer_media_type,
     parse_layer_media_type,
     parse_media_type,
+    renamed_media_type,
+    spec_names_of,
     supported_layer_formats,
 )
 
@@ -66,6 +71,7 @@ __all__ = [
     "MEDIA_TYPE_IMAGE_LAYER_TAR",
     "MEDIA_TYPE_IMAGE_LAYER_TAR_GZIP",
     "MEDIA_TYPE_IMAGE_LAYER_TAR_ZSTD",
+    "MEDIA_TYPE_KITOPS_CONFIG",
     "MEDIA_TYPE_OCI_INDEX",
     "MEDIA_TYPE_OCI_MANIFEST",
     "MODELPACK_KINDS",
@@ -79,6 +85,7 @@ __all__ = [
     "ModelDescriptor",
     "ModelFS",
     "ModelSpecConfig",
+    "SpecNames",
     "is_layer_family",
     "is_model_artifact_type",
     "is_model_config",
@@ -86,5 +93,7 @@ __all__ = [
     "layer_media_type",
     "parse_layer_media_type",
     "parse_media_type",
+    "renamed_media_type",
+    "spec_names_of",
     "supported_layer_formats",
 ]

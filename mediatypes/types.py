@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from modelpack.errors import UnsupportedLayerError
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -43,10 +45,50 @@ MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP = "application/vnd.docker.image.rootfs.diff.tar
 ARTIFACT_TYPE_MODEL = "application/vnd.cncf.model.manifest.v1+json"
 MEDIA_TYPE_CONFIG = "application/vnd.cncf.model.config.v1+json"
 
-# Older names written by modctl releases before the CNCF rename; accepted when reading only.
-_VENDORS = ("cncf", "cnai")
-_LEGACY_ARTIFACT_TYPE = "application/vnd.cnai.model.manifest.v1+json"
-_LEGACY_CONFIG = "application/vnd.cnai.model.config.v1+json"
+
+class SpecNames(StrEnum):
+    """Which spelling of the ModelPack names a manifest uses: ``cncf`` (the spec since v0.0.7,
+    what modelpack writes by default, what Docker Hub's model catalog and KServe expect) or
+    ``cnai`` (the names before the CNCF rename: what released Harbor recognises and modctl
+    writes). Both are read; either is written on request (``--spec-names``). Only media types
+    differ: the ``org.cncf.model.*`` annotations and the config bytes are the same in both."""
+
+    CNCF = "cncf"
+    CNAI = "cnai"
+
+    @property
+    def artifact_type(self) -> str:
+        """The manifest's ``artifactType``."""
+        return f"application/vnd.{self}.model.manifest.v1+json"
+
+    @property
+    def config_media_type(self) -> str:
+        """The model config's media type."""
+        return f"application/vnd.{self}.model.config.v1+json"
+
+    @property
+    def family(self) -> str:
+        """The prefix every media type of this naming starts with."""
+        return f"application/vnd.{self}.model."
+
+
+_LEGACY_ARTIFACT_TYPE = SpecNames.CNAI.artifact_type
+_LEGACY_CONFIG = SpecNames.CNAI.config_media_type
+
+#: KitOps ModelKits: the Kitfile (as JSON) is the config; it records each layer's digest and
+#: diffId. Their layers are read (``KITOPS_LAYER_KINDS``), never written.
+MEDIA_TYPE_KITOPS_CONFIG = "application/vnd.kitops.modelkit.config.v1+json"
+_KITOPS_FAMILY = "application/vnd.kitops.modelkit."
+#: a ModelKit layer's name → the ModelPack kind its files are (a ``modelpart`` is an adapter or
+#: a part of the weights). Its ``prompts``, ``skill`` and ``mcpserver`` layers have no ModelPack
+#: kind and are refused (``is_layer_family``), never guessed at.
+KITOPS_LAYER_KINDS = {
+    "model": "weight",
+    "modelpart": "weight",
+    "dataset": "dataset",
+    "code": "code",
+    "docs": "doc",
+}
 
 MANIFEST_MEDIA_TYPES = (
     MEDIA_TYPE_OCI_MANIFEST,
@@ -131,13 +173,16 @@ MODELPACK_KINDS = tuple(k for k in LayerKind if k.is_modelpack)
 class LayerType:
     """A layer media type, parsed: what the layer holds (kind) and how it is framed (format).
 
-    ``legacy``: an older name that is read but never written (modctl's ``vnd.cnai``, Docker's
-    ``image.rootfs.diff``); ``media_type`` is always the name modelpack writes.
+    ``legacy``: not the name modelpack writes by default (modctl's ``vnd.cnai``, written only
+    with ``--spec-names cnai``; Docker's ``image.rootfs.diff``, never written); ``media_type`` is
+    always the default name. ``names``: the ModelPack naming the type was spelled in (None for an
+    image layer, which has one name whatever the naming).
     """
 
     kind: LayerKind
     format: BlobFormat
     legacy: bool = False
+    names: SpecNames | None = field(default=None, compare=False)
 
     @property
     def media_type(self) -> str:
@@ -161,12 +206,15 @@ def _layer_table() -> dict[str, LayerType]:
     table: dict[str, LayerType] = {}
     for kind in MODELPACK_KINDS:
         for fmt in BlobFormat:
-            for vendor in _VENDORS:
-                table[f"application/vnd.{vendor}.model.{kind}.v1.{fmt}"] = LayerType(
-                    kind, fmt, legacy=vendor != "cncf"
+            for names in SpecNames:
+                table[f"{names.family}{kind}.v1.{fmt}"] = LayerType(
+                    kind, fmt, legacy=names is not SpecNames.CNCF, names=names
                 )
     for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
         table[MEDIA_TYPE_IMAGE_LAYER_TAR + fmt.removeprefix("tar")] = LayerType(LayerKind.IMAGE, fmt)
+    for name, kit_kind in KITOPS_LAYER_KINDS.items():
+        for fmt in (BlobFormat.TAR, BlobFormat.TAR_GZIP, BlobFormat.TAR_ZSTD):
+            table[f"{_KITOPS_FAMILY}{name}.v1.{fmt}"] = LayerType(LayerKind(kit_kind), fmt, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR] = LayerType(LayerKind.IMAGE, BlobFormat.TAR, legacy=True)
     table[MEDIA_TYPE_DOCKER_LAYER_TAR_GZIP] = LayerType(LayerKind.IMAGE, BlobFormat.TAR_GZIP, legacy=True)
     return table
@@ -174,21 +222,30 @@ def _layer_table() -> dict[str, LayerType]:
 
 #: layer media type → what it is; read-only
 LAYER_MEDIA_TYPES: Mapping[str, LayerType] = MappingProxyType(_layer_table())
-_WRITTEN = {(lt.kind, lt.format): mt for mt, lt in LAYER_MEDIA_TYPES.items() if not lt.legacy}
+_WRITTEN = {
+    (lt.kind, lt.format, names): mt
+    for mt, lt in LAYER_MEDIA_TYPES.items()
+    for names in SpecNames
+    if (lt.names is names) or (lt.names is None and not lt.legacy)
+}
+#: the KitOps layer types: ModelPack kinds, read only, and only under a Kitfile config
+KITOPS_LAYER_MEDIA_TYPES = frozenset(mt for mt in LAYER_MEDIA_TYPES if mt.startswith(_KITOPS_FAMILY))
 # media types in these families name a layer format: one the table does not hold is refused by
 # readers, never taken for a raw file (``+lz4``, a ``v2``, a foreign or non-distributable layer)
 _LAYER_FAMILIES = (
-    *(f"application/vnd.{vendor}.model." for vendor in _VENDORS),
+    *(names.family for names in SpecNames),
     "application/vnd.oci.image.layer.",
     "application/vnd.docker.image.rootfs.",
+    _KITOPS_FAMILY,
 )
 
 
-def layer_media_type(kind: str, fmt: str = BlobFormat.RAW) -> str:
-    """The media type modelpack writes for a layer of ``kind`` framed as ``fmt``; a pair the
-    vocabulary has no name for is a programming error."""
+def layer_media_type(kind: str, fmt: str = BlobFormat.RAW, names: SpecNames = SpecNames.CNCF) -> str:
+    """The media type modelpack writes for a layer of ``kind`` framed as ``fmt`` in the naming
+    ``names`` (an image layer has one name whatever the naming); a pair the vocabulary has no
+    name for is a programming error."""
     try:
-        return _WRITTEN[(LayerKind(kind), BlobFormat(fmt))]
+        return _WRITTEN[(LayerKind(kind), BlobFormat(fmt), SpecNames(names))]
     except (KeyError, ValueError):
         raise ValueError(
             f"no layer media type for kind {kind!r} and format {fmt!r}; kinds: "
@@ -203,7 +260,8 @@ def parse_media_type(media_type: str) -> LayerType | None:
 
 
 def parse_layer_media_type(media_type: str) -> LayerType | None:
-    """A ModelPack layer media type (CNCF or legacy CNAI); None if it is not one."""
+    """A ModelPack layer media type (CNCF or legacy CNAI, or a KitOps layer: its files have a
+    ModelPack kind); None if it is not one."""
     lt = LAYER_MEDIA_TYPES.get(media_type)
     return lt if lt is not None and lt.kind.is_modelpack else None
 
@@ -226,3 +284,32 @@ def is_model_artifact_type(artifact_type: str | None) -> bool:
 
 def is_model_config(media_type: str | None) -> bool:
     return media_type in (MEDIA_TYPE_CONFIG, _LEGACY_CONFIG)
+
+
+def spec_names_of(media_type: str | None) -> SpecNames | None:
+    """The ModelPack naming ``media_type`` is spelled in; None for any other type."""
+    for names in SpecNames:
+        if media_type and media_type.startswith(names.family):
+            return names
+    return None
+
+
+def renamed_media_type(media_type: str, names: SpecNames) -> str:
+    """``media_type`` spelled in the naming ``names``: the manifest's artifact type, the model
+    config's type and every ModelPack layer type map to the same thing in the other naming;
+    every other type (image layers, OCI configs, anything foreign) is returned unchanged. A
+    ModelPack name the vocabulary does not know (a kind, format or version it has no reader for)
+    is refused: keeping it would leave the manifest half in one naming and half in the other."""
+    if is_model_artifact_type(media_type):
+        return names.artifact_type
+    if is_model_config(media_type):
+        return names.config_media_type
+    lt = parse_layer_media_type(media_type)
+    if lt is not None:
+        return layer_media_type(lt.kind, lt.format, names)
+    if spec_names_of(media_type) is not None:
+        raise UnsupportedLayerError(
+            f"media type {media_type[:120]!r} is a ModelPack name this version does not know; "
+            f"it cannot be respelled as {names}"
+        )
+    return media_type

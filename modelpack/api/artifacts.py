@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpack.errors import ListingCutError, PackError
-from modelpack.mediatypes import ModelSpecConfig, is_model_config, parse_layer_media_type
+from modelpack.mediatypes import ModelSpecConfig, SpecNames, is_model_config, parse_layer_media_type
 from modelpack.mediatypes.annotations import layer_filepath
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.reference import Reference, parse_reference
@@ -17,6 +17,12 @@ from modelpack.targets.base import Closable
 from modelpack.targets.fetch import fetch_config, fetch_manifest
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
 from modelpack.transfer.copy import CopyResult, copy
+
+#: ``--spec-names`` names ModelPack media types; the image-shaped variant is an OCI image
+IMAGE_HAS_NO_SPEC_NAMES = (
+    "--spec-names applies to the ModelPack artifact: --format image writes an OCI image, whose "
+    "media types are the image spec's whatever the naming"
+)
 
 
 @dataclass
@@ -74,6 +80,8 @@ def pack(
         raise PackError(f"{checkpoint_dir}: --format image is not supported with hf:// or --modelfile")
     if not from_s3 and not from_hf and not os.path.isdir(checkpoint_dir):
         raise PackError(f"{checkpoint_dir}: not a directory")
+    if format == "image" and options is not None and options.spec_names != SpecNames.CNCF:
+        raise PackError(IMAGE_HAS_NO_SPEC_NAMES)
     ref = parse_reference(destination) if isinstance(destination, str) else destination
     if ref.digest:
         raise PackError(f"{ref}: a pack destination takes a tag, not a digest (the digest is computed)")

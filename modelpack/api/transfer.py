@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpack.api.artifacts import pack
-from modelpack.errors import InvalidReferenceError, ModelpackError, PackError, SigningError
+from modelpack.errors import InvalidReferenceError, ManifestError, ModelpackError, PackError, SigningError
 from modelpack.events import EventLog
+from modelpack.mediatypes import SpecNames
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference, validate_tag
 from modelpack.oci.variant_selection import VariantSelector
@@ -67,6 +68,7 @@ def push(
     sign_passphrase: str | bytes | None = None,
     mount_from: Sequence[str] = (),
     modelfile: str | None = None,
+    spec_names: str | None = None,
 ) -> PushResult:
     """Push a checkpoint directory (packed on the fly, uploaded straight from its files) or an
     artifact at another reference (``oci:DIR:TAG``, ``s3://…``) to ``destination``.
@@ -80,6 +82,10 @@ def push(
 
     Into a registry, a blob the destination lacks is mounted from ``mount_from`` (repositories of
     the same registry) or from where this user pushed it before (``transfer.pushed_blobs``).
+
+    ``spec_names`` (``cncf``/``cnai``) names the ModelPack media types written: a directory is
+    packed in that naming (over ``pack_options.spec_names``); a stored artifact is respelled as
+    ``cp`` does. None: a directory in ``pack_options``' naming, a stored artifact as it is.
     """
     dst = parse_reference(destination) if isinstance(destination, str) else destination
     if dst.digest:
@@ -92,6 +98,8 @@ def push(
     files: int | None = None
     if os.path.isdir(source) or source.startswith("hf://") or _is_s3_checkpoint(source, target_options):
         opts = pack_options or PackOptions(progress=progress)
+        if spec_names is not None:
+            opts = dataclasses.replace(opts, spec_names=spec_names)
         packed = pack(
             source,
             dst.with_tag(tag),
@@ -122,6 +130,7 @@ def push(
             jobs=jobs,
             progress=progress,
             mount_from=mount_from,
+            spec_names=_spec_names(spec_names),
         )
         digest = copied.descriptor.digest
     result = PushResult(str(dst.with_tag(tag)), str(digest), copied, files)
@@ -198,11 +207,14 @@ def cp(
     jobs: int = 4,
     referrers: bool = False,
     progress: str = "auto",
+    spec_names: str | None = None,
 ) -> CopyResult:
     """Copy an artifact (and, with ``referrers``, its signatures etc.) between any two targets.
 
     The destination keeps the source's tag unless it names its own; a digest-only source is
-    pushed by digest.
+    pushed by digest. ``spec_names`` (``cncf``/``cnai``) writes the model manifest with its
+    ModelPack media types in that naming: the same blobs under a new manifest digest (refused
+    with ``referrers``, for an index, and for a manifest that is not a model).
     """
     src_ref = parse_reference(source) if isinstance(source, str) else source
     dst_ref = parse_reference(destination) if isinstance(destination, str) else destination
@@ -214,7 +226,26 @@ def cp(
     src = open_readable(src_ref, target_options)
     dst = open_target(dst_ref, target_options, for_write=True)
     tag = dst_ref.tag or src_ref.tag
-    return copy(src, dst, src_ref.identifier, tag, jobs=jobs, referrers=referrers, progress=progress)
+    return copy(
+        src,
+        dst,
+        src_ref.identifier,
+        tag,
+        jobs=jobs,
+        referrers=referrers,
+        progress=progress,
+        spec_names=_spec_names(spec_names),
+    )
+
+
+def _spec_names(value: str | None) -> SpecNames | None:
+    """``--spec-names`` as the vocabulary's member; an unknown naming is refused, listing both."""
+    if value is None:
+        return None
+    try:
+        return SpecNames(value)
+    except ValueError:
+        raise ManifestError(f"spec names {str(value)[:40]!r}: choose one of {', '.join(SpecNames)}") from None
 
 
 def tag(reference: str | Reference, new_tag: str, *, target_options: TargetOptions | None = None) -> str:

@@ -22,7 +22,13 @@ from modelpack.cli.options import (
     progress_option,
     target_options,
 )
-from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
+from modelpack.cli.pack_options import (
+    check_spec_names_format,
+    format_options,
+    modelfile_option,
+    pack_options,
+    pack_options_from,
+)
 from modelpack.errors import ManifestError
 from modelpack.oci.descriptor import Manifest
 from modelpack.targets.options import TargetOptions
@@ -119,7 +125,9 @@ def pack_cmd(
     and tp-size=N, each rank file's layer its rank; a missing rank or an ambiguous name is refused.
 
     The same directory always packs to the same manifest digest (fixed file metadata, sorted
-    files, no timestamp unless --created).
+    files, no timestamp unless --created), one digest per --spec-names: cnai writes the
+    application/vnd.cnai.model.* media types released Harbor recognises (the annotations and
+    blobs are the same).
 
     \b
     Examples:
@@ -129,10 +137,12 @@ def pack_cmd(
       modelpack pack hf://Qwen/Qwen3-0.6B@main oci:./layout:qwen3
       modelpack pack ./gemma-2b oci:./layout:gemma --modelfile ./gemma-2b/Modelfile
       modelpack pack ./llama-8b-sharded-tp2 oci:./layout:tp2   # vLLM sharded_state files
+      modelpack pack ./llama-8b oci:./layout:v1-harbor --spec-names cnai
     """
     if not checkpoint_dir.startswith(("s3://", "hf://")):
         check_checkpoint_dir(checkpoint_dir)
     check_reference(destination, "DESTINATION")
+    check_spec_names_format(kwargs.get("spec_names"), artifact_format)
     if kwargs.get("base") is not None:
         if kwargs.pop("modelfile", None):
             raise click.UsageError("--base packs a PEFT adapter directory: drop --modelfile")

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from modelpack.cli.options import SIZE
-from modelpack.mediatypes import LayerKind
+from modelpack.mediatypes import LayerKind, SpecNames
 from modelpack.packing.image_format import WRITTEN_FORMATS
 from modelpack.packing.packer import OTHER_FILE_CHOICES, PackOptions
 
@@ -59,10 +59,34 @@ def pack_options(fn: Any) -> Any:
             type=SIZE,
             help="Re-shard safetensors files larger than SIZE at tensor boundaries.",
         ),
+        spec_names_option(
+            "Which ModelPack media type names to write: cncf (the spec, Docker Hub, KServe) or cnai "
+            "(released Harbor, modctl). The same files give one digest per choice. [default: cncf]"
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
     return fn
+
+
+def spec_names_option(help: str) -> Any:
+    """``--spec-names cncf|cnai``: the naming of the ModelPack media types written (default: none
+    given, which pack and push take as ``cncf`` and ``cp`` as "copy the manifest as it is")."""
+    return click.option(
+        "--spec-names",
+        "spec_names",
+        type=click.Choice([str(n) for n in SpecNames]),
+        default=None,
+        help=help,
+    )
+
+
+def check_spec_names_format(spec_names: str | None, artifact_format: str | None) -> None:
+    """``--spec-names cnai --format image`` is a usage error: an image has no ModelPack names."""
+    from modelpack.api.artifacts import IMAGE_HAS_NO_SPEC_NAMES
+
+    if spec_names not in (None, SpecNames.CNCF) and artifact_format == "image":
+        raise click.UsageError(IMAGE_HAS_NO_SPEC_NAMES)
 
 
 def modelfile_option(fn: Any) -> Any:
@@ -115,5 +139,6 @@ def pack_options_from(kwargs: dict[str, Any], progress: str) -> PackOptions:
         licenses=kwargs.pop("licenses", ()),
         created=kwargs.pop("created", None),
         max_file_size=kwargs.pop("max_file_size", None),
+        spec_names=kwargs.pop("spec_names", None) or SpecNames.CNCF,
         progress=progress,
     )

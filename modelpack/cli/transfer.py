@@ -26,7 +26,14 @@ from modelpack.cli.options import (
     progress_option,
     target_options,
 )
-from modelpack.cli.pack_options import format_options, modelfile_option, pack_options, pack_options_from
+from modelpack.cli.pack_options import (
+    check_spec_names_format,
+    format_options,
+    modelfile_option,
+    pack_options,
+    pack_options_from,
+    spec_names_option,
+)
 from modelpack.cli.trust_options import push_sign_options, push_signing_key
 from modelpack.exit_codes import ExitCode
 from modelpack.oci.reference import parse_reference
@@ -98,7 +105,8 @@ def push_cmd(
 
     A directory is packed on the fly and uploaded straight from its files (no copy on disk).
     Blobs the registry already has are skipped, so pushing the same checkpoint twice uploads
-    nothing; into a new repository, blobs this user pushed to another repository of the same
+    nothing; --spec-names cnai writes the media types released Harbor recognises (a stored
+    SOURCE is then respelled as by 'cp --spec-names'); into a new repository, blobs this user pushed to another repository of the same
     registry (or that --mount-from REPO holds) are mounted, not uploaded. Prints the manifest
     digest on stdout (pin it in deployments).
 
@@ -130,6 +138,8 @@ def push_cmd(
     compression = kwargs.pop("compression", None)
     mount_from = kwargs.pop("mount_from", ())
     modelfile = kwargs.pop("modelfile", None)
+    spec_names = kwargs.get("spec_names")
+    check_spec_names_format(spec_names, artifact_format)
     popts = pack_options_from(kwargs, progress)
     topts = _with_chunk_size(build_target_options(kwargs, registry=destination), chunk_size)
     key = push_signing_key(kwargs)  # after --password-stdin's line, before any upload
@@ -145,6 +155,7 @@ def push_cmd(
         sign_key=key,
         mount_from=mount_from,
         modelfile=modelfile,
+        spec_names=spec_names,
     )
     signed = result.signed
     if as_json:
@@ -259,6 +270,11 @@ def cp_target_options(
 @click.argument("source")
 @click.argument("destination")
 @click.option("--referrers", is_flag=True, help="Also copy manifests that refer to it (signatures…).")
+@spec_names_option(
+    "Write the model manifest with its ModelPack media types in this naming (cnai: released "
+    "Harbor; cncf: the spec): the same blobs under a new manifest digest, whose signatures do not "
+    "carry over (refused with --referrers; sign the copy). Default: the manifest as it is."
+)
 @target_options
 @cp_credentials_options
 @chunk_size_option
@@ -270,6 +286,7 @@ def cp_cmd(
     source: str,
     destination: str,
     referrers: bool,
+    spec_names: str | None,
     src_creds: str | None,
     dest_creds: str | None,
     chunk_size: int | None,
@@ -283,13 +300,20 @@ def cp_cmd(
     Within one registry, blobs are mounted across repositories instead of re-uploaded.
     Credentials belong to one side: -u/--password-stdin (and MODELPACK_REGISTRY_USERNAME/PASSWORD)
     to DESTINATION, --src-creds to SOURCE; each registry also gets its own 'modelpack login' entry.
+    --spec-names cnai|cncf respells a model manifest's media types (a new digest, same blobs).
 
     \b
     Examples:
       modelpack cp reg-a.example/models/llama:v1 reg-b.example/models/llama:v1 --referrers
       echo "$CI_TOKEN" | modelpack cp mirror.example/m:v1 reg.example/m:v1 -u ci --password-stdin
       modelpack cp 127.0.0.1:5000/models/llama:v1 oci:./layout:v1 --retry-for 5m
+      modelpack cp reg.example/models/llama:v1 harbor.example/models/llama:v1 --spec-names cnai
     """
+    if spec_names is not None and referrers:
+        raise click.UsageError(
+            "--spec-names writes a new manifest digest and the referrers (signatures) name the old "
+            "one: copy without --referrers, then sign the copy"
+        )
     result = transfer.cp(
         source,
         destination,
@@ -299,6 +323,7 @@ def cp_cmd(
         jobs=jobs,
         referrers=referrers,
         progress=progress,
+        spec_names=spec_names,
     )
     if as_json:
         emit_json(result.to_json())

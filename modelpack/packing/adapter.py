@@ -29,7 +29,7 @@ from typing import Any
 
 from modelpack.boundedjson import loads_object
 from modelpack.errors import AdapterError, DocumentError
-from modelpack.mediatypes import ARTIFACT_TYPE_MODEL, LayerKind
+from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import PROJECT_PREFIX
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.packing.model_config import describe_model
@@ -182,7 +182,7 @@ def build_adapter_artifact(
     manifest = Manifest.build(
         plain.config,
         list(plain.layers),
-        artifact_type=ARTIFACT_TYPE_MODEL,
+        artifact_type=plain.artifact_type,
         subject=Descriptor(base.media_type, base.digest, base.size),
         annotations={**(plain.annotations or {}), **adapter_annotations(name, base)},
     )

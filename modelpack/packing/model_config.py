@@ -19,8 +19,6 @@ from modelpack.mediatypes import (
     ANNOTATION_FILE_METADATA,
     ANNOTATION_FILEPATH,
     ANNOTATION_TITLE,
-    ARTIFACT_TYPE_MODEL,
-    MEDIA_TYPE_CONFIG,
     BlobFormat,
     FileMetadata,
     LayerKind,
@@ -28,6 +26,7 @@ from modelpack.mediatypes import (
     ModelDescriptor,
     ModelFS,
     ModelSpecConfig,
+    SpecNames,
     layer_media_type,
 )
 from modelpack.mediatypes.annotations import ANNOTATION_HF_ARCHITECTURE, ANNOTATION_TRANSFORMER
@@ -257,13 +256,14 @@ def describe_model(
     except ConfigError as exc:
         flag = _FLAGS.get(exc.path)
         raise PackError(f"{flag}: {exc}" if flag else str(exc)) from None
-    config_desc = Descriptor(MEDIA_TYPE_CONFIG, Digest.from_bytes(config_bytes), len(config_bytes))
+    names = SpecNames(opts.spec_names)
+    config_desc = Descriptor(names.config_media_type, Digest.from_bytes(config_bytes), len(config_bytes))
     mtime = rfc3339_utc(opts.mtime if opts.mtime is not None else source_date_epoch())
     # vLLM's per-rank files: the manifest names the layout, each rank file's layer its rank
     sharded = describe_sharded_state([f.relpath for f in packed], headers, where=default_name)
     layers = [
         Descriptor(
-            layer_media_type(f.kind, BlobFormat.RAW),
+            layer_media_type(f.kind, BlobFormat.RAW, names),
             f.digest,
             f.size,
             annotations={
@@ -279,7 +279,7 @@ def describe_model(
     if opts.created:
         manifest_annotations[ANNOTATION_CREATED] = opts.created
     manifest = Manifest.build(
-        config_desc, layers, artifact_type=ARTIFACT_TYPE_MODEL, annotations=manifest_annotations or None
+        config_desc, layers, artifact_type=names.artifact_type, annotations=manifest_annotations or None
     )
     return spec, config_bytes, manifest
 

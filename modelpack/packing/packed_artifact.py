@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from modelpack.errors import NotFoundError, PackError
 from modelpack.file_selection import check_patterns
-from modelpack.mediatypes import LayerKind, ModelSpecConfig
+from modelpack.mediatypes import LayerKind, ModelSpecConfig, SpecNames
 from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
@@ -48,6 +48,9 @@ class PackOptions:
     #: ``config.format`` (a Modelfile's FORMAT); None: ``safetensors`` when every weight file is one
     model_format: str | None = None
     max_file_size: int | None = None
+    #: which ModelPack naming the manifest's media types use (``cncf``, or ``cnai`` for released
+    #: Harbor): an input of the pack, so the same files give one digest per naming
+    spec_names: str = SpecNames.CNCF
     #: the mtime recorded for every file (seconds); None: ``SOURCE_DATE_EPOCH``, else the epoch
     mtime: int | None = None
     jobs: int = 0  # hashing threads; 0 = one per core
@@ -64,6 +67,10 @@ class PackOptions:
             )
         if self.name is not None and not self.name:
             raise PackError("--name must not be empty")
+        if self.spec_names not in tuple(SpecNames):
+            raise PackError(
+                f"--spec-names must be one of {', '.join(SpecNames)}, got {str(self.spec_names)[:40]!r}"
+            )
         check_patterns(self.include, self.exclude)
         if self.mtime is None:
             source_date_epoch()  # a malformed SOURCE_DATE_EPOCH is refused before any hashing

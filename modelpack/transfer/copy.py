@@ -6,7 +6,9 @@ has, lets a destination mount across repositories when it can (from the source r
 ``pushed_blobs``), runs transfers concurrently, and
 only then writes the manifest, so a tag never points at a manifest with missing blobs. Every
 blob read from a source goes through a target's verified write (see ``Target.push_blob``); the
-manifest bytes are copied exactly, never re-serialised. The first blob that fails stops the
+manifest bytes are copied exactly, never re-serialised, unless ``spec_names`` asks for the model
+manifest in the other ModelPack naming (``modelpack.oci.spec_names``: a new manifest over the same
+blobs; referrers are then refused, their signatures name the old digest). The first blob that fails stops the
 others: none queued after it starts, and those in flight stop within one chunk.
 """
 
@@ -18,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelpack.errors import RegistryError
+from modelpack.errors import ManifestError, RegistryError
+from modelpack.mediatypes import SpecNames
 from modelpack.oci.descriptor import Descriptor, Index, Manifest, parse_manifest_or_index
+from modelpack.oci.spec_names import respelled_manifest
 from modelpack.progress import CountingReader, Progress, TransferBar
 from modelpack.targets.base import BlobMounter, BlobSource, LocalBlobSource, ReadableTarget, Target
 from modelpack.transfer.cancel import Cancel, CancellableReader
@@ -111,6 +115,7 @@ class _CopyJob:
     mount_from: Sequence[str]
     record: PushedBlobs | None
     host: str | None
+    spec_names: SpecNames | None = None
 
 
 def copy(
@@ -125,6 +130,7 @@ def copy(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     mount_from: Sequence[str] = (),
     record: PushedBlobs | None = None,
+    spec_names: SpecNames | None = None,
 ) -> CopyResult:
     """Copy the manifest (or index) named by ``src_ref`` and everything it references.
 
@@ -133,11 +139,21 @@ def copy(
     A registry destination mounts a missing blob from ``mount_from`` (repositories of the same
     registry) or from where the per-user record says it was pushed, and records where it put
     every blob for the next push.
+
+    ``spec_names`` writes the model manifest with its ModelPack media types in that naming (the
+    same blobs, a new manifest digest unless it already was in that naming); an index or a
+    manifest that is not a model is refused, and so is ``referrers`` (the signatures sign the
+    old digest).
     """
+    if spec_names is not None and referrers:
+        raise ManifestError(
+            "--spec-names writes a new manifest digest, and referrers (signatures) name the old one: "
+            "copy without --referrers and sign the copy"
+        )
     host = dst.registry_host if isinstance(dst, BlobMounter) else None
     if record is None and host is not None:
         record = PushedBlobs()
-    job = _CopyJob(src, dst, jobs, progress, on_event, mount_from, record, host)
+    job = _CopyJob(src, dst, jobs, progress, on_event, mount_from, record, host, spec_names)
     return _copy_manifest(job, src_ref, dst_tag, referrers)
 
 
@@ -147,7 +163,10 @@ def _copy_manifest(job: _CopyJob, src_ref: str, dst_tag: str | None, referrers: 
     start = time.monotonic()
     desc = job.src.resolve(src_ref)
     raw, media_type = job.src.fetch_manifest(str(desc.digest))
-    parsed = parse_manifest_or_index(raw, media_type)
+    parsed: Manifest | Index = parse_manifest_or_index(raw, media_type)
+    if job.spec_names is not None:
+        parsed = respelled_manifest(parsed, job.spec_names)
+        raw = parsed.raw
     result = CopyResult(descriptor=desc, manifest=parsed)
     if isinstance(parsed, Index):
         for child in parsed.manifests:
@@ -159,7 +178,9 @@ def _copy_manifest(job: _CopyJob, src_ref: str, dst_tag: str | None, referrers: 
         pushed.media_type,
         pushed.digest,
         pushed.size,
-        artifact_type=pushed.artifact_type or desc.artifact_type,
+        artifact_type=pushed.artifact_type
+        or (parsed.artifact_type if job.spec_names is not None and isinstance(parsed, Manifest) else None)
+        or desc.artifact_type,
     )
     if referrers:
         for r in job.src.referrers(desc):

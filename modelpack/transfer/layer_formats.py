@@ -35,6 +35,7 @@ from modelpack.errors import DigestMismatchError, ManifestError, UnsupportedLaye
 from modelpack.mediatypes import (
     MEDIA_TYPE_DOCKER_IMAGE_CONFIG,
     MEDIA_TYPE_IMAGE_CONFIG,
+    MEDIA_TYPE_KITOPS_CONFIG,
     BlobFormat,
     Compression,
     LayerKind,
@@ -42,8 +43,10 @@ from modelpack.mediatypes import (
     parse_media_type,
     supported_layer_formats,
 )
+from modelpack.mediatypes.types import KITOPS_LAYER_MEDIA_TYPES
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.image_config import MODELS_PREFIX, image_diff_ids
+from modelpack.oci.kitfile import kitfile_diff_ids
 
 #: image configs: their ``rootfs.diff_ids`` tie each layer to its uncompressed tar
 IMAGE_CONFIG_MEDIA_TYPES = (MEDIA_TYPE_IMAGE_CONFIG, MEDIA_TYPE_DOCKER_IMAGE_CONFIG)
@@ -95,6 +98,13 @@ def layer_format(config_media_type: str | None, media_type: str) -> LayerFormat:
         return LayerFormat(media_type, BlobFormat.RAW)
     if lt.kind is LayerKind.IMAGE and is_image_config(config_media_type):
         return LayerFormat(media_type, lt.format, MODELS_PREFIX, skip_outside=True, diff_id=True)
+    if media_type in KITOPS_LAYER_MEDIA_TYPES:
+        if config_media_type != MEDIA_TYPE_KITOPS_CONFIG:
+            raise UnsupportedLayerError(
+                f"layer media type {media_type!r} outside a KitOps ModelKit (config "
+                f"{str(config_media_type)[:100]!r}): no Kitfile vouches for its contents"
+            )
+        return LayerFormat(media_type, lt.format, diff_id=True)
     return LayerFormat(media_type, lt.format)
 
 
@@ -117,8 +127,11 @@ def has_tar_layers(manifest: Manifest) -> bool:
 
 def needs_config(manifest: Manifest) -> bool:
     """Whether the config must be read to build files from ``manifest``: an image config, whose
-    ``rootfs.diff_ids`` (one per layer) vouch for its tar layers."""
-    return is_image_config(manifest.config.media_type)
+    ``rootfs.diff_ids`` (one per layer) vouch for its tar layers, or a KitOps Kitfile, whose
+    entries record each layer's diffId."""
+    return (
+        is_image_config(manifest.config.media_type) or manifest.config.media_type == MEDIA_TYPE_KITOPS_CONFIG
+    )
 
 
 def diff_ids_to_hash(manifest: Manifest, config_raw: bytes | None) -> list[str | None]:
@@ -134,7 +147,12 @@ def diff_ids_to_hash(manifest: Manifest, config_raw: bytes | None) -> list[str |
         return [None] * len(formats)
     if config_raw is None:
         raise ManifestError(f"{manifest.digest}: image config missing")
-    ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
+    if manifest.config.media_type == MEDIA_TYPE_KITOPS_CONFIG:
+        ids = kitfile_diff_ids(
+            config_raw, [str(layer.digest) for layer in manifest.layers], where=f"{manifest.digest} Kitfile"
+        )
+    else:
+        ids = image_diff_ids(config_raw, len(manifest.layers), where=str(manifest.digest))
     out: list[str | None] = []
     for layer, fmt, diff_id in zip(manifest.layers, formats, ids, strict=True):
         if not fmt.diff_id:
