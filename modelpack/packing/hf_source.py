@@ -31,6 +31,7 @@ from modelpack.errors import HFRevisionNotFoundError, HFSourceError, PackError, 
 from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify
+from modelpack.packing.opened_input import InputFile, open_beneath
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
 from modelpack.packing.selected_files import SelectedFile, build_selected_artifact, filter_selected
 from modelpack.terminal import for_terminal, has_control_characters
@@ -233,7 +234,8 @@ def list_snapshot(
                 raise PackError(
                     f"{source.shown}: {rel}: not a recognised model file and --other-files=refuse"
                 )
-            out.append(SelectedFile(rel, real, kind, untested, mode=SNAPSHOT_FILE_MODE))
+            opened = _open_blob(source, snapshot, rel, blobs, real)
+            out.append(SelectedFile(rel, real, kind, untested, mode=SNAPSHOT_FILE_MODE, source=opened))
             if len(out) > MAX_SNAPSHOT_FILES:
                 raise HFSourceError(
                     f"{source.shown}: more than {MAX_SNAPSHOT_FILES} files", repo_id=source.repo_id
@@ -277,6 +279,24 @@ def _blob_of(source: HFSource, full: str, rel: str, blobs: str, snapshot: str) -
     return real
 
 
+def _open_blob(source: HFSource, snapshot: str, rel: str, blobs: str, real: str) -> InputFile:
+    """Open ``rel`` once, beneath the snapshot, its link followed only into ``blobs/`` (the path
+    checked above is a name another user of the cache can re-point; the descriptor is not)."""
+    try:
+        opened = open_beneath(snapshot, rel, link_roots=[blobs], shown=real)
+    except PackError as exc:
+        raise HFSourceError(f"{source.shown}: {rel!r}: {exc}", repo_id=source.repo_id) from None
+    where = os.path.dirname(opened.resolved)
+    if where != blobs and not opened.resolved.startswith(snapshot + os.sep):
+        opened.close()
+        raise HFSourceError(
+            f"{source.shown}: {rel!r} resolves to {for_terminal(opened.resolved)!r}, not a file directly "
+            f"in the repository's blobs directory {blobs}; refusing it",
+            repo_id=source.repo_id,
+        )
+    return opened
+
+
 def build_hf_artifact(
     url: str,
     opts: PackOptions | None = None,
@@ -313,7 +333,7 @@ def build_hf_artifact(
         selected, merged, default_name=source.name, name=f"{HF_SCHEME}{source.repo_id}@{commit}"
     )
     for f in artifact.files:
-        hint = os.path.basename(f.path)
+        hint = os.path.basename(f.source.resolved if f.source is not None else f.path)
         if _SHA256.match(hint) and hint != f.digest.hex:
             raise HFSourceError(
                 f"{source.shown}: {f.relpath} is the blob {hint} (an LFS file's name is its sha256) but "
