@@ -164,7 +164,7 @@ def _walk(base: str, parts: list[str], shown: str) -> InputFile | tuple[str, str
         for i, name in enumerate(parts):
             last = i == len(parts) - 1
             try:
-                fd = os.open(name, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=dir_fd)
+                fd = _open_at(name, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd, shown)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
                     try:
@@ -188,6 +188,32 @@ def _walk(base: str, parts: list[str], shown: str) -> InputFile | tuple[str, str
         with contextlib.suppress(OSError):
             os.close(dir_fd)
     raise AssertionError("unreachable")
+
+
+def _open_at(name: str, flags: int, dir_fd: int, shown: str) -> int:
+    """``openat``; every pack input stays open until the pack is stored, so on ``EMFILE`` the soft
+    descriptor limit is raised to the hard one once, and a pack that still does not fit is
+    refused naming the limit."""
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        raise PackError(
+            f"{shown}: too many open files (limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}): "
+            "a pack holds every input open until it is stored; raise `ulimit -n` or pack fewer files"
+        ) from None
 
 
 def close_all(inputs: Sequence[InputFile] | dict[str, InputFile]) -> None:

@@ -209,3 +209,21 @@ def test_open_beneath_follows_only_links_that_stay_inside(tmp_path: Path) -> Non
     with pytest.raises(PackError, match="outside the directories"):
         open_beneath(str(root), "dir-link/f")  # no link roots: no link is followed
     assert secret.read_bytes() == SECRET
+
+
+def test_more_inputs_than_the_soft_descriptor_limit_still_pack(tmp_path: Path) -> None:
+    """Every input stays open until the pack is stored: a checkpoint with more files than the soft
+    descriptor limit raises that limit to the hard one rather than failing with EMFILE."""
+    import resource
+
+    root = _checkpoint(tmp_path / "ckpt")
+    for i in range(80):
+        (root / f"extra-{i:03d}.md").write_text(f"{i}\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    try:
+        art = build_artifact(str(root))
+        assert len(art.files) == 83
+        art.cleanup()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
