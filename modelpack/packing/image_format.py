@@ -64,8 +64,15 @@ class ImageArtifact(PackedArtifact):
     diff_ids: list[str] = field(default_factory=list)
     base_staging: str | None = None
 
+    @property
+    def file_count(self) -> int:
+        return len(self.model_files)
+
     def cleanup(self) -> None:
         super().cleanup()
+        for f in self.model_files:
+            if f.source is not None:
+                f.source.close()
         remove_staging_dir(self.base_staging)  # re-sharded files written by build_artifact
         self.base_staging = None
 
@@ -261,6 +268,8 @@ def build_image_artifact(
             staging_dir=staging,
             name=base.name,
             model_files=base.files,
+            skipped=base.skipped,
+            warnings=base.warnings,
             diff_ids=diff_ids,
             base_staging=base.staging_dir,
         )

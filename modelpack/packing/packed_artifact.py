@@ -128,10 +128,20 @@ class PackedArtifact:
     tag: str = "latest"
     staging_dir: str | None = None
     name: str = "checkpoint"
+    #: hidden entries of the source that were not packed (a directory ends with ``/``)
+    skipped: list[str] = field(default_factory=list)
+    #: what a person should know about what was packed (pickle files, …)
+    warnings: list[str] = field(default_factory=list)
     _by_digest: dict[str, PackedFile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_digest = {f.digest: f for f in self.files}
+
+    @property
+    def file_count(self) -> int:
+        """How many of the source's files the artifact holds (an image overrides it: its layers
+        are tars of the files)."""
+        return len(self.files)
 
     @property
     def digest(self) -> Digest:

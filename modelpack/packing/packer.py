@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from modelpack.errors import PackError, SafetensorsError
 from modelpack.mediatypes import LayerKind
 from modelpack.oci.digest import Digest, sha256_fileobj
-from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify, discover_files
+from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify, discover_files, pickle_warning
 from modelpack.packing.file_metadata import file_identity, file_mode
 from modelpack.packing.model_config import (
     MAX_CONFIG_JSON,
@@ -45,7 +45,8 @@ def build_artifact(
     opts = opts or PackOptions()
     opts.check(OTHER_FILE_CHOICES)
     root = os.path.realpath(checkpoint_dir)
-    files = discover_files(root, opts.include, opts.exclude)
+    skipped: list[str] = []
+    files = discover_files(root, opts.include, opts.exclude, skipped=skipped)
     inputs = open_inputs(root, files)
     staging: str | None = None
     try:
@@ -115,7 +116,16 @@ def build_artifact(
                 hf_config = doc if isinstance(doc, dict) else None
         default_name = _NAME_RE.sub("-", os.path.basename(root)) or "model"
         spec, config_bytes, manifest = describe_model(packed, headers, hf_config, opts, default_name)
-        return PackedArtifact(manifest, spec, config_bytes, packed, staging_dir=staging, name=f"dir:{root}")
+        return PackedArtifact(
+            manifest,
+            spec,
+            config_bytes,
+            packed,
+            staging_dir=staging,
+            name=f"dir:{root}",
+            skipped=skipped,
+            warnings=[w for w in map(pickle_warning, (f.relpath for f in packed)) if w],
+        )
     except BaseException:
         close_all(inputs)
         remove_staging_dir(staging)
