@@ -196,6 +196,50 @@ def link_or_copy(src: str, dst_tmp: str, *, mode: str = "auto") -> str:
     return "copy"
 
 
+def link_or_copy_fd(fd: int, dst_tmp: str, *, mode: str = "auto") -> str:
+    """``link_or_copy`` from an open descriptor, never from a name: reflink (``FICLONE`` takes the
+    descriptor), hard link through ``/proc/self/fd`` (the inode the descriptor holds; checked to
+    be that inode afterwards), else a copy of the descriptor's bytes."""
+    if mode != "copy":
+        try:
+            with open(dst_tmp, "xb") as d:
+                fcntl.ioctl(d.fileno(), _FICLONE, fd)
+            return "reflink"
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dst_tmp)
+    if mode == "auto":
+        try:
+            proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:  # linkat(…, AT_SYMLINK_FOLLOW): plain link() would link the /proc entry itself
+                os.link(str(fd), dst_tmp, src_dir_fd=proc, follow_symlinks=True)
+            finally:
+                os.close(proc)
+            held, made = os.fstat(fd), os.lstat(dst_tmp)
+            if (held.st_dev, held.st_ino) == (made.st_dev, made.st_ino):
+                return "hardlink"
+            os.unlink(dst_tmp)
+        except OSError as exc:
+            if exc.errno not in (
+                errno.EXDEV,
+                errno.EPERM,
+                errno.EMLINK,
+                errno.ENOTSUP,
+                errno.EACCES,
+                errno.ENOENT,
+            ):
+                raise
+    with open(dst_tmp, "xb") as d:
+        offset = 0
+        while True:
+            chunk = os.pread(fd, 8 * 1024 * 1024, offset)
+            if not chunk:
+                break
+            d.write(chunk)
+            offset += len(chunk)
+    return "copy"
+
+
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
     """Up to ``n`` bytes at ``offset``, fewer only at end of file: one ``pread`` returns at most
     about 2 GiB on Linux (``MAX_RW_COUNT``), which is not the end of the file."""

@@ -4,8 +4,9 @@ A key id is the hex sha256 of the SPKI PEM bytes of the public key: the same val
 ``model_signing`` tool writes as ``verificationMaterial.publicKey.hint``, so one id names a key in
 our bundles, in theirs, in audit output and in events.
 
-Keys are loaded from a file path, from ``env:NAME`` (the PEM text in an environment variable —
-what a CI secret usually is), or from PEM bytes. A private key's passphrase comes from the
+Keys are loaded from a file path (``/dev/fd/N`` included), from ``env:NAME`` (the PEM text in an
+environment variable — what a CI secret usually is), or from PEM bytes. PEM *text* in the string
+form is refused unread: a command-line argument is readable by every local user. A private key's passphrase comes from the
 ``passphrase`` argument, else ``MODELPACK_SIGNING_PASSPHRASE``; the CLI may read it from stdin.
 """
 
@@ -20,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from modelpack import settings
-from modelpack.errors import KeyLoadError
+from modelpack.errors import KeyLoadError, KeyTextArgumentError
 from modelpack.files import atomic_write_bytes
 
 PASSPHRASE_ENV = settings.SIGNING_PASSPHRASE.name
@@ -109,7 +110,7 @@ def write_keypair(prefix: str, key: PrivateKey, passphrase: bytes | str | None =
     return priv_path, pub_path
 
 
-def _read_source(spec: str | os.PathLike[str] | bytes) -> tuple[bytes, str]:
+def _read_source(spec: str | os.PathLike[str] | bytes, *, secret: bool) -> tuple[bytes, str]:
     if isinstance(spec, bytes):
         return spec, "<pem>"
     text = os.fspath(spec)
@@ -119,8 +120,15 @@ def _read_source(spec: str | os.PathLike[str] | bytes) -> tuple[bytes, str]:
         if not value:
             raise KeyLoadError(f"environment variable {name} (from {text!r}) is not set or empty")
         return value.encode(), text
-    if text.lstrip().startswith("-----BEGIN"):
-        return text.encode(), "<pem>"
+    if not secret and text.lstrip().startswith("-----BEGIN"):
+        return text.encode(), "<pem>"  # a public key is no secret (an inline policy key)
+    if "-----BEGIN" in text or "\n" in text:
+        # never echoed: the text is a secret, and it already sat in this process's argument list
+        raise KeyTextArgumentError(
+            "the key was given as PEM text, which every local user can read in /proc/*/cmdline; "
+            "pass a key file path (0600), env:NAME (an environment variable holding the PEM), or "
+            "/dev/fd/N (a descriptor, e.g. bash's <(…)); the key was not read"
+        )
     try:
         with open(text, "rb") as f:
             data = f.read(MAX_KEY_BYTES + 1)
@@ -134,8 +142,9 @@ def _read_source(spec: str | os.PathLike[str] | bytes) -> tuple[bytes, str]:
 def load_private_key(
     spec: str | os.PathLike[str] | bytes, passphrase: bytes | str | None = None
 ) -> PrivateKey:
-    """Load a PKCS#8 (or SEC1) PEM private key from a path, ``env:NAME`` or PEM bytes."""
-    data, source = _read_source(spec)
+    """Load a PKCS#8 (or SEC1) PEM private key from a path, ``env:NAME`` or PEM bytes; a string
+    holding PEM text raises ``KeyTextArgumentError`` (exit 2)."""
+    data, source = _read_source(spec, secret=True)
     if passphrase is None:
         passphrase = settings.SIGNING_PASSPHRASE.get() or None
     if isinstance(passphrase, str):
@@ -160,8 +169,8 @@ def load_private_key(
 
 
 def load_public_key(spec: str | os.PathLike[str] | bytes) -> PublicKey:
-    """Load an SPKI PEM public key from a path, ``env:NAME`` or PEM bytes."""
-    data, source = _read_source(spec)
+    """Load an SPKI PEM public key from a path, ``env:NAME``, PEM bytes or PEM text."""
+    data, source = _read_source(spec, secret=False)
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm) as exc:

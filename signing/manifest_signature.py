@@ -23,6 +23,7 @@ from modelpack.signing.referrers import (
     push_bundle_referrer,
     skipped,
 )
+from modelpack.signing.signature_state import SignatureState
 from modelpack.signing.signing_time import format_signing_time, signing_time_now
 from modelpack.signing.statements import PREDICATE_COSIGN_SIGN, Statement, manifest_statement
 
@@ -61,13 +62,14 @@ def sign_manifest(
 
 @dataclass(frozen=True)
 class SignatureCheck:
-    """The outcome for one signature referrer. ``status``: verified | invalid | untrusted.
+    """The outcome for one signature referrer. ``status``: a ``SignatureState`` (verified |
+    untrusted | invalid), the words every command uses.
     ``signed_at``: the signed statement's signing time (seconds; 0 when untimed), known only for
     a verified signature."""
 
     referrer: str
     kind: str
-    status: str
+    status: SignatureState
     key_id: str = ""
     reason: str = ""
     signed_at: float | None = None
@@ -101,23 +103,25 @@ def check_stored_signature(
     cosign's signature predicate over exactly this manifest digest."""
     ref = str(item.descriptor.digest)
     if item.bundle is None:
-        return SignatureCheck(ref, kind, "invalid", reason=item.error)
+        return SignatureCheck(ref, kind, SignatureState.INVALID, reason=item.error)
     if item.bundle.keyless:
         if keyless is None:
             return SignatureCheck(
                 ref,
                 kind,
-                "untrusted",
+                SignatureState.UNTRUSTED,
                 reason=f"signature {ref[:19]} is keyless and the policy trusts no identity",
             )
         outcome = keyless.check(item.bundle.raw, source=f"signature {ref[:19]}")
         if outcome.identity is None:
-            return SignatureCheck(ref, kind, "untrusted", reason=outcome.reason)
+            return SignatureCheck(ref, kind, SignatureState.UNTRUSTED, reason=outcome.reason)
         signer_id = outcome.identity.id
         try:
             st = Statement.from_bytes(outcome.payload)  # the payload sigstore verified
         except BundleError as exc:
-            return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
+            return SignatureCheck(
+                ref, kind, SignatureState.INVALID, signer_id, f"signature {ref[:19]}: {exc}"
+            )
     else:
         signer = item.bundle.verify(keys)
         if signer is None:
@@ -125,7 +129,7 @@ def check_stored_signature(
             return SignatureCheck(
                 ref,
                 kind,
-                "untrusted",
+                SignatureState.UNTRUSTED,
                 key_id=hint,
                 reason=f"signature {ref[:19]} is not by a trusted key (key hint {hint[:16] or 'none'})",
             )
@@ -133,10 +137,16 @@ def check_stored_signature(
         try:
             st = item.bundle.statement
         except BundleError as exc:
-            return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
+            return SignatureCheck(
+                ref, kind, SignatureState.INVALID, signer_id, f"signature {ref[:19]}: {exc}"
+            )
     if st.predicate_type != PREDICATE_COSIGN_SIGN:
         return SignatureCheck(
-            ref, kind, "invalid", signer_id, f"signature {ref[:19]}: predicateType {st.predicate_type!r}"
+            ref,
+            kind,
+            SignatureState.INVALID,
+            signer_id,
+            f"signature {ref[:19]}: predicateType {st.predicate_type!r}",
         )
     subjects = st.subject_sha256
     if subjects != [manifest_desc.digest.hex]:
@@ -144,15 +154,15 @@ def check_stored_signature(
         return SignatureCheck(
             ref,
             kind,
-            "invalid",
+            SignatureState.INVALID,
             signer_id,
             f"signature {ref[:19]} is for {shown}, not for {manifest_desc.digest} (replayed signature)",
         )
     try:
         signed_at = st.signed_at
     except BundleError as exc:
-        return SignatureCheck(ref, kind, "invalid", signer_id, f"signature {ref[:19]}: {exc}")
-    return SignatureCheck(ref, kind, "verified", signer_id, signed_at=signed_at)
+        return SignatureCheck(ref, kind, SignatureState.INVALID, signer_id, f"signature {ref[:19]}: {exc}")
+    return SignatureCheck(ref, kind, SignatureState.VERIFIED, signer_id, signed_at=signed_at)
 
 
 def check_manifest_signatures(
@@ -169,7 +179,7 @@ def check_manifest_signatures(
     checks = []
     for item in find_bundle_referrers(target, manifest_desc, ARTIFACT_TYPE_SIGNATURE, events=events):
         check = check_stored_signature(item, manifest_desc, keys, keyless=keyless)
-        if check.status == "invalid" and item.bundle is not None:
+        if check.status == SignatureState.INVALID and item.bundle is not None:
             skipped(events, manifest_desc, item, check.reason)
         checks.append(check)
     return checks

@@ -38,6 +38,7 @@ from modelpack.signing.referrers import (
     find_bundle_referrers,
     skipped,
 )
+from modelpack.signing.signature_state import overall
 
 from modelpack.errors import BundleError, DirectorySignatureError, ModelpackError, SignatureRefused
 from modelpack.events import EventLog, NullEventLog
@@ -55,7 +56,7 @@ class VerificationResult:
     reference: str
     digest: str
     allowed: bool
-    status: str  # verified | unsigned | untrusted
+    status: str  # a SignatureState: verified | untrusted | invalid | unsigned
     reason: str
     key_ids: list[str] = field(default_factory=list)
     signatures: list[SignatureCheck] = field(default_factory=list)
@@ -157,7 +158,7 @@ def verify_artifact(
     verified = [c.key_id for c in checks if c.status == "verified"]
     problems = [c.reason for c in checks if c.status != "verified"]
     decision = policy.decide(verified, problems)
-    status = "verified" if verified else ("untrusted" if checks else "unsigned")
+    status = overall(c.status for c in checks)
     result = VerificationResult(
         ref_text, digest, decision.allowed, status, decision.reason, verified, checks, rule=policy.rule
     )

@@ -165,8 +165,9 @@ def audit_cmd(
 
     \b
     Per version: tags (tags sharing a digest are grouped), digest, artifact type, size, layer
-    count, created, model name/version/precision, signature status (verified / invalid /
-    unsigned; 'signed' when no --key/--policy was given) with key ids, referrers by type.
+    count, created, model name/version/precision, signature state in verify's words (verified /
+    untrusted: signed by a key not given / invalid / unsigned; 'signed' when no --key/--policy
+    was given) with key ids, referrers by type.
     Exit status 1 when a tag moved since --since-digests, or (with --cache) when the registry
     names a version signed before the newest one the node cache accepted for the tag.
 

@@ -31,8 +31,19 @@ from modelpack.cli.pack_options import (
 )
 from modelpack.errors import ManifestError
 from modelpack.oci.descriptor import Manifest
+from modelpack.packing.packed_artifact import PackedArtifact
 from modelpack.targets.options import TargetOptions
 from modelpack.terminal import for_terminal
+
+
+def report_skipped_and_warnings(artifact: PackedArtifact) -> None:
+    """On stderr: the hidden entries a pack left out, and its warnings (``--json`` carries both)."""
+    if artifact.skipped:
+        shown = ", ".join(for_terminal(s) for s in artifact.skipped[:10])
+        more = f" (+{len(artifact.skipped) - 10} more)" if len(artifact.skipped) > 10 else ""
+        click.echo(f"skipped {len(artifact.skipped)} hidden entries (never packed): {shown}{more}", err=True)
+    for warning in artifact.warnings:
+        click.echo(f"warning: {for_terminal(warning)}", err=True)
 
 
 def check_checkpoint_dir(path: str) -> None:
@@ -168,11 +179,12 @@ def pack_cmd(
         compression=compression,
         modelfile=modelfile,
     )
+    report_skipped_and_warnings(result.artifact)
     if as_json:
         emit_json(result.to_json())
     else:
         click.echo(
-            f"packed {len(result.artifact.files)} files ({human_size(result.artifact.manifest.total_size)}) "
+            f"packed {result.artifact.file_count} files ({human_size(result.artifact.manifest.total_size)}) "
             f"→ {result.reference}"
         )
         click.echo(str(result.artifact.digest))

@@ -281,6 +281,9 @@ from modelpack.errors.trust import (
     KeyLoadError as KeyLoadError,
 )
 from modelpack.errors.trust import (
+    KeyTextArgumentError as KeyTextArgumentError,
+)
+from modelpack.errors.trust import (
     PolicyError as PolicyError,
 )
 from modelpack.errors.trust import (

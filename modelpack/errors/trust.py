@@ -15,6 +15,13 @@ class KeyLoadError(ModelpackError):
     or not an ECDSA P-256 key."""
 
 
+class KeyTextArgumentError(KeyLoadError):
+    """A private key's PEM text given where a key source belongs (``--key``, ``--sign-key``): an
+    argument is readable by every local user in ``/proc/PID/cmdline``, so it is refused unread."""
+
+    exit_code = ExitCode.USAGE
+
+
 class BundleError(ModelpackError):
     """A Sigstore bundle, DSSE envelope or in-toto statement that cannot be parsed."""
 

@@ -1,8 +1,8 @@
 """Registry audit: what is in a repository (or a whole registry), and is each version signed?
 
 For every tag: digest, artifact type, size, layer count, created (when recorded), model
-name/version/precision from the config, signature status (verified / invalid / unsigned, or
-``signed`` when no keys were given) with key ids, and referrers by artifact type. Tags that share
+name/version/precision from the config, signature state in ``verify``'s words (verified /
+untrusted / invalid / unsigned, or ``signed`` when no keys were given) with key ids, and referrers by artifact type. Tags that share
 a digest are grouped into one version; ``since`` (a previous ``{tag: digest}`` map, or a previous
 audit's JSON) flags tags that moved or disappeared.
 
@@ -62,7 +62,7 @@ class VersionAudit:
     layer_count: int = 0
     created: str | None = None
     model: dict[str, str | None] = field(default_factory=dict)
-    signature: str = "unsigned"  # verified | invalid | unsigned | signed (no keys given)
+    signature: str = "unsigned"  # a SignatureState (verified | untrusted | invalid | unsigned | signed)
     key_ids: list[str] = field(default_factory=list)
     signature_reasons: list[str] = field(default_factory=list)
     signed_at: float | None = None  # newest signing time of a verified signature (0: untimed)
@@ -129,22 +129,24 @@ def _signature_status(
     keys: list[PublicKey] | None,
     version: VersionAudit | None = None,
 ) -> tuple[str, list[str], list[str]]:
+    """(state, key ids, reasons) in the words ``verify`` uses (``signing.signature_state``): a
+    valid signature by a key not given is ``untrusted``, never ``invalid``."""
     from modelpack.signing.manifest_signature import check_manifest_signatures
+    from modelpack.signing.signature_state import SignatureState, overall
 
     checks = check_manifest_signatures(target, desc, list(keys or []))
-    if not checks:
-        return "unsigned", [], []
-    verified = [c.key_id for c in checks if c.status == "verified"]
-    if verified:
+    state = overall((c.status for c in checks), checked=keys is not None)
+    if state is SignatureState.VERIFIED:
+        verified = [c for c in checks if c.status is SignatureState.VERIFIED]
         if version is not None:  # the signing time only a verified signature vouches for
-            version.signed_at = max(c.signed_at or 0.0 for c in checks if c.status == "verified")
-        return "verified", verified, []
-    if keys is None:
-        # no keys to check against: report what is there and by which key hint
-        hints = [c.key_id for c in checks if c.status == "untrusted" and c.key_id]
-        reasons = [c.reason for c in checks if c.status == "invalid"]
-        return ("signed" if hints else "invalid"), hints, reasons
-    return "invalid", [c.key_id for c in checks if c.key_id], [c.reason for c in checks]
+            version.signed_at = max(c.signed_at or 0.0 for c in verified)
+        return state, [c.key_id for c in verified], []
+    # no trusted signature: which keys signed (the hints of valid ones) and why each was not taken
+    # (with no key given, "not by a trusted key" says nothing: only broken signatures have reasons)
+    reasons = [
+        c.reason for c in checks if c.reason and (keys is not None or c.status is SignatureState.INVALID)
+    ]
+    return state, sorted({c.key_id for c in checks if c.key_id}), reasons
 
 
 def _keys_for(policy_or_keys: PolicyOrKeys | None, repo_ref: Reference | None) -> list[PublicKey] | None:

@@ -34,6 +34,8 @@ WEIGHT_CONFIG_NAMES = {
     "spiece.model",
 }
 OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".h5", ".msgpack")
+#: PyTorch pickle formats: loading one (``torch.load`` without ``weights_only``) runs its code
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DOC_PREFIXES = ("readme", "license", "licence", "notice", "copying", "use_policy")
 #: what ``--other-files`` may name: a kind for the files no rule classifies, or refusing them
 OTHER_FILE_CHOICES = (*(str(k) for k in (LayerKind.DOC, LayerKind.DATASET, LayerKind.CODE)), "refuse")
@@ -61,19 +63,42 @@ def classify(relpath: str, other: str = LayerKind.DOC) -> tuple[LayerKind | None
     return LayerKind(other), True
 
 
+def pickle_warning(relpath: str) -> str | None:
+    """The warning a pack gives for a pickle weight file, None for any other file."""
+    if not relpath.lower().endswith(PICKLE_SUFFIXES):
+        return None
+    return (
+        f"{relpath}: a PyTorch pickle file, packed as an untested weight layer; loading it "
+        "(torch.load without weights_only) runs code its maker chose; prefer safetensors"
+    )
+
+
 def discover_files(
-    root: str, include: Sequence[str] = (), exclude: Sequence[str] = ()
+    root: str,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    *,
+    skipped: list[str] | None = None,
 ) -> list[tuple[str, str]]:
     """(relpath, absolute path) of the regular files to pack, sorted by path parts.
 
     Refuses symlinks that leave ``root``, special files (devices, FIFOs, sockets) and an empty
-    result. Hidden entries (``.git``, ``.cache``) are skipped: they are never model content.
+    result. Hidden entries (``.git``, ``.cache``) are skipped: they are never model content; each
+    is appended to ``skipped`` (a directory with a trailing ``/``) so the pack can say so.
     """
     root = os.path.realpath(root)
     if not os.path.isdir(root):
         raise PackError(f"{root}: not a directory")
     out: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        if skipped is not None:
+            here = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            prefix = "" if here == "." else here + "/"
+            skipped.extend(
+                prefix + n + ("/" if n in dirnames else "")
+                for n in sorted((*dirnames, *filenames))
+                if n.startswith(".")
+            )
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
@@ -118,4 +143,10 @@ def discover_files(
     return out
 
 
-__all__ = ["OTHER_FILE_CHOICES", "classify", "discover_files"]
+__all__ = [
+    "OTHER_FILE_CHOICES",
+    "PICKLE_SUFFIXES",
+    "classify",
+    "discover_files",
+    "pickle_warning",
+]

@@ -27,10 +27,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from modelpack.errors import HFRevisionNotFoundError, HFSourceError, PackError, UnsafePathError
+from modelpack.boundedjson import loads
+from modelpack.errors import (
+    HFRevisionNotFoundError,
+    HFSourceError,
+    ModelpackError,
+    PackError,
+    UnsafePathError,
+)
 from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES, classify
+from modelpack.packing.opened_input import InputFile, open_beneath
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
 from modelpack.packing.selected_files import SelectedFile, build_selected_artifact, filter_selected
 from modelpack.terminal import for_terminal, has_control_characters
@@ -233,7 +241,8 @@ def list_snapshot(
                 raise PackError(
                     f"{source.shown}: {rel}: not a recognised model file and --other-files=refuse"
                 )
-            out.append(SelectedFile(rel, real, kind, untested, mode=SNAPSHOT_FILE_MODE))
+            opened = _open_blob(source, snapshot, rel, blobs, real)
+            out.append(SelectedFile(rel, real, kind, untested, mode=SNAPSHOT_FILE_MODE, source=opened))
             if len(out) > MAX_SNAPSHOT_FILES:
                 raise HFSourceError(
                     f"{source.shown}: more than {MAX_SNAPSHOT_FILES} files", repo_id=source.repo_id
@@ -277,6 +286,77 @@ def _blob_of(source: HFSource, full: str, rel: str, blobs: str, snapshot: str) -
     return real
 
 
+def _open_blob(source: HFSource, snapshot: str, rel: str, blobs: str, real: str) -> InputFile:
+    """Open ``rel`` once, beneath the snapshot, its link followed only into ``blobs/`` (the path
+    checked above is a name another user of the cache can re-point; the descriptor is not)."""
+    try:
+        opened = open_beneath(snapshot, rel, link_roots=[blobs], shown=real)
+    except PackError as exc:
+        raise HFSourceError(f"{source.shown}: {rel!r}: {exc}", repo_id=source.repo_id) from None
+    where = os.path.dirname(opened.resolved)
+    if where != blobs and not opened.resolved.startswith(snapshot + os.sep):
+        opened.close()
+        raise HFSourceError(
+            f"{source.shown}: {rel!r} resolves to {for_terminal(opened.resolved)!r}, not a file directly "
+            f"in the repository's blobs directory {blobs}; refusing it",
+            repo_id=source.repo_id,
+        )
+    return opened
+
+
+#: the per-commit listing huggingface_hub (>= 2) caches beside the snapshots
+MAX_TREE_LISTING_BYTES = 64 * 1024 * 1024
+
+
+def check_snapshot_complete(source: HFSource, snapshot: str, storage: str, commit: str) -> None:
+    """Offline, only the cache's own listing of the commit (``trees/<commit>.json``, written when
+    the snapshot was downloaded online) shows that the snapshot holds every file of the commit; a
+    cache filled file by file (``hf_hub_download``) has none. Without it, or with a listed file
+    missing, the pack is refused: it would record the full commit as ``descriptor.revision``."""
+    listing = os.path.join(storage, "trees", f"{commit}.json")
+    how = (
+        "download the snapshot online once (snapshot_download / `hf download ORG/NAME`, "
+        "huggingface_hub >= 2 caches the listing), or pack the files as a directory"
+    )
+    try:
+        with open(listing, "rb") as f:
+            data = f.read(MAX_TREE_LISTING_BYTES + 1)
+        doc = loads(data, what=listing, max_bytes=MAX_TREE_LISTING_BYTES)
+    except FileNotFoundError:
+        raise HFRevisionNotFoundError(
+            f"{source.shown}: offline, and the cache holds no listing of commit {commit} "
+            f"(trees/{commit}.json), so nothing shows the cached snapshot is the whole commit; {how}",
+            repo_id=source.repo_id,
+            revision=commit,
+        ) from None
+    except (OSError, ModelpackError, ValueError) as exc:
+        raise HFSourceError(
+            f"{source.shown}: the cache's listing of commit {commit} cannot be read ({exc}); {how}",
+            repo_id=source.repo_id,
+            revision=commit,
+        ) from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or len(files) > MAX_SNAPSHOT_FILES:
+        raise HFSourceError(
+            f"{source.shown}: {listing} is not a listing of files; {how}",
+            repo_id=source.repo_id,
+            revision=commit,
+        )
+    missing = sorted(
+        str(rel)
+        for rel in files
+        if not isinstance(rel, str) or not os.path.lexists(os.path.join(snapshot, *rel.split("/")))
+    )
+    if missing:
+        shown = ", ".join(for_terminal(m) for m in missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise HFRevisionNotFoundError(
+            f"{source.shown}: offline, the cached snapshot of commit {commit} lacks {len(missing)} of its "
+            f"{len(files)} files ({shown}); {how}",
+            repo_id=source.repo_id,
+            revision=commit,
+        )
+
+
 def build_hf_artifact(
     url: str,
     opts: PackOptions | None = None,
@@ -297,6 +377,8 @@ def build_hf_artifact(
     )
     from huggingface_hub import constants
 
+    if local_files_only or constants.HF_HUB_OFFLINE:
+        check_snapshot_complete(source, snapshot, storage, commit)
     selected = filter_selected(list_snapshot(source, snapshot, storage, opts.other_files), opts)
     if not selected:
         raise HFSourceError(
@@ -313,7 +395,7 @@ def build_hf_artifact(
         selected, merged, default_name=source.name, name=f"{HF_SCHEME}{source.repo_id}@{commit}"
     )
     for f in artifact.files:
-        hint = os.path.basename(f.path)
+        hint = os.path.basename(f.source.resolved if f.source is not None else f.path)
         if _SHA256.match(hint) and hint != f.digest.hex:
             raise HFSourceError(
                 f"{source.shown}: {f.relpath} is the blob {hint} (an LFS file's name is its sha256) but "

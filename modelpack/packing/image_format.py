@@ -41,6 +41,7 @@ from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json
 from modelpack.oci.digest import Digest, HashingWriter
 from modelpack.oci.image_config import MODELS_PREFIX
 from modelpack.packing.file_metadata import source_date_epoch
+from modelpack.packing.opened_input import InputFile
 from modelpack.packing.packed_artifact import PackedArtifact, PackedFile, PackOptions
 from modelpack.packing.packer import build_artifact
 from modelpack.packing.reshard import staging_write_error
@@ -63,8 +64,15 @@ class ImageArtifact(PackedArtifact):
     diff_ids: list[str] = field(default_factory=list)
     base_staging: str | None = None
 
+    @property
+    def file_count(self) -> int:
+        return len(self.model_files)
+
     def cleanup(self) -> None:
         super().cleanup()
+        for f in self.model_files:
+            if f.source is not None:
+                f.source.close()
         remove_staging_dir(self.base_staging)  # re-sharded files written by build_artifact
         self.base_staging = None
 
@@ -87,7 +95,7 @@ def _tarinfo(
 
 
 def write_layer_tar(
-    members: Iterable[tuple[str, str]],
+    members: Iterable[tuple[str, str | InputFile]],
     out_path: str,
     compression: str | None = None,
     *,
@@ -111,7 +119,7 @@ def write_layer_tar(
 
 
 def _write_tar(
-    members: list[tuple[str, str]],
+    members: list[tuple[str, str | InputFile]],
     out_path: str,
     compression: Compression | None,
     modes: dict[str, int],
@@ -140,12 +148,15 @@ def _write_tar(
                     if d not in dirs_done:
                         dirs_done.add(d)
                         tar.addfile(_tarinfo(d, directory=True, mtime=mtime))
-                size = os.path.getsize(src)
-                with open(src, "rb") as f:
+                if isinstance(src, InputFile):  # a pack input: read from its descriptor only
+                    size, shown, f = os.fstat(src.fd).st_size, src.shown, src.open()
+                else:
+                    size, shown, f = os.path.getsize(src), src, open(src, "rb")
+                with f:
                     ti = _tarinfo(MODELS_PREFIX + rel, size=size, mode=modes.get(rel, 0o644), mtime=mtime)
                     tar.addfile(ti, f)
                     if f.tell() != size:
-                        raise PackError(f"{src}: file changed size while it was being packed")
+                        raise PackError(f"{shown}: file changed size while it was being packed")
         if compressor is not None:
             compressor.flush(1)  # zstandard.FLUSH_FRAME
             compressor.close()
@@ -224,7 +235,7 @@ def build_image_artifact(
         for i, group in enumerate(_group_layers(base.files, max_layers)):
             out = os.path.join(staging, f"layer-{i:04d}.tar")
             diff_id, digest, size = write_layer_tar(
-                [(f.relpath, f.path) for f in group],
+                [(f.relpath, f.source or f.path) for f in group],
                 out,
                 compression,
                 modes={f.relpath: f.mode for f in group},
@@ -257,6 +268,8 @@ def build_image_artifact(
             staging_dir=staging,
             name=base.name,
             model_files=base.files,
+            skipped=base.skipped,
+            warnings=base.warnings,
             diff_ids=diff_ids,
             base_staging=base.staging_dir,
         )

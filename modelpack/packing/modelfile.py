@@ -22,10 +22,11 @@ import stat
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from modelpack.errors import ModelfileError, UnsafePathError
+from modelpack.errors import ModelfileError, PackError, UnsafePathError
 from modelpack.mediatypes import LayerKind
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.packing.file_discovery import OTHER_FILE_CHOICES
+from modelpack.packing.opened_input import open_beneath
 from modelpack.packing.packed_artifact import PackedArtifact, PackOptions
 from modelpack.packing.selected_files import SelectedFile, build_selected_artifact, filter_selected
 from modelpack.terminal import for_terminal, has_control_characters
@@ -393,7 +394,13 @@ def select_files(mf: Modelfile, context_dir: str) -> list[SelectedFile]:
                     )
                 continue
             untested = kind is LayerKind.WEIGHT and not rel.endswith(".safetensors")
-            chosen[rel] = (SelectedFile(rel, real, kind, untested), glob)
+            try:  # opened once now; every byte packed is read from this descriptor
+                opened = open_beneath(root, rel, link_roots=[root], shown=real)
+            except PackError as exc:
+                raise ModelfileError(
+                    mf.path, f"{glob.command} {glob.pattern!r}: {exc}", line=glob.line
+                ) from None
+            chosen[rel] = (SelectedFile(rel, real, kind, untested, source=opened), glob)
             if len(chosen) > MAX_SELECTED_FILES:
                 raise ModelfileError(mf.path, f"the globs select more than {MAX_SELECTED_FILES} files")
     if not chosen:

@@ -20,6 +20,7 @@ from modelpack.mediatypes.config import is_rfc3339
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
 from modelpack.packing.file_metadata import file_identity, source_date_epoch
+from modelpack.packing.opened_input import InputFile
 from modelpack.packing.staging_area import remove_staging_dir
 from modelpack.targets.base import BlobSource, bytes_blob_source, file_blob_source
 
@@ -97,6 +98,9 @@ class PackedFile:
     opener: Callable[[int], BinaryIO] | None = field(default=None, compare=False, repr=False)
     #: ``file_identity`` of ``path`` when it was hashed; checked again before its bytes are handed on
     identity: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    #: the input as the pack opened it: its bytes are read (and linked) from this descriptor only,
+    #: never by ``path`` again (a name another user can point elsewhere)
+    source: InputFile | None = field(default=None, compare=False, repr=False)
 
     def check_unchanged(self) -> None:
         """Refuse a file that is no longer the one hashed (replaced, rewritten, grown, removed):
@@ -104,7 +108,9 @@ class PackedFile:
         if self.identity is None:
             return
         try:
-            now: tuple[int, ...] = file_identity(os.stat(self.path))
+            now: tuple[int, ...] = (
+                self.source.now() if self.source is not None else file_identity(os.stat(self.path))
+            )
         except OSError as exc:
             raise PackError(
                 f"{self.path}: {exc.strerror or exc} — it changed after it was hashed; "
@@ -131,10 +137,20 @@ class PackedArtifact:
     tag: str = "latest"
     staging_dir: str | None = None
     name: str = "checkpoint"
+    #: hidden entries of the source that were not packed (a directory ends with ``/``)
+    skipped: list[str] = field(default_factory=list)
+    #: what a person should know about what was packed (pickle files, …)
+    warnings: list[str] = field(default_factory=list)
     _by_digest: dict[str, PackedFile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_digest = {f.digest: f for f in self.files}
+
+    @property
+    def file_count(self) -> int:
+        """How many of the source's files the artifact holds (an image overrides it: its layers
+        are tars of the files)."""
+        return len(self.files)
 
     @property
     def digest(self) -> Digest:
@@ -159,6 +175,15 @@ class PackedArtifact:
         if f.opener is not None:
             return BlobSource(descriptor, f.opener)  # unverified: the writer checks the digest
         f.check_unchanged()  # "verified" below means: these are the bytes this process hashed
+        if f.source is not None:
+            return BlobSource(
+                descriptor,
+                f.source.open,
+                local_path=f.path,
+                verified=True,
+                recheck=f.check_unchanged,
+                fileno=f.source.fd,
+            )
         return file_blob_source(descriptor, f.path, verified=True, recheck=f.check_unchanged)
 
     def fetch_blob(self, descriptor: Descriptor, offset: int = 0) -> BinaryIO:
@@ -178,6 +203,9 @@ class PackedArtifact:
         return []
 
     def cleanup(self) -> None:
+        for f in self.files:
+            if f.source is not None:
+                f.source.close()
         remove_staging_dir(self.staging_dir)
         self.staging_dir = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from modelpack.errors import PackError
@@ -45,13 +46,18 @@ def _copy_range(src: BinaryIO, dst: BinaryIO, offset: int, length: int) -> None:
 
 
 def reshard(
-    files: list[tuple[str, str]], headers: dict[str, SafetensorsHeader], max_size: int, staging: str
+    files: list[tuple[str, str]],
+    headers: dict[str, SafetensorsHeader],
+    max_size: int,
+    staging: str,
+    source: Callable[[str], BinaryIO] | None = None,
 ) -> list[tuple[str, str]]:
     """Split safetensors files larger than ``max_size`` at tensor boundaries.
 
     Writes valid safetensors shards (same tensor bytes, same ``__metadata__``) and a regenerated
     ``model.safetensors.index.json`` mapping every tensor to its new file. A single tensor larger
-    than ``max_size`` gets a shard of its own (tensors are never split).
+    than ``max_size`` gets a shard of its own (tensors are never split). ``source(relpath)``
+    opens a file's bytes (the pack's open descriptor); None: by its path.
     """
     oversized = [rel for rel, _ in files if rel in headers and headers[rel].file_size > max_size]
     if not oversized:
@@ -88,7 +94,7 @@ def reshard(
             size += entry
         directory = os.path.dirname(rel)
         stem = os.path.basename(rel)[: -len(".safetensors")]
-        with open(full, "rb") as src:
+        with source(rel) if source is not None else open(full, "rb") as src:
             for i, group in enumerate(groups, 1):
                 shard_rel = (directory + "/" if directory else "") + _shard_name(stem, i, len(groups))
                 prefix, _ = build_header(

@@ -41,6 +41,9 @@ class BlobSource:
     #: raises if ``local_path`` is no longer the file that was hashed; a writer that links or
     #: copies it calls this once the copy is in place, before publishing it
     recheck: Callable[[], None] | None = None
+    #: an open descriptor of the file that was hashed (a pack input): a writer links or copies
+    #: from it (``files.link_or_copy_fd``), never from ``local_path``, a name that may have moved
+    fileno: int | None = None
 
     def open(self, offset: int = 0) -> BinaryIO:
         return self.opener(offset)

@@ -27,7 +27,14 @@ from modelpack.errors import (
     NotFoundError,
     SizeMismatchError,
 )
-from modelpack.files import TEMP_PREFIX, atomic_write_bytes, fsync_dir, link_or_copy, pread_exact
+from modelpack.files import (
+    TEMP_PREFIX,
+    atomic_write_bytes,
+    fsync_dir,
+    link_or_copy,
+    link_or_copy_fd,
+    pread_exact,
+)
 from modelpack.mediatypes import MEDIA_TYPE_OCI_INDEX, MEDIA_TYPE_OCI_MANIFEST
 from modelpack.oci.descriptor import Descriptor, Manifest, canonical_json, parse_manifest_or_index
 from modelpack.oci.digest import HASH_CHUNK, Digest, VerifyingReader, verify_bytes
@@ -281,7 +288,10 @@ class OCILayoutTarget:
             if source.local_path and source.verified:
                 # The descriptor of a local-path source was computed from this very file by the
                 # packer a moment ago; check the size and keep the hash pass single.
-                how = link_or_copy(source.local_path, tmp, mode=self.link)
+                if source.fileno is not None:
+                    how = link_or_copy_fd(source.fileno, tmp, mode=self.link)
+                else:
+                    how = link_or_copy(source.local_path, tmp, mode=self.link)
                 self.materialized[how] = self.materialized.get(how, 0) + 1
                 size = os.stat(tmp).st_size
                 if size != desc.size:

@@ -58,7 +58,7 @@ def test_audit_layout_versions_signatures_and_moves(checkpoint: Path, tmp_path: 
         ARTIFACT_TYPE_CHUNK_DIGESTS: 1,
     }
     assert a2.signature == "unsigned" and a2.referrers == {}
-    assert a3.signature == "invalid" and a3.key_ids == [other.key_id]
+    assert a3.signature == "untrusted" and a3.key_ids == [other.key_id]
     assert a1.model == {"name": "llama", "version": "1.0", "precision": "bfloat16"}
     assert a2.model["version"] == "2.0"
     manifest, _ = api.fetch_manifest(t, "v1")
@@ -120,3 +120,32 @@ def test_audit_cli_table_and_json(checkpoint: Path, tmp_path: Path) -> None:
     since.write_text(json.dumps({"v1": "sha256:" + "0" * 64}))
     moved = runner.invoke(main, ["audit", f"oci:{layout}", "--since-digests", str(since)])
     assert moved.exit_code == 1 and "MOVED" in moved.output and "v1" in moved.output
+
+
+def test_audit_and_verify_name_a_signature_by_another_key_alike(checkpoint: Path, tmp_path: Path) -> None:
+    """A valid signature made by a key that is not the one given is 'untrusted' in audit, with
+    the same reason verify refuses it with ('not by a trusted key'), never 'invalid' (which means
+    a signature that does not verify at all); an unsigned version stays 'unsigned'."""
+    layout = tmp_path / "layout"
+    api.pack(str(checkpoint), f"oci:{layout}:v1", PackOptions(name="m", version="1"))
+    (checkpoint / "README.md").write_text("v2\n")
+    api.pack(str(checkpoint), f"oci:{layout}:v2", PackOptions(name="m", version="2"))
+    t = OCILayoutTarget(str(layout))
+    signer, trusted = generate_key(), generate_key()
+    _, trusted_pub = write_keypair(str(tmp_path / "trusted"), trusted)
+    sign_artifact(t, t.resolve("v1"), signer, chunk_table=False, directory_signature=False)
+    runner = CliRunner()
+
+    verify = runner.invoke(main, ["verify", f"oci:{layout}:v1", "--key", trusted_pub])
+    assert verify.exit_code == 1 and "not by a trusted key" in verify.output, verify.output
+    audit = runner.invoke(main, ["audit", f"oci:{layout}", "--key", trusted_pub, "--json"])
+    assert audit.exit_code == 0, audit.output
+    (repo,) = json.loads(audit.output)["repositories"]
+    by_tag = {v["tags"][0]: v["signature"] for v in repo["versions"]}
+    assert by_tag["v1"]["status"] == "untrusted", by_tag["v1"]
+    assert by_tag["v1"]["keyIds"] == [signer.key_id]
+    (reason,) = by_tag["v1"]["reasons"]
+    assert "not by a trusted key" in reason and reason in verify.output
+    assert by_tag["v2"]["status"] == "unsigned"
+    table = runner.invoke(main, ["audit", f"oci:{layout}", "--key", trusted_pub])
+    assert f"untrusted({signer.key_id[:12]})" in table.output and "invalid" not in table.output

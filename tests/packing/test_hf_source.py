@@ -557,3 +557,31 @@ def test_a_hostile_endpoints_file_names_are_refused(tmp_path: Path, hostile: str
     assert all(cache.root in p.parents for p in planted)  # nothing landed outside the cache
     index = tmp_path / "l" / "index.json"
     assert not index.exists() or json.loads(index.read_text())["manifests"] == []  # nothing stored
+
+
+def test_offline_a_snapshot_whose_completeness_cannot_be_shown_is_refused(hub: HubCache) -> None:
+    """Offline, a cache filled file by file (no trees/<commit>.json listing) holding part of the
+    commit is refused, naming the commit and how to fix it, rather than packed as the whole commit;
+    so is one whose listing names files the snapshot lacks."""
+    import shutil
+
+    from modelpack.errors import HFRevisionNotFoundError
+
+    listing = hub.repo / "trees" / f"{hub.commit}.json"
+    saved = listing.read_bytes()
+    shutil.rmtree(hub.repo / "trees")
+    for rel in ("tokenizer.json", "original/params.json"):
+        (hub.snapshot / rel).unlink()
+    with pytest.raises(HFRevisionNotFoundError, match=rf"no listing of commit {hub.commit}.*download"):
+        build_hf_artifact(f"hf://{REPO}", cache_dir=str(hub.root), local_files_only=True)
+    proc = run_cli("pack", f"hf://{REPO}", "oci:/nonexistent-never-written:v1", hub=hub)
+    assert proc.returncode == 1 and "no listing of commit" in proc.stderr, proc.stderr
+    # the listing back, the two files still missing: refused naming them
+    from modelpack.packing.hf_source import check_snapshot_complete, parse_hf_url
+
+    listing.parent.mkdir()
+    listing.write_bytes(saved)
+    with pytest.raises(
+        HFRevisionNotFoundError, match=r"lacks 2 of its 8 files \(original/params.json, tokenizer.json\)"
+    ):
+        check_snapshot_complete(parse_hf_url(f"hf://{REPO}"), str(hub.snapshot), str(hub.repo), hub.commit)

@@ -348,9 +348,10 @@ def _rewrite_in_place(path: Path, data: bytes) -> None:
 def test_a_file_that_changes_after_it_was_hashed_is_refused(
     checkpoint: Path, tmp_path: Path, link: str, change: str
 ) -> None:
-    """Hash first, link or copy later: a file replaced by a new one of the same size (how editors and
-    ``save_file`` write), rewritten in place, grown or chmod-ed in between must not be stored under
-    what was recorded for it."""
+    """Hash first, link or copy later: a file rewritten in place, grown or chmod-ed in between must
+    not be stored under what was recorded for it; a file replaced by a new one of the same size (how
+    editors and ``save_file`` write) leaves the pack storing the bytes it hashed (the file it opened),
+    never the new ones."""
     from modelpack.transfer.copy import copy
 
     shard = checkpoint / "model-00002-of-00002.safetensors"
@@ -369,9 +370,15 @@ def test_a_file_that_changes_after_it_was_hashed_is_refused(
     else:  # the same bytes, but the mode recorded in the file metadata is no longer the file's
         os.chmod(shard, 0o600)
     target = OCILayoutTarget(tmp_path / "l", create=True, link=link)
-    with pytest.raises(PackError, match=r"model-00002-of-00002\.safetensors.*changed after it was hashed"):
+    if change == "replaced":
         copy(art, target, "latest", "v1")
-    assert not target.exists(Descriptor("application/octet-stream", packed.digest, packed.size))
+        assert Path(target.blob_path(packed.digest)).read_bytes() == original != evil
+    else:
+        with pytest.raises(
+            PackError, match=r"model-00002-of-00002\.safetensors.*changed after it was hashed"
+        ):
+            copy(art, target, "latest", "v1")
+        assert not target.exists(Descriptor("application/octet-stream", packed.digest, packed.size))
     if change in ("replaced", "rewritten"):
         # packing again hashes what is there now
         again = build_artifact(str(checkpoint))
@@ -391,16 +398,16 @@ def test_a_file_rewritten_while_it_is_copied_into_the_layout_is_refused(
     shard = checkpoint / "model-00002-of-00002.safetensors"
     art = build_artifact(str(checkpoint))
     packed = next(f for f in art.files if f.relpath == shard.name)
-    real = layout.link_or_copy
+    real = layout.link_or_copy_fd
 
-    def copy_then_rewritten(src: str, dst: str, *, mode: str = "auto") -> str:
-        how = real(src, dst, mode=mode)
-        if os.path.samefile(src, shard):
+    def copy_then_rewritten(fd: int, dst: str, *, mode: str = "auto") -> str:
+        how = real(fd, dst, mode=mode)
+        if os.path.sameopenfile(fd, os.open(shard, os.O_RDONLY)):
             data = shard.read_bytes()
             _rewrite_in_place(shard, data[:-4] + bytes(b ^ 0xFF for b in data[-4:]))
         return how
 
-    monkeypatch.setattr(layout, "link_or_copy", copy_then_rewritten)
+    monkeypatch.setattr(layout, "link_or_copy_fd", copy_then_rewritten)
     target = OCILayoutTarget(tmp_path / "l", create=True, link=link)
     with pytest.raises(PackError, match=r"model-00002-of-00002\.safetensors.*changed after it was hashed"):
         copy(art, target, "latest", "v1")
@@ -429,28 +436,31 @@ def test_a_file_whose_bytes_do_not_match_its_size_while_hashed_is_refused() -> N
         hash_file("/proc/self/status")
 
 
-def test_a_shard_swapped_after_its_header_was_checked_is_refused(
+def test_a_shard_swapped_after_its_header_was_checked_packs_the_checked_bytes(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A writer that swaps a validated shard for garbage between the header check and hashing (the
-    timing is forced by wrapping the real parser) must not get unvalidated bytes packed."""
+    timing is forced by wrapping the real parser) must not get unvalidated bytes packed: the pack
+    hashes the file it checked (its open descriptor), never the garbage now at the name."""
+    from typing import BinaryIO
+
     from modelpack.packing import packer, safetensors_format
 
     shard = checkpoint / "model-00001-of-00002.safetensors"
+    checked = _sha(shard)
 
-    def read_then_swap(path: str) -> safetensors_format.SafetensorsHeader:
-        header = safetensors_format.read_header(path)
+    def read_then_swap(f: BinaryIO, path: str, size: int) -> safetensors_format.SafetensorsHeader:
+        header = safetensors_format.read_header_from(f, path, size)
         if path.endswith(shard.name):
             garbage = checkpoint / "garbage"
             garbage.write_bytes(b"\xff" * shard.stat().st_size)  # not safetensors at all
             os.replace(garbage, shard)
         return header
 
-    monkeypatch.setattr(packer, "read_header", read_then_swap)
-    with pytest.raises(
-        PackError, match=r"model-00001-of-00002\.safetensors: changed after its safetensors header"
-    ):
-        build_artifact(str(checkpoint))
+    monkeypatch.setattr(packer, "read_header_from", read_then_swap)
+    art = build_artifact(str(checkpoint))
+    packed = next(f for f in art.files if f.relpath == shard.name)
+    assert packed.digest == checked != _sha(shard)
 
 
 def test_an_image_layer_is_not_built_from_a_file_changed_after_hashing(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 
 from modelpack.cli import main
 from modelpack.events import read_events
+from modelpack.targets.layout import OCILayoutTarget
 from tests.signing_helpers import pack_layout
 
 PASSPHRASE = "correct-horse-" + "battery"
@@ -100,3 +102,39 @@ def test_pull_with_key_from_layout_pins_digest(checkpoint: Path, tmp_path: Path)
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output)["digest"] == str(p.desc.digest)
     assert sig.exists() and (tmp_path / "out" / "config.json").exists()
+
+
+def test_private_key_text_argument_is_refused_unread(checkpoint: Path, tmp_path: Path) -> None:
+    """A private key's PEM text as --key/--sign-key (readable by every local user in
+    /proc/*/cmdline) is a usage error (exit 2) that echoes no part of the key and signs nothing;
+    a key file, env:NAME and /dev/fd/N still sign."""
+    from modelpack.signing import generate_key
+    from modelpack.signing.keys import private_key_pem
+
+    p = pack_layout(checkpoint, tmp_path / "layout")
+    pem = private_key_pem(generate_key()).decode()
+    body_lines = [line for line in pem.splitlines() if line and not line.startswith("-----")]
+    runner = CliRunner()
+    for args in (
+        ["sign", p.ref, "--key", pem],
+        ["sign", p.ref, "--key", "  " + pem],
+        ["push", str(checkpoint), f"oci:{tmp_path / 'pushed'}:v1", "--sign-key", pem],
+    ):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 2, res.output
+        assert "env:NAME" in res.output and "/proc" in res.output
+        assert not any(line in res.output for line in body_lines)
+        assert "Traceback" not in res.output
+    assert OCILayoutTarget(str(tmp_path / "layout")).referrers(p.desc) == []
+    assert not (tmp_path / "pushed").exists()
+
+    key_file = tmp_path / "ci.key"
+    key_file.write_text(pem)
+    fd = os.open(key_file, os.O_RDONLY)
+    try:
+        for spec, env in ((str(key_file), {}), ("env:CI_KEY", {"CI_KEY": pem}), (f"/dev/fd/{fd}", {})):
+            ok = runner.invoke(main, ["sign", p.ref, "--key", spec, "--no-directory-signature"], env=env)
+            assert ok.exit_code == 0, ok.output
+            os.lseek(fd, 0, os.SEEK_SET)
+    finally:
+        os.close(fd)
