@@ -66,7 +66,7 @@ def read_whole_layer(
             def task(slot: Slot = slot, b0: int = b0, b1: int = b1) -> None:
                 reader.read_into(b0, slot.view[: b1 - b0])
 
-            def done(_: Any, slot: Slot = slot, b0: int = b0, b1: int = b1) -> None:
+            def done(_: object, slot: Slot = slot, b0: int = b0, b1: int = b1) -> None:
                 for fut in hashed:  # the direct blocks before this one come first in the hash
                     fut.result()
                 hashed.clear()
@@ -110,7 +110,7 @@ def _direct_block(
     def task() -> None:
         read_scatter(reader, b0, [seg.view for seg in segments])
 
-    def done(_: Any) -> None:
+    def done(_: object) -> None:
         pieces: list[Any] = []
         for seg in segments:
             if seg.tensor is None:  # a gap lies inside the header here (checked by the caller)

@@ -58,6 +58,7 @@ import logging
 import os
 import re
 import socket
+import socketserver
 import ssl
 import stat
 import sys
@@ -267,9 +268,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def __init__(
         self,
-        request: Any,
-        client_address: Any,
-        server: Any,
+        request: socket.socket,
+        client_address: tuple[str, int],
+        server: socketserver.BaseServer,
         head_watch: tuple[int, socket.socket] | None = None,
     ) -> None:
         self.head_watch = head_watch  # (key, socket) in ``server.heads``: see ``_HeadDeadlines``

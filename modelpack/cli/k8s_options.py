@@ -9,11 +9,14 @@ ConfigMap, ``--hosts-dir``, ``-u``) is a usage error that says what to use inste
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from modelpack.cli.options import global_timeout
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 SERVING_IMAGE_HELP = (
     "Serving container image (required; no default). With --vllm it must hold vLLM and "
@@ -35,11 +38,11 @@ def modelpack_image_option(*aliases: str) -> Any:
     )
 
 
-def serving_image_option(f: Any) -> Any:
+def serving_image_option(f: F) -> F:
     return click.option("--image", required=True, metavar="IMAGE", help=SERVING_IMAGE_HELP)(f)
 
 
-def served_model_name_option(f: Any) -> Any:
+def served_model_name_option(f: F) -> F:
     return click.option(
         "--served-model-name",
         default=None,
@@ -48,7 +51,7 @@ def served_model_name_option(f: Any) -> Any:
     )(f)
 
 
-def ca_options(f: Any) -> Any:
+def ca_options(f: F) -> F:
     f = click.option(
         "--ca-key",
         default="ca.crt",
@@ -64,7 +67,7 @@ def ca_options(f: Any) -> Any:
     )(f)
 
 
-def mirror_retry_options(f: Any) -> Any:
+def mirror_retry_options(f: F) -> F:
     """``--mirror``, ``--retry-for`` and ``--plain-http`` for a command without ``target_options``."""
     from modelpack.cli.options import DURATION
 

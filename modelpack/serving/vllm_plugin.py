@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 LOAD_FORMAT = "modelpack"
 _GUARDED = "_modelpack_checks_model_dir"
@@ -91,9 +91,15 @@ def lease_served_adapters() -> None:
     models.unload_lora_adapter = _released_on_unload(models.unload_lora_adapter)
 
 
+class _AdapterRequest(Protocol):
+    """What vLLM's load/unload adapter requests carry that the leases need."""
+
+    lora_name: str
+
+
 def _leased_while_served(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    async def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: object, request: _AdapterRequest, *args: Any, **kwargs: Any) -> Any:
         from modelpack.serving.adapter_leases import ENGINE_ADAPTER_LEASES as leases
 
         name = str(request.lora_name)
@@ -117,7 +123,7 @@ def _leased_while_served(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _released_on_unload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    async def wrapper(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: object, request: _AdapterRequest, *args: Any, **kwargs: Any) -> Any:
         result = await original(self, request, *args, **kwargs)
         if isinstance(result, str):
             from modelpack.serving.adapter_leases import ENGINE_ADAPTER_LEASES

@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from modelpack import stopping
 from modelpack.errors import (
@@ -118,7 +118,11 @@ class _ChunkGate:
     blob without a table."""
 
     def __init__(
-        self, desc: Descriptor, checks: tuple[int, RangeCheck] | None, hasher: Any, spool: Any
+        self,
+        desc: Descriptor,
+        checks: tuple[int, RangeCheck] | None,
+        hasher: hashlib._Hash,
+        spool: IO[bytes],
     ) -> None:
         self.size = desc.size
         self.checks = checks
