@@ -95,6 +95,7 @@ class _AdapterRequest(Protocol):
     """What vLLM's load/unload adapter requests carry that the leases need."""
 
     lora_name: str
+    lora_path: str
 
 
 def _leased_while_served(original: Callable[..., Any]) -> Callable[..., Any]:
