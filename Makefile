@@ -7,7 +7,7 @@ PYTEST_ARGS ?= -n auto --dist loadfile
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 
-.PHONY: deps demo-deps demo test lint typecheck fmt bench clean
+.PHONY: deps demo-deps demo test lint typecheck fmt bench clean image
 
 # deps: everything `make test` needs; demo-deps: only what the demo uses (a first `make demo` on a
 # fresh machine skips the vLLM and peer venvs, containerd, skopeo and the test extras)
@@ -59,6 +59,12 @@ bench: deps
 	$(PY) benchmarks/gpu_load.py --device cpu --size 64MiB --workers 2 --json-out $(BENCH_OUT)/gpu_load.json
 	$(PY) benchmarks/storm.py --nodes 1,4 --size 16MiB --shards 4 --no-faults --out $(BENCH_OUT)/storm || [ $$? -eq 77 ]
 	if [ -x .venv-vllm/bin/python ]; then $(PY) benchmarks/vllm_start.py --weights-only --weights-repeat 1; fi
+
+# The modelpack image (images/modelpack/Containerfile) with podman: `make image BASE=…` for your own
+# base; unset, debian:bookworm-slim, or one built from Debian packages where nothing can be pulled.
+# An image of the same inputs is reused (images/build.sh says what counts); prints its name.
+image:
+	@BASE="$(BASE)" EXTRAS="$(EXTRAS)" PY="$(PY)" bash images/build.sh
 
 clean:
 	rm -rf build examples/generated .pytest_cache .mypy_cache .ruff_cache
