@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PODMAN_SH = REPO / "images" / "podman.sh"
 BUILD_SH = REPO / "images" / "build.sh"
 MODELPACK = str(Path(sys.executable).with_name("modelpack"))
+KEEP_INIT = {"io.podman.annotations.init.container.type": "always"}
 
 
 def podman_missing() -> str | None:
@@ -95,6 +97,33 @@ def dump_all(objects: list[dict[str, Any]]) -> str:
     return yaml.safe_dump_all(objects, sort_keys=False)
 
 
+_KUBELET_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def kubelet_expansion(pod_spec: dict[str, Any]) -> None:
+    """What the kubelet does to ``command``, ``args`` and env values before a process starts, and
+    kube play 4.3 does not: ``$$`` becomes ``$`` and ``$(NAME)`` the value of an env var defined
+    before it (a reference to anything else stays as written)."""
+    for container in [*pod_spec.get("initContainers", []), *pod_spec.get("containers", [])]:
+        defined: dict[str, str] = {}
+
+        def expand(text: str, defined: dict[str, str] = defined) -> str:
+            def one(m: re.Match[str]) -> str:
+                if m.group(0) == "$$":
+                    return "$"
+                return defined.get(m.group(1), m.group(0))
+
+            return _KUBELET_REFERENCE.sub(one, text)
+
+        for env in container.get("env", []):
+            if "value" in env:
+                env["value"] = expand(env["value"])
+                defined[env["name"]] = env["value"]
+        for key in ("command", "args"):
+            if key in container:
+                container[key] = [expand(a) for a in container[key]]
+
+
 @dataclass
 class KubePlay:
     """One ``podman kube play`` of a YAML file; ``down`` removes its pods (and emptyDirs)."""
@@ -109,7 +138,15 @@ class KubePlay:
 
 def kube_play(objects: list[dict[str, Any]], path: Path, *, timeout: float = 300) -> KubePlay:
     """Play ``objects`` (host network, plain HTTP to the loopback registries); does not assert
-    success: an init container that refuses makes ``result`` non-zero, as a pod stuck in Init."""
+    success: an init container that refuses makes ``result`` non-zero, as a pod stuck in Init.
+    Pods get the kubelet's ``$(VAR)``/``$$`` expansion first (``kubelet_expansion``), and their init
+    containers are kept after they ran (podman's ``always`` type: their logs stay readable, and
+    4.3's ``once`` type races removing a container that has not quite exited)."""
+    objects = [dict(o) for o in objects]
+    for obj in objects:
+        if obj.get("kind") == "Pod":
+            kubelet_expansion(obj["spec"])
+            obj["metadata"].setdefault("annotations", {}).update(KEEP_INIT)
     path.write_text(dump_all(objects))
     start = time.monotonic()
     r = podman(

@@ -9,7 +9,9 @@ would give (kube play refuses those field paths); the peers' ``dns+http://`` Ser
 the other "node's" loopback address (no cluster DNS); ``cache serve`` listens on 127.0.0.1 (the
 two "nodes" share the host's network, so each gets its own port); annotation values longer than 63
 characters (the model digest's) are left out, since kube play 4.3 refuses them, applying the
-limit of label values (Kubernetes limits annotations to 256 KiB in all). Commands, arguments, images,
+limit of label values (Kubernetes limits annotations to 256 KiB in all); ``ports`` (informational
+in Kubernetes) are left out, since kube play 4.3 maps them to host ports, refused on the host
+network. Commands, arguments, images,
 users, mounts and read-only roots are the generated ones.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ import pytest
 
 from tests.fixtures.registry import RegistryServer, free_port
 from tests.podman_helpers import (
+    KubePlay,
     PublishedImage,
     build_image,
     inspect,
@@ -42,9 +46,6 @@ from tests.podman_helpers import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-# podman keeps an init container (and its log) after it ran only with this annotation
-KEEP_INIT = {"io.podman.annotations.init.container.type": "always"}
 
 
 def list_files(directory: str) -> list[str]:
@@ -131,7 +132,19 @@ def secret_volumes_as_config_maps(spec: dict[str, Any]) -> None:
     for volume in spec.get("volumes", []):
         if "secret" in volume:
             src = volume.pop("secret")
-            volume["configMap"] = {"name": src["secretName"], **({"items": src["items"]} if "items" in src else {})}
+            volume["configMap"] = {
+                "name": src["secretName"],
+                **({"items": src["items"]} if "items" in src else {}),
+            }
+
+
+def secret_env_values(container: dict[str, Any], secrets: dict[str, dict[str, str]]) -> None:
+    """``secretKeyRef`` env, as the kubelet would fill it in from the Secret's data."""
+    for env in container.get("env", []):
+        ref = env.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            env.pop("valueFrom")
+            env["value"] = secrets[ref["name"]][ref["key"]]
 
 
 def short_annotations(metadata: dict[str, Any]) -> None:
@@ -161,9 +174,9 @@ def listing(output: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def pods() -> Iterator[list[Any]]:
+def pods() -> Iterator[list[KubePlay]]:
     """Plays to tear down (``kube down``) when the test ends."""
-    played: list[Any] = []
+    played: list[KubePlay] = []
     yield played
     for play in played:
         play.down()
@@ -171,6 +184,10 @@ def pods() -> Iterator[list[Any]]:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(3)}"
+
+
+def secrets_token() -> str:
+    return secrets.token_urlsafe(24)
 
 
 def init_container_pod(
@@ -184,7 +201,6 @@ def init_container_pod(
         )
     )  # fmt: skip
     short_annotations(pod["metadata"])
-    pod["metadata"].setdefault("annotations", {}).update(KEEP_INIT)
     spec = pod["spec"]
     spec["restartPolicy"] = "Never"
     secret_volumes_as_config_maps(spec)
@@ -208,10 +224,14 @@ def test_image_pinned_by_digest_runs_as_uid_1000_without_compilers(
         "for c in cc gcc g++ clang make pip pip3; do command -v $c; done; "
         "touch /opt/x 2>/dev/null || echo read-only"
     )
-    r = podman("run", "--rm", "--read-only", "--read-only-tmpfs=false", "--entrypoint", "sh", ref, "-c", script)
+    r = podman(
+        "run", "--rm", "--read-only", "--read-only-tmpfs=false", "--entrypoint", "sh", ref, "-c", script
+    )
     assert r.stdout.split() == ["1000", "1000", "modelpack,", "version", "0.1.0", "si", "serve", "read-only"]
     size = int(podman("image", "inspect", "--format", "{{.Size}}", ref).stdout.strip())
-    print(f"\nimage {modelpack_image.local}: {size / 1e6:.0f} MB, build/reuse {modelpack_image.build_seconds:.0f} s")
+    print(
+        f"\nimage {modelpack_image.local}: {size / 1e6:.0f} MB, build/reuse {modelpack_image.build_seconds:.0f} s"
+    )
     assert size < 400e6
 
 
@@ -220,7 +240,7 @@ def test_init_container_pod_main_container_sees_exactly_the_signed_files(
     registry: RegistryServer,
     checkpoint: Path,
     tmp_path: Path,
-    pods: list[Any],
+    pods: list[KubePlay],
 ) -> None:
     """``k8s init-container``'s pod: the init container (the image, uid 1000, read-only root) pulls
     and verifies under the policy into an emptyDir; the main container then lists exactly the
@@ -247,7 +267,7 @@ def test_init_container_pod_fails_on_a_tampered_blob_with_the_refusal_in_its_log
     registry_factory: Any,
     checkpoint: Path,
     tmp_path: Path,
-    pods: list[Any],
+    pods: list[KubePlay],
 ) -> None:
     """A blob changed in the registry's storage after signing: the init container refuses it
     (its log names the mismatch), the pod fails and the main container never runs."""
@@ -270,3 +290,211 @@ def test_init_container_pod_fails_on_a_tampered_blob_with_the_refusal_in_its_log
     server = inspect(f"{name}-server")
     assert server["State"]["StartedAt"].startswith("0001-01-01"), "the main container ran"
     assert listing(logs(f"{name}-server")) == {}
+
+
+def kserve_pod(
+    csc: dict[str, Any], model: SignedModel, image: PublishedImage, name: str, cache: Path
+) -> dict[str, Any]:
+    """The pod KServe's webhook makes of an InferenceService whose storageUri is the model: the
+    ClusterStorageContainer's container as the ``storage-initializer`` init container with
+    ``SRC_URI DEST`` as its arguments and ``/mnt/models`` an emptyDir (``kserve-provision-location``)
+    that the predictor mounts read-only; the volumes ``k8s kserve inferenceservice`` declares."""
+    init = copy.deepcopy(csc["spec"]["container"])
+    init["args"] = [f"modelpack://{model.reference}", "/mnt/models"]
+    init["volumeMounts"] = [
+        *init.get("volumeMounts", []),
+        {"name": "kserve-provision-location", "mountPath": "/mnt/models"},
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "initContainers": [init],
+            "containers": [
+                {
+                    "name": "kserve-container",
+                    "image": image.reference,
+                    "command": list_files("/mnt/models"),
+                    "volumeMounts": [
+                        {"name": "kserve-provision-location", "mountPath": "/mnt/models", "readOnly": True}
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "modelpack-cache", "hostPath": {"path": str(cache), "type": "Directory"}},
+                {"name": "modelpack-tmp", "emptyDir": {}},
+                {"name": "modelpack-policy", "configMap": {"name": f"{name}-policy"}},
+                {"name": "kserve-provision-location", "emptyDir": {}},
+            ],
+        },
+    }
+
+
+def test_kserve_storage_initializer_runs_as_the_cluster_storage_container_specifies(
+    published_image: PublishedImage,
+    registry: RegistryServer,
+    checkpoint: Path,
+    tmp_path: Path,
+    pods: list[KubePlay],
+) -> None:
+    """``k8s kserve storage-containers``' initContainer spec, run as KServe runs it (its command
+    and env, ``SRC_URI /mnt/models`` as arguments): uid 1000 on a read-only root, it verifies under
+    the policy through the node cache and the predictor reads exactly the signed files."""
+    model = push_signed_model(checkpoint, registry, unique("podman/kserve"), tmp_path)
+    cscs = json.loads(
+        modelpack_cli(
+            "k8s", "kserve", "storage-containers", "--image", published_image.reference,
+            "--policy-secret", "--plain-http", "--json",
+        )
+    )  # fmt: skip
+    csc = next(c for c in cscs if c["spec"]["workloadType"] == "initContainer")
+    assert csc["spec"]["container"]["image"] == published_image.reference
+    name = unique("kserve-pod")
+    cache = tmp_path / "node-cache"  # the node's cache, made by whoever set the node up
+    cache.mkdir()
+    os.chown(cache, 1000, 1000)
+    objects = [
+        policy_config_map(f"{name}-policy", "policy.yaml", model.policy_yaml),
+        kserve_pod(csc, model, published_image, name, cache),
+    ]
+    start = time.monotonic()
+    play = kube_play(objects, tmp_path / "pod.yaml")
+    pods.append(play)
+    assert play.result.returncode == 0, play.result.stderr + logs(f"{name}-storage-initializer")
+    assert wait_exit(f"{name}-kserve-container") == 0
+    seconds = time.monotonic() - start
+    assert listing(logs(f"{name}-kserve-container")) == model.files
+    init = inspect(f"{name}-storage-initializer")
+    assert init["Config"]["User"] in ("1000", "1000:1000")
+    assert init["HostConfig"]["ReadonlyRootfs"] is True
+    spec = csc["spec"]["container"]
+    assert [init["Path"], *init["Args"]] == [
+        *spec["command"],
+        f"modelpack://{model.reference}",
+        "/mnt/models",
+    ]
+    assert {f"{e['name']}={e['value']}" for e in spec["env"]} <= set(init["Config"]["Env"])
+    assert (cache / "snapshots" / model.digest.split(":", 1)[1]).is_dir()
+    print(f"\nkube play -> predictor read verified files (KServe initializer): {seconds:.1f} s")
+
+
+def prewarm_node_pod(
+    daemonset: dict[str, Any],
+    node: str,
+    cache: Path,
+    port: int,
+    peer_port: int,
+    secrets: dict[str, dict[str, str]],
+) -> dict[str, Any]:
+    """The DaemonSet's pod on ``node``: its cache at ``cache`` (the node's hostPath), ``cache serve``
+    on 127.0.0.1:``port``, the other node's serve as its peer (the Service name, resolved)."""
+    template = copy.deepcopy(daemonset["spec"]["template"])
+    spec = template["spec"]
+    spec.pop("nodeSelector", None)  # one machine plays every node
+    secret_volumes_as_config_maps(spec)
+    for volume in spec["volumes"]:
+        if volume["name"] == "modelpack-cache":
+            volume["hostPath"]["path"] = str(cache)
+    generated_port = None
+    for container in spec["containers"]:
+        downward_api_values(container, {"spec.nodeName": node, "status.podIP": "127.0.0.1"})
+        secret_env_values(container, secrets)
+        for env in container.get("env", []):
+            if env["name"] == "MODELPACK_MIRRORS":
+                env["value"] = f"http://127.0.0.1:{peer_port}"
+        if container["name"] == "peer-serve":
+            listen = container["command"].index("--listen") + 1
+            generated_port = int(container["command"][listen].rsplit(":", 1)[1])
+            container["command"][listen] = f"127.0.0.1:{port}"
+            del container["ports"]  # kube play 4.3 maps them to host ports, refused on the host network
+            container["readinessProbe"]["httpGet"]["port"] = port
+    assert generated_port is not None, "no peer-serve container"
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{daemonset['metadata']['name']}-{node}",
+            "labels": template["metadata"]["labels"],
+        },
+        "spec": spec,
+    }
+
+
+def wait_for_snapshot(cache: Path, digest: str, container: str, timeout: float = 180) -> Path:
+    snapshot = cache / "snapshots" / digest.split(":", 1)[1]
+    deadline = time.monotonic() + timeout
+    while not snapshot.is_dir():
+        assert time.monotonic() < deadline, f"no snapshot in {cache} after {timeout} s:\n{logs(container)}"
+        time.sleep(0.5)
+    return snapshot
+
+
+def files_under(root: Path) -> dict[str, str]:
+    return {
+        f"./{p.relative_to(root)}": hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_prewarm_daemonset_on_two_empty_nodes_second_fills_from_first_with_origin_stopped(
+    published_image: PublishedImage,
+    registry_factory: Any,
+    checkpoint: Path,
+    tmp_path: Path,
+    pods: list[KubePlay],
+) -> None:
+    """``k8s prewarm --serve-peers``' pod template on two nodes with no cache yet: both pods start
+    (pre-warm loop and ``cache serve --fill``, neither restarting); the first fills its node from
+    the origin, the origin stops, and the second node fills from the first node's peer, verified
+    under the policy, to the same files."""
+    origin = registry_factory.start()
+    model = push_signed_model(checkpoint, origin, "podman/prewarm", tmp_path)
+    name = unique("prewarm")
+    policy = unique("model-trust")
+    secrets: dict[str, dict[str, str]] = {}
+    token_args: list[str] = []
+    if "--peer-token-secret" in modelpack_cli("k8s", "prewarm", "--help"):  # peers that require a token
+        secrets[f"{name}-peers"] = {"token": secrets_token()}
+        token_args = ["--peer-token-secret", f"{name}-peers"]
+    listed = json.loads(
+        modelpack_cli(
+            "k8s", "prewarm", model.reference, "--node-selector", "modelpack.dev/node=test",
+            "--serve-peers", "5050", "--interval", "10", "--policy-secret", policy,
+            "--modelpack-image", published_image.reference, "--name", name, "--json", *token_args,
+        )
+    )  # fmt: skip
+    daemonset = next(o for o in listed["items"] if o["kind"] == "DaemonSet")
+    port_a, port_b = free_port(), free_port()
+    nodes = {
+        "node-a": (tmp_path / "node-a" / "cache", port_a, port_b),
+        "node-b": (tmp_path / "node-b" / "cache", port_b, port_a),
+    }
+    config_map = policy_config_map(policy, "policy.yaml", model.policy_yaml)
+
+    def play(node: str) -> None:
+        cache, port, peer = nodes[node]
+        result = kube_play(
+            [config_map, prewarm_node_pod(daemonset, node, cache, port, peer, secrets)],
+            tmp_path / f"{node}.yaml",
+        )
+        pods.append(result)
+        assert result.result.returncode == 0, result.result.stderr
+
+    play("node-a")
+    snap_a = wait_for_snapshot(nodes["node-a"][0], model.digest, f"{name}-node-a-prewarm")
+    assert files_under(snap_a) == model.files
+    origin.stop()
+    play("node-b")
+    snap_b = wait_for_snapshot(nodes["node-b"][0], model.digest, f"{name}-node-b-prewarm")
+    assert files_under(snap_b) == model.files
+    assert origin.process.poll() is not None, "the origin is still up"
+    for node in nodes:
+        for container in ("prewarm", "peer-serve"):
+            state = inspect(f"{name}-{node}-{container}")
+            assert state["State"]["Running"], f"{node}/{container}:\n{logs(f'{name}-{node}-{container}')}"
+            assert state["RestartCount"] == 0, (
+                f"{node}/{container} restarted:\n{logs(f'{name}-{node}-{container}')}"
+            )
