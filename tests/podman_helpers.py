@@ -22,7 +22,9 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
+
+REPO = REPO_ROOT
 PODMAN_SH = REPO / "images" / "podman.sh"
 BUILD_SH = REPO / "images" / "build.sh"
 MODELPACK = str(Path(sys.executable).with_name("modelpack"))
@@ -168,4 +170,5 @@ def logs(container: str) -> str:
 
 
 def inspect(container: str) -> dict[str, Any]:
-    return json.loads(podman("inspect", container).stdout)[0]  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(podman("inspect", container).stdout)[0]
+    return result

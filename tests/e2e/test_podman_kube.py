@@ -2,17 +2,17 @@
 play`` (Debian's podman 4.3), with the image ``make image`` builds, pushed to a loopback registry
 by ``modelpack cp`` itself, signed by ``modelpack sign`` and named by digest in every object.
 
-What podman 4.3 cannot read is replaced by its nearest equivalent, each in one helper below:
-a ``secret`` volume becomes a ``configMap`` volume of the same items (kube play has no Secret
-kind); the downward API's ``spec.nodeName`` and ``status.podIP`` become the values the kubelet
-would give (kube play refuses those field paths); the peers' ``dns+http://`` Service name becomes
-the other "node's" loopback address (no cluster DNS); ``cache serve`` listens on 127.0.0.1 (the
-two "nodes" share the host's network, so each gets its own port); annotation values longer than 63
-characters (the model digest's) are left out, since kube play 4.3 refuses them, applying the
-limit of label values (Kubernetes limits annotations to 256 KiB in all); ``ports`` (informational
-in Kubernetes) are left out, since kube play 4.3 maps them to host ports, refused on the host
-network. Commands, arguments, images,
-users, mounts and read-only roots are the generated ones.
+What podman 4.3 cannot read is replaced by its nearest equivalent, each in one helper (the list
+is also in docs/kubernetes.md): ``secret`` volumes become ``configMap`` volumes of the same items
+and ``secretKeyRef`` env its value (kube play 4.3 has no Secret kind); the downward API's
+``spec.nodeName`` and ``status.podIP`` become the values the kubelet would give (kube play refuses
+those paths), and ``$(VAR)``/``$$`` are expanded as the kubelet does (``kubelet_expansion``); the
+peers' ``dns+http://`` Service name becomes the other "node's" loopback address (no cluster DNS)
+and ``cache serve`` listens on 127.0.0.1 with a port per "node" (one host network); ``ports`` are
+dropped (kube play maps them to host ports, refused on the host network) and so are annotation
+values over 63 characters (the model digest's: kube play 4.3 applies the label limit to
+annotations). Commands, arguments, images, users, mounts and read-only roots are the generated
+ones. Where podman cannot run a container at all, the tests skip saying why.
 """
 
 from __future__ import annotations
@@ -50,8 +50,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 def list_files(directory: str) -> list[str]:
     """What the main containers run: every file under ``directory`` (a shell word), with its sha256
-    (the shell expands the variable: kube play 4.3 does not expand ``$(VAR)`` in arguments)."""
+    (e.g. ``"$MODELPACK_MODEL_DIR"``, which the shell expands)."""
     return ["sh", "-c", f"cd {directory} && find . -type f | sort | xargs -r sha256sum"]
+
+
+def files_under(root: Path) -> dict[str, str]:
+    """{"./relative/path": sha256} of every file under ``root`` (what ``list_files`` prints)."""
+    return {
+        f"./{p.relative_to(root)}": hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,8 @@ def modelpack_image() -> BuiltImage:
     local, seconds = build_image()
     probe = podman("run", "--rm", "--read-only", local, "--version", check=False)
     if probe.returncode != 0:
-        pytest.skip(f"podman cannot run a container here: {probe.stderr.strip().splitlines()[-1:]}")
+        reason = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+        pytest.skip(f"podman cannot run a container here: {reason}")
     return BuiltImage(local, seconds)
 
 
@@ -114,12 +124,9 @@ def push_signed_model(checkpoint: Path, registry: RegistryServer, repository: st
             }
         ],
     }
-    files = {
-        f"./{p.relative_to(checkpoint)}": hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(checkpoint.rglob("*"))
-        if p.is_file()
-    }
-    return SignedModel(f"{registry.host}/{repository}@{digest}", digest, json.dumps(policy), files)
+    return SignedModel(
+        f"{registry.host}/{repository}@{digest}", digest, json.dumps(policy), files_under(checkpoint)
+    )
 
 
 # ------------------------------------------------------------------ podman 4.3 equivalents
@@ -429,14 +436,6 @@ def wait_for_snapshot(cache: Path, digest: str, container: str, timeout: float =
         assert time.monotonic() < deadline, f"no snapshot in {cache} after {timeout} s:\n{logs(container)}"
         time.sleep(0.5)
     return snapshot
-
-
-def files_under(root: Path) -> dict[str, str]:
-    return {
-        f"./{p.relative_to(root)}": hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def test_prewarm_daemonset_on_two_empty_nodes_second_fills_from_first_with_origin_stopped(
