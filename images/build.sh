@@ -12,7 +12,8 @@
 #   EXTRAS   modelpack-oci extras in the image (default: image).
 #   IMAGE    repository to tag (default localhost/modelpack, localhost/modelpack-vllm); the tag is VERSION-INPUTS, where
 #            INPUTS hashes everything the image is made of (sources, Containerfile, base image,
-#            extras): an image with that tag is reused, not rebuilt. IMAGE:latest follows it.
+#            extras): an image with that tag is reused, not rebuilt, and one of older inputs is
+#            removed once the new one is built. IMAGE:latest follows it.
 #   PY       Python that builds the modelpack wheel and downloads the dependency wheels
 #            (default .venv/bin/python; any Python with pip).
 #   PYTHON_VERSION, GLIBC   Python and glibc of the base (default 3.11 and 2.36: bookworm); the
@@ -130,4 +131,12 @@ podman build -q --network host --pull=never -f "images/$FLAVOUR/Containerfile" "
   -t "$tag" -t "$IMAGE:latest" "$CONTEXT" >&2
 size=$(podman image inspect --format '{{.Size}}' "$tag")
 log "built $tag ($((size / 1000000)) MB)"
+# the images this script built from older inputs (IMAGE:VERSION-INPUTS tags), unless in use
+for old in $(podman images --format '{{.Repository}}:{{.Tag}}' --filter "reference=$IMAGE:*"); do
+  case "$old" in
+    "$tag" | "$IMAGE:latest") ;;
+    "$IMAGE:"*-[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f])
+      podman rmi "$old" >/dev/null 2>&1 && log "removed $old (older inputs)" ;;
+  esac
+done
 echo "$tag"

@@ -86,11 +86,14 @@ def modelpack_image() -> BuiltImage:
 @pytest.fixture(scope="session")
 def published_image(
     modelpack_image: BuiltImage, registry: RegistryServer, tmp_path_factory: pytest.TempPathFactory
-) -> PublishedImage:
-    """The image in the session registry, pushed and signed by modelpack, pinned by digest."""
-    return publish_image(
+) -> Iterator[PublishedImage]:
+    """The image in the session registry, pushed and signed by modelpack, pinned by digest (the
+    name podman pulled it under is removed afterwards; the local image stays for reuse)."""
+    published = publish_image(
         modelpack_image.local, registry.host, "modelpack/modelpack", tmp_path_factory.mktemp("image")
     )
+    yield published
+    podman("rmi", published.reference, check=False)
 
 
 @dataclass(frozen=True)
