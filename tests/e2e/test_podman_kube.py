@@ -419,7 +419,9 @@ def prewarm_node_pod(
             generated_port = int(container["command"][listen].rsplit(":", 1)[1])
             container["command"][listen] = f"127.0.0.1:{port}"
             del container["ports"]  # kube play 4.3 maps them to host ports, refused on the host network
-            container["readinessProbe"]["httpGet"]["port"] = port
+            for check in ("httpGet", "tcpSocket"):
+                if check in container.get("readinessProbe", {}):
+                    container["readinessProbe"][check]["port"] = port
     assert generated_port is not None, "no peer-serve container"
     return {
         "apiVersion": "v1",
