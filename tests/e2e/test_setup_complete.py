@@ -20,7 +20,10 @@ from tests.paths import REPO_ROOT
 ROOT = REPO_ROOT
 
 # Debian packages .ci/bootstrap.sh installs, by the command each provides
-COMMANDS = ["docker-registry", "skopeo", "htpasswd", "containerd", "ctr", "strace", "setpriv", "node"]
+COMMANDS = [
+    "docker-registry", "skopeo", "htpasswd", "containerd", "ctr", "strace", "setpriv", "node",
+    "podman", "mmdebstrap", "newuidmap",
+]  # fmt: skip
 
 # declared in the `test` extra (pyproject.toml); import names
 MODULES = ["kubernetes_validate", "oras.client", "moto", "model_signing", "boto3", "zstandard", "safetensors"]

@@ -41,6 +41,32 @@ def test_image_volume_pod_is_pinned_and_loads_into_v1pod() -> None:
         k8s.image_volume_pod(f"oci:/tmp/layout@{DIGEST}", image=SERVING)
 
 
+def _cache_owner(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in spec.get("initContainers", []) if c["name"] == "modelpack-cache-owner"]
+
+
+def test_host_path_caches_are_handed_to_the_image_user_before_anything_writes_them() -> None:
+    """The kubelet creates a missing hostPath directory as root (0755), where the image's uid 1000
+    cannot write: pods with a hostPath cache first run a chown of that directory alone, as root
+    with CAP_CHOWN only; emptyDir pods (writable by the pod) have no such container."""
+    image = f"registry.example.com/modelpack/modelpack@{DIGEST}"
+    pod = k8s.init_container_pod(REF, cache_volume="hostPath", cache_path="/cache", modelpack_image=image)
+    prewarm = k8s.prewarm_daemonset([REF], node_selector={"gpu": "yes"}, modelpack_image=image)
+    for spec in (pod["spec"], prewarm["spec"]["template"]["spec"]):
+        (owner,) = _cache_owner(spec)
+        assert spec["initContainers"][0] is owner  # before the pull
+        cache = next(m["mountPath"] for m in owner["volumeMounts"] if m["name"] == "modelpack-cache")
+        assert owner["command"] == ["chown", "1000:1000", cache]
+        assert owner["image"] == image
+        ctx = owner["securityContext"]
+        assert ctx["runAsUser"] == 0 and ctx["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True
+    k8s.validate(pod)
+    k8s.validate(prewarm)
+    empty = k8s.init_container_pod(REF, cache_volume="emptyDir", modelpack_image=image)
+    assert _cache_owner(empty["spec"]) == []
+
+
 def test_init_container_pulls_into_the_cache_with_policy_and_credentials() -> None:
     obj = k8s.init_container_pod(
         REF,
@@ -51,7 +77,7 @@ def test_init_container_pulls_into_the_cache_with_policy_and_credentials() -> No
         image=SERVING,
     )
     pod = k8s.validate(obj)
-    init = pod.spec.init_containers[0]
+    (init,) = (c for c in pod.spec.init_containers if c.name == "modelpack-pull")
     argv = shlex.split(init.command[2])
     assert argv[:3] == ["modelpack", "pull", REF]
     assert argv[argv.index("--cache") + 1] == "/var/cache/modelpack"
@@ -205,7 +231,8 @@ def test_cache_path_reaches_the_init_container_literally(tmp_path: Path) -> None
     )
     assert proc.returncode == 0, proc.stderr
     pod = json.loads(proc.stdout)
-    init_env, init_cmd = kubelet_view(pod["spec"]["initContainers"][0])
+    (pull,) = (c for c in pod["spec"]["initContainers"] if c["name"] == "modelpack-pull")
+    init_env, init_cmd = kubelet_view(pull)
     assert init_env["MODELPACK_CACHE"] == EVIL_CACHE
     assert init_cmd[:2] == ["sh", "-c"]
     [argv] = _sh_argv(tmp_path, init_cmd[2], init_env)
