@@ -88,7 +88,7 @@ if [ -z "$base_id" ]; then
 fi
 
 # What the image is made of: the tracked and untracked (not ignored) files of the package.
-version=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+version=$("$PY" -c 'import ast; print(next(n.value.value for n in ast.parse(open("modelpack/_version.py").read()).body if isinstance(n, ast.Assign) and n.targets[0].id == "__version__"))')
 inputs=$(
   {
     git ls-files -z -co --exclude-standard -- modelpack mediatypes signing mount loader setup.py \

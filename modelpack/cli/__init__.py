@@ -61,7 +61,7 @@ COMMANDS = {
     ),
     "load": LazyCommand(
         "modelpack.cli.loader:load_cmd",
-        "Load SOURCE's weights for one tensor-parallel rank and report what it cost.",
+        "Load SOURCE's weights for one tensor-parallel (and expert-parallel) rank and report what it cost.",
     ),
     "login": LazyCommand(
         "modelpack.cli.transfer:login_cmd",

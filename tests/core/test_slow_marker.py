@@ -36,6 +36,7 @@ SLOW_MODULES = {
     "e2e/test_interop_containerd.py",
     "e2e/test_installed_package.py",
     "e2e/test_release.py",
+    "e2e/test_podman_kube.py",
     "e2e/test_e2e_llama.py",
     "e2e/test_origin_down.py",
     "e2e/test_interop_clients.py",

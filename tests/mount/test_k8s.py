@@ -50,7 +50,9 @@ def test_host_path_caches_are_handed_to_the_image_user_before_anything_writes_th
     cannot write: pods with a hostPath cache first run a chown of that directory alone, as root
     with CAP_CHOWN only; emptyDir pods (writable by the pod) have no such container."""
     image = f"registry.example.com/modelpack/modelpack@{DIGEST}"
-    pod = k8s.init_container_pod(REF, cache_volume="hostPath", cache_path="/cache", modelpack_image=image)
+    pod = k8s.init_container_pod(
+        REF, cache_volume="hostPath", cache_path="/cache", modelpack_image=image, image=SERVING
+    )
     prewarm = k8s.prewarm_daemonset([REF], node_selector={"gpu": "yes"}, modelpack_image=image)
     for spec in (pod["spec"], prewarm["spec"]["template"]["spec"]):
         (owner,) = _cache_owner(spec)
@@ -63,7 +65,7 @@ def test_host_path_caches_are_handed_to_the_image_user_before_anything_writes_th
         assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True
     k8s.validate(pod)
     k8s.validate(prewarm)
-    empty = k8s.init_container_pod(REF, cache_volume="emptyDir", modelpack_image=image)
+    empty = k8s.init_container_pod(REF, cache_volume="emptyDir", modelpack_image=image, image=SERVING)
     assert _cache_owner(empty["spec"]) == []
 
 

@@ -247,7 +247,7 @@ def test_the_generated_pull_honours_the_ca_bundle_against_a_tls_registry(
     assert res.exit_code == 0, res.output
     import json
 
-    init = json.loads(res.stdout)["spec"]["initContainers"][0]
+    init = next(c for c in json.loads(res.stdout)["spec"]["initContainers"] if c["name"] == "modelpack-pull")
     env, cmd = kubelet_view(init)
     env["MODELPACK_CA_FILE"] = str(tls_registry.ca_file)
     bindir = Path(sys.executable).parent

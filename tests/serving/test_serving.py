@@ -339,6 +339,10 @@ def test_process_start_time_is_in_the_past() -> None:
 
 
 # --------------------------------------------------------------------------- Kubernetes
+SERVING_IMAGE = "registry.example.com/serving/vllm-modelpack@sha256:" + "b" * 64
+MODELPACK_IMAGE = "registry.example.com/platform/modelpack@sha256:" + "c" * 64
+
+
 @pytest.mark.parametrize("kind", ["pod", "init-container"])
 def test_k8s_emits_a_valid_vllm_server_pod_with_the_pinned_load_format(kind: str) -> None:
     from click.testing import CliRunner
@@ -346,8 +350,8 @@ def test_k8s_emits_a_valid_vllm_server_pod_with_the_pinned_load_format(kind: str
     from modelpack.cli import main
 
     ref = f"127.0.0.1:5000/models/llama@{DIGEST}"
-    args = ["k8s", kind, "--vllm", "--tensor-parallel-size", "2", "--json"]
-    args += ["--image-volume", ref] if kind == "pod" else [ref]
+    args = ["k8s", kind, "--vllm", "--tensor-parallel-size", "2", "--json", "--image", SERVING_IMAGE]
+    args += ["--image-volume", ref] if kind == "pod" else [ref, "--modelpack-image", MODELPACK_IMAGE]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     pod = json.loads(res.output)
@@ -375,7 +379,16 @@ def test_k8s_vllm_pod_refuses_an_unpinned_model() -> None:
     from modelpack.cli import main
 
     res = CliRunner().invoke(
-        main, ["k8s", "pod", "--image-volume", "127.0.0.1:5000/models/llama:v1", "--vllm"]
+        main,
+        [
+            "k8s",
+            "pod",
+            "--image-volume",
+            "127.0.0.1:5000/models/llama:v1",
+            "--vllm",
+            "--image",
+            SERVING_IMAGE,
+        ],
     )
     assert res.exit_code != 0 and "pinned" in res.output
 
