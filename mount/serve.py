@@ -163,6 +163,10 @@ class _HeadDeadlines:
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog is 5: a burst of connects (a flood, or a storm of nodes) then
+    # overflows it and the kernel drops SYNs, so an honest client's connect waits out SYN
+    # retransmits (1 + 2 + 4 + 8 + 16 s) before the per-address limit and head deadline can act
+    request_queue_size = 1024
 
     def __init__(
         self, settings: ServeSettings, store: Store, tls: ssl.SSLContext | None, filler: Filler | None = None
