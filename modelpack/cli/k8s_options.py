@@ -87,8 +87,6 @@ def mirror_retry_options(f: F) -> F:
 def modelpack_image(value: str | None) -> str:
     """``--modelpack-image``, else ``MODELPACK_IMAGE``; a usage error when neither is given."""
     from modelpack import settings
-    from modelpack.errors import K8sError
-    from modelpack.mount.k8s_settings import image_pin_warning
 
     image = value or settings.IMAGE.get()
     if not image:
@@ -96,27 +94,26 @@ def modelpack_image(value: str | None) -> str:
             "no modelpack image: pass --modelpack-image HOST/REPO@sha256:… or set MODELPACK_IMAGE "
             "(build it with 'make image' and push it where your nodes pull; there is no default)"
         )
-    try:
-        warning = image_pin_warning(image, flag="--modelpack-image")
-    except K8sError as exc:
-        raise click.BadParameter(str(exc), param_hint="--modelpack-image") from None
-    if warning:
-        click.echo(warning, err=True)
-    return image
+    return _checked_image(image, "--modelpack-image")
 
 
 def serving_image(value: str) -> str:
     """The serving image as given; a tag is warned about, a non-reference refused."""
+    return _checked_image(value, "--image")
+
+
+def _checked_image(image: str, flag: str) -> str:
+    """``image`` if it is an image reference (a tag warned about on stderr), else a usage error."""
     from modelpack.errors import K8sError
     from modelpack.mount.k8s_settings import image_pin_warning
 
     try:
-        warning = image_pin_warning(value, flag="--image")
+        warning = image_pin_warning(image, flag=flag)
     except K8sError as exc:
-        raise click.BadParameter(str(exc), param_hint="--image") from None
+        raise click.BadParameter(str(exc), param_hint=flag) from None
     if warning:
         click.echo(warning, err=True)
-    return value
+    return image
 
 
 def pod_pull_settings(kwargs: dict[str, Any], *, registry_secret: str | None) -> Any:
