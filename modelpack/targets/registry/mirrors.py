@@ -30,7 +30,7 @@ else the next source continues from the byte reached; and a mirror that alone se
 whose bytes failed its digest is not asked again during this run (``_Mirror.lied``), so a liar
 costs at most the blobs it was already serving. With a signed chunk table the caller verified
 (``check_chunks``, from ``RegistryTarget.use_chunk_table``) a spool is checked chunk by chunk as
-it arrives (``_ChunkGate``): a liar is dropped at its first wrong chunk and the next source
+it arrives (``ChunkGate``): a liar is dropped at its first wrong chunk and the next source
 continues from the last good one. The loader's ranges are checked the same way (``read_range``'s
 ``check``).
 
@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from modelpack import stopping
 from modelpack.errors import (
@@ -72,6 +72,13 @@ from modelpack.targets.registry.mirror_config import (  # re-exported: where cal
     mirror_limits,
     parse_mirror_url,
 )
+from modelpack.targets.registry.mirror_spool import (  # re-exported: where callers find them
+    BLOB_GRACE_WINDOWS,
+    BLOB_RATE_FACTOR,
+    BadChunk,
+    ChunkGate,
+    blob_deadline_s,
+)
 from modelpack.targets.registry.owners import balanced_owners
 from modelpack.targets.registry.peers import blob_order, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
@@ -86,75 +93,6 @@ DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
-#: a mirror's part of a whole-blob spool must average this many times the floor…
-BLOB_RATE_FACTOR = 4
-#: …after a grace of this many floor windows
-BLOB_GRACE_WINDOWS = 3
-
-
-def blob_deadline_s(floor: Floor | None, nbytes: int) -> float | None:
-    """Seconds a mirror may take to deliver ``nbytes`` of a blob: ``BLOB_GRACE_WINDOWS`` windows
-    plus ``nbytes`` at ``BLOB_RATE_FACTOR`` times the floor; None without a floor."""
-    if floor is None or floor.min_bps <= 0:
-        return None
-    return BLOB_GRACE_WINDOWS * floor.window_s + nbytes / (BLOB_RATE_FACTOR * floor.min_bps)
-
-
-class _BadChunk(Exception):
-    """A chunk a mirror sent does not match the signed chunk table (``_ChunkGate``)."""
-
-    def __init__(self, offset: int, length: int) -> None:
-        super().__init__(f"chunk at byte {offset}")
-        self.offset = offset
-        self.length = length
-
-
-class _ChunkGate:
-    """Between a spool's sources and its hasher and file: with a signed chunk table for the blob
-    (``MirroredBlobs.check_chunks``), a mirror's bytes are held back until their chunk is whole,
-    checked against the table, and only then hashed and spooled; a wrong chunk raises
-    ``_BadChunk`` (its bytes are dropped: the next source starts at that chunk). The origin's
-    bytes are not judged here (the whole blob's digest is checked as always), nor are bytes of a
-    blob without a table."""
-
-    def __init__(
-        self,
-        desc: Descriptor,
-        checks: tuple[int, RangeCheck] | None,
-        hasher: hashlib._Hash,
-        spool: IO[bytes],
-    ) -> None:
-        self.size = desc.size
-        self.checks = checks
-        self.hasher = hasher
-        self.spool = spool
-        self.done = 0  # bytes hashed and spooled (a chunk boundary while a table is used)
-        self.pending = bytearray()
-
-    def _commit(self, data: bytes | bytearray) -> None:
-        self.hasher.update(data)
-        self.spool.write(data)
-        self.done += len(data)
-
-    def add(self, data: bytes, *, checked: bool) -> None:
-        if self.checks is None or not checked:
-            if self.pending:
-                self._commit(self.pending)
-                self.pending = bytearray()
-            self._commit(data)
-            return
-        chunk_size, check = self.checks
-        self.pending += data
-        while self.pending:
-            length = min(chunk_size - self.done % chunk_size, self.size - self.done)
-            if len(self.pending) < length:
-                return
-            chunk = bytes(self.pending[:length])
-            if self.done % chunk_size == 0 and check(self.done, chunk):
-                self.pending = bytearray()
-                raise _BadChunk(self.done, length)
-            del self.pending[:length]
-            self._commit(chunk)
 
 
 class _Mirror:
@@ -386,7 +324,7 @@ class MirroredBlobs:
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
         pos = 0
         sources: list[tuple[_Mirror | None, int]] = []
-        chunks = _ChunkGate(desc, self._chunk_checks.get(str(desc.digest)), hasher, spool)
+        chunks = ChunkGate(desc, self._chunk_checks.get(str(desc.digest)), hasher, spool)
         try:
             for mirror in [*(m for m in self._for_blob(desc) if m.name not in excluded), None]:
                 if pos >= desc.size:
@@ -411,7 +349,7 @@ class MirroredBlobs:
                         self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
                 except TransferInterrupted:
                     raise
-                except _BadChunk as bad:
+                except BadChunk as bad:
                     assert mirror is not None
                     if bad.offset >= start:  # this mirror alone served the chunk: it lied
                         mirror.lied = True
