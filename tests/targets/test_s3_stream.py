@@ -75,7 +75,9 @@ class CuttingProxy:
         try:
             while data := client.recv(65536):
                 with self._lock:
-                    if not self._armed and self.trigger in data:
+                    # every matching request is armed until one cut has happened: a short
+                    # ranged read (a header probe) that ends before ``cut_after`` is not the cut
+                    if self.cuts == 0 and self.trigger in data:
                         self._armed = True
                         state["armed"] = 1
                         state["sent"] = 0
