@@ -57,6 +57,7 @@ bench: deps
 	$(PY) benchmarks/load.py --size 256MiB --repeat 2 --dir /tmp/modelpack-bench-load-small --clean
 	$(PY) benchmarks/scaling.py $(SCALING) --json-out $(BENCH_OUT)/scaling.json --png $(BENCH_OUT)/scaling.png
 	$(PY) benchmarks/gpu_load.py --device cpu --size 64MiB --workers 2 --json-out $(BENCH_OUT)/gpu_load.json
+	$(PY) benchmarks/seed_shape.py --json-out $(BENCH_OUT)/seed_shape.json
 	$(PY) benchmarks/storm.py --nodes 1,4 --size 16MiB --shards 4 --no-faults --out $(BENCH_OUT)/storm || [ $$? -eq 77 ]
 	if [ -x .venv-vllm/bin/python ]; then $(PY) benchmarks/vllm_start.py --weights-only --weights-repeat 1; fi
 

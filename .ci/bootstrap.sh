@@ -45,7 +45,7 @@ test_stamp="$VENV/.modelpack-installed"
 demo_stamp="$VENV/.modelpack-installed-demo"
 if [ "$MODE" = test ]; then
   stamp=$test_stamp
-  # bench: the benchmarks' peers and plots (runai-model-streamer, matplotlib), for `make bench`
+  # bench: the benchmarks' peers and plots (runai-model-streamer, fastsafetensors, matplotlib), for `make bench`
   extras="test,loader,s3,image,k8s,bench,demo"
 else
   stamp=$demo_stamp

@@ -1,8 +1,9 @@
 """benchmarks/gpu_load.py checks correctness before it measures, and says so in its JSON.
 
-The script is what a CUDA machine runs when one is lent; here it runs with ``--device cpu``, the
-same code path except the copy ceiling (host memcpy instead of pinned H2D). A real generated
-checkpoint, real safetensors reference, real loader in a child process.
+The script is what a CUDA machine runs when one is lent; here it runs ``--dry`` (``--device cpu``,
+16 MiB, TP=2), the same code path except the copy ceilings (host memcpys instead of pinned and
+pageable H2D). A real generated checkpoint, real safetensors reference, real loader in rank
+processes, a real loopback registry and node cache, the real peers.
 """
 
 from __future__ import annotations
@@ -21,24 +22,11 @@ SCRIPT = ROOT / "benchmarks" / "gpu_load.py"
 
 
 def run_script(
-    tmp_path: Path, *extra: str, out_env: bool = False
+    tmp_path: Path, *extra: str, out_env: bool = False, env_extra: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    argv = [
-        sys.executable,
-        str(SCRIPT),
-        "--device",
-        "cpu",
-        "--size",
-        "32MiB",
-        "--workers",
-        "2",
-        "--repeat",
-        "1",
-        "--dir",
-        str(tmp_path / "ckpt"),
-        *extra,
-    ]
+    env.update(env_extra or {})
+    argv = [sys.executable, str(SCRIPT), "--dry", "--dir", str(tmp_path / "ckpt"), *extra]
     if out_env:
         env["OUT"] = str(tmp_path / "out")
         result = tmp_path / "out" / "gpu_load.json"
@@ -49,42 +37,66 @@ def run_script(
     return proc, result
 
 
-def test_cpu_run_checks_tp_1_2_8_then_measures(tmp_path: Path) -> None:
-    proc, result = run_script(tmp_path, out_env=True)  # default JSON path: $OUT/gpu_load.json
+def test_dry_run_checks_every_rank_then_measures_ceilings_groups_and_delivery_rows(tmp_path: Path) -> None:
+    """--dry (CPU, 16 MiB, TP=2): correctness before any timing, the pinned and pageable copy
+    ceilings, the TP group as concurrent processes, then the node-cache hit, the chunk-verified
+    stream from a loopback registry and the peers on the same files, each compared on the device;
+    a peer that cannot be imported is a skipped row with the reason, never a number."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "runai_model_streamer.py").write_text('raise ImportError("hidden by the test")\n')
+    proc, result = run_script(
+        tmp_path, out_env=True, env_extra={"PYTHONPATH": f"{shadow}{os.pathsep}{ROOT}"}
+    )  # default JSON path: $OUT/gpu_load.json
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc: dict[str, Any] = json.loads(result.read_text())
     assert doc["passed"] is True and doc["device"] == "cpu"
-    assert 28 << 20 <= doc["size_bytes"] <= 36 << 20
+    assert 14 << 20 <= doc["size_bytes"] <= 18 << 20
     corr = doc["correctness"]
-    for tp in (1, 2, 8):
+    for tp in (1, 2):
         entry = corr[f"tp{tp}"]
         assert entry["passed"] is True
         assert [r["rank"] for r in entry["ranks"]] == list(range(tp))
-        # every rank got every tensor, and the bytes checked are this rank's share of the model
         assert {r["tensors"] for r in entry["ranks"]} == {corr["tp1"]["ranks"][0]["tensors"]}
     full = corr["tp1"]["ranks"][0]["bytes_checked"]
-    assert full >= 28 << 20
-    for tp in (2, 8):
-        per_rank = [r["bytes_checked"] for r in corr[f"tp{tp}"]["ranks"]]
-        assert len(set(per_rank)) == 1
-        assert full / tp <= per_rank[0] < full / tp * 1.05  # only norms are replicated
-        assert set(corr[f"tp{tp}"]["split_kinds"]) == {"dim0", "dim1", "replicate"}
-    # the numbers are there and positive
-    assert doc["ceilings"]["copy_gbps"] > 0 and doc["ceilings"]["host_read_gbps"] > 0
-    for key in ("tp1", "tp1_out", "tp8_slowest_rank"):
+    per_rank = [r["bytes_checked"] for r in corr["tp2"]["ranks"]]
+    assert len(set(per_rank)) == 1 and full / 2 <= per_rank[0] < full / 2 * 1.05
+    assert set(corr["tp2"]["split_kinds"]) == {"dim0", "dim1", "replicate"}
+    # the machine: no GPU in a CPU run, and the JSON says why
+    machine = doc["machine"]
+    assert machine["gpus"] == 0 and "cpu" in machine["torch_props"]["skipped"]
+    assert isinstance(machine["nvidia_smi"], list) or machine["nvidia_smi"]["skipped"]
+    ceilings = doc["ceilings"]
+    assert ceilings["pinned_h2d_gbps"] > 0 and ceilings["pageable_h2d_gbps"] > 0
+    assert "host memcpy" in ceilings["copy_kind"] and "host memcpy" in ceilings["pageable_kind"]
+    for key in ("tp1", "tp1_out", "tp2_slowest_rank"):
         m = doc["load"][key]
         assert m["gbps"] > 0 and m["seconds"] > 0 and m["vs_copy_ceiling"] > 0
-    assert len(doc["load"]["tp_ranks"]) == 8
-    # the TP groups ran as an engine runs them: one process per rank, all at once
-    for tp in (2, 8):
-        group = doc["load"][f"tp{tp}_group"]
-        assert group["processes"] == tp and group["concurrent"] is True
-        assert sorted(r["rank"] for r in group["ranks"]) == list(range(tp))
-        assert len({r["pid"] for r in group["ranks"]}) == tp  # distinct processes
-        assert all(r["bytes_to_read"] > 0 and r["seconds"] > 0 for r in group["ranks"])
-        assert group["wall_seconds"] >= max(r["seconds"] for r in group["ranks"])
-    assert doc["ratio_tp1_vs_copy_ceiling"] == doc["load"]["tp1"]["vs_copy_ceiling"]
+    group = doc["load"]["tp2_group"]
+    assert group["processes"] == 2 and group["concurrent"] is True
+    assert len({r["pid"] for r in group["ranks"]}) == 2 and os.getpid() not in {
+        r["pid"] for r in group["ranks"]
+    }
+    assert group["wall_seconds"] >= max(r["seconds"] for r in group["ranks"])
+    # delivery: the same files through the cache, the registry and the peers, checked on the device
+    delivery = doc["delivery"]
+    assert delivery["stream_source"] == "loopback docker-registry"
+    rows = delivery["rows"]
+    hit = rows["modelpack hit (verified node cache)"]
+    assert hit["state"] == "hit" and hit["checked_on_device"] is True
+    stream = rows["modelpack stream (chunk-verified, loopback docker-registry)"]
+    assert stream["state"] == "streamed" and stream["verification"] == ["chunks"]
+    assert stream["bytes_read"] >= doc["size_bytes"]
+    for label in ("safetensors load_file", "fastsafetensors (nogds)"):
+        assert rows[label]["checked_on_device"] is True
+    for label, row in rows.items():
+        if "skipped" not in row:
+            assert row["gbps"] > 0 and row["vs_pinned_h2d"] > 0 and row["vs_pageable_h2d"] > 0, label
+    runai = rows["runai-model-streamer (concurrency 16)"]
+    assert set(runai) == {"skipped"} and "hidden by the test" in runai["skipped"]
+    assert "runai-model-streamer (concurrency 16)" in proc.stdout and "skipped" in proc.stdout
     assert not (tmp_path / "ckpt").exists()  # generated data removed unless --keep
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("mp-gpu-delivery-")]
 
 
 def test_a_corrupted_tensor_fails_before_anything_is_measured(tmp_path: Path) -> None:
@@ -96,5 +108,5 @@ def test_a_corrupted_tensor_fails_before_anything_is_measured(tmp_path: Path) ->
     assert name.endswith("down_proj.weight")
     assert name in doc["correctness"]["error"] and "bytes differ" in doc["correctness"]["error"]
     assert "MISMATCH" in proc.stderr and name in proc.stderr
-    assert "load" not in doc and "ceilings" not in doc  # nothing timed
+    assert "load" not in doc and "ceilings" not in doc and "delivery" not in doc  # nothing timed
     assert "GB/s" not in proc.stdout
