@@ -238,7 +238,7 @@ def write_seed_checkpoint(
         i = min(shards - 1, int(acc / per))
         groups[i].append((name, t))
         acc += t.numel() * t.element_size()
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file(dict(group), str(directory / fname), metadata={"format": "pt"})
@@ -417,9 +417,8 @@ def _runai(files: list[str], tp: int, ep: int, rank: int, out: dict[str, Any]) -
             rule = share_of(name, tuple(t.shape), tp, ep, rank)
             if rule is not None:
                 sd[name] = cut(t, rule, tp, rank).clone()  # its buffers are reused
-        out["distributed"] = bool(
-            getattr(getattr(s, "_distributedStreamer", None), "is_distributed", False)
-        ) or bool(getattr(s, "distributed_streamer", None) and s.distributed_streamer.is_distributed)
+        # whether its distributed mode really ran (it falls back to each rank reading alone)
+        out["distributed"] = bool(getattr(s.file_streamer, "is_distributed", False))
     return sd
 
 
@@ -560,6 +559,8 @@ def summarize(rows: dict[str, dict[str, Any]], model_bytes: int) -> None:
                 )
             per_rank.append(entry)
         doc["per_rank"] = per_rank
+        if any("distributed" in r for r in first):
+            doc["distributed"] = all(r.get("distributed") for r in first)
         if all("bytes_read" in e for e in per_rank):
             node = sum(e["bytes_read"] for e in per_rank)
             doc["node_bytes_read"] = node
