@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verify-chunks", action="store_true", help="also time a chunk-verified load")
     ap.add_argument("--no-delivery", action="store_true", help="skip the registry/cache/peer rows (step 5)")
     ap.add_argument(
+        "--stream-from",
+        choices=("auto", "registry", "layout"),
+        default="auto",
+        help="the stream row's source: a loopback docker-registry, an OCI layout, or auto (the registry where installed)",
+    )
+    ap.add_argument(
         "--dry",
         action="store_true",
         help="the CPU logic check: --device cpu --size 16MiB --shards 2 --tp 2 --tp-check 2 --workers 2 --repeat 1",
@@ -234,7 +240,7 @@ def machine_info(device: str) -> dict[str, Any]:
 RUNAI_CONCURRENCY = 16  # runai-model-streamer's docs (env-vars.md): 16 for a file system
 
 
-def prepare_delivery(directory: str, work: str) -> dict[str, Any]:
+def prepare_delivery(directory: str, work: str, stream_from: str = "auto") -> dict[str, Any]:
     """Pack, push signed (chunk table) to a loopback registry (an OCI layout where no
     docker-registry is installed) and ``pull --cache``: what the delivery rows load."""
     from modelpack.signing.keys import generate_key
@@ -252,7 +258,10 @@ def prepare_delivery(directory: str, work: str) -> dict[str, Any]:
     out["digest"] = digest = str(packed.artifact.digest)
     out["pack_seconds"] = time.perf_counter() - t
     registry = None
-    if os.path.exists("/usr/bin/docker-registry"):
+    have_registry = os.path.exists("/usr/bin/docker-registry")
+    if stream_from == "registry" and not have_registry:
+        raise RuntimeError("--stream-from registry: /usr/bin/docker-registry is not installed")
+    if stream_from != "layout" and have_registry:
         from pathlib import Path
 
         from tests.fixtures.registry import start_registry
@@ -273,7 +282,7 @@ def prepare_delivery(directory: str, work: str) -> dict[str, Any]:
             OCILayoutTarget(layout), packed.artifact.manifest, jobs=os.cpu_count() or 2
         )
         out["reference"] = f"oci:{layout}@{digest}"
-        out["stream_source"] = "OCI layout (no /usr/bin/docker-registry on this machine)"
+        out["stream_source"] = "OCI layout" + ("" if have_registry else " (no /usr/bin/docker-registry here)")
     from modelpack.mount import NodeCache
 
     t = time.perf_counter()  # `modelpack pull REF --cache DIR --key PUB`, in process
@@ -564,7 +573,7 @@ def delivery_rows(
     work = tempfile.mkdtemp(prefix="mp-gpu-delivery-", dir=os.path.dirname(os.path.abspath(args.dir)))
     prepared: dict[str, Any] = {}
     try:
-        prepared = prepare_delivery(args.dir, work)
+        prepared = prepare_delivery(args.dir, work, args.stream_from)
         out.update(
             stream_source=prepared["stream_source"],
             pack_seconds=prepared["pack_seconds"],
