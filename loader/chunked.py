@@ -24,11 +24,11 @@ from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import WeightFile
 
 
-def needed_chunks(fp: FilePlan, chunk_size: int) -> set[int]:
-    """Indexes of the chunks holding any byte of the plan's (covering) ranges."""
+def needed_chunks(fp: FilePlan, table: Any, layer: str) -> set[int]:
+    """Indexes of the chunks (of ``table``'s ``layer``) holding any byte of the plan's (covering) ranges."""
     needed: set[int] = set()
     for s, e in fp.extents(covering=True):
-        needed.update(range(s // chunk_size, (e - 1) // chunk_size + 1))
+        needed.update(table.chunks_covering(layer, s, e))
     return needed
 
 
@@ -43,8 +43,7 @@ def read_chunked(
     """Read, verify and copy out the chunks this rank needs (``only``: just those of them)."""
     table = f.chunks
     layer = str(f.descriptor.digest) if f.descriptor else ""
-    cs = table.chunk_size
-    needed = needed_chunks(fp, cs)
+    needed = needed_chunks(fp, table, layer)
     if only is not None:
         needed &= only
     kept = load.verified.indexes(f.relpath) & needed if load.verified is not None else set()
@@ -53,15 +52,20 @@ def read_chunked(
             load.verified.take(f.relpath, idx)  # verified for the header, not needed by this rank
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
     assert load.ring is not None
-    cap = max(1, load.ring.slot_bytes // cs)  # consecutive chunks fetched by one range read
+    cap = load.ring.slot_bytes  # consecutive chunks fetched by one range read, up to a slot
     groups: list[list[int]] = []
+    held_bytes = 0
     for c in sorted(needed):
+        clen = table.chunk_range(layer, c)[1]
         if c in kept:
             groups.append([c])  # copied from memory, on its own
-        elif groups and groups[-1][-1] == c - 1 and groups[-1][-1] not in kept and len(groups[-1]) < cap:
+            held_bytes = cap
+        elif groups and groups[-1][-1] == c - 1 and groups[-1][-1] not in kept and held_bytes + clen <= cap:
             groups[-1].append(c)
+            held_bytes += clen
         else:
             groups.append([c])
+            held_bytes = clen
     for group in groups:
         g0, _ = table.chunk_range(layer, group[0])
         last0, last_len = table.chunk_range(layer, group[-1])

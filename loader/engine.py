@@ -78,6 +78,9 @@ class LoadEngine:
         self.prog = Progress(plan.bytes_to_read, "load", progress)
         self.remote = src.remote
         self.peers: list[ReadPlan] = []  # every rank's plan when the ranks share reads (options.group)
+        # with a group: bytes read by this rank → (its node, bytes read by each node), a collective
+        # (shared_read.read_by_node); None: this rank alone is its node
+        self.count_nodes: Callable[[int], tuple[int, list[int]]] | None = None
 
     # ------------------------------------------------------------------ setup
     def _needs_ring(self) -> bool:
@@ -289,6 +292,7 @@ class LoadEngine:
         self.stats.bytes_read = sum(r.bytes_read for r in self.readers.values())
         self.stats.per_file_bytes = {k: r.bytes_read for k, r in self.readers.items()}
         self.stats.bytes_by_split = bytes_by_split(self.plan, {k: r.reads for k, r in self.readers.items()})
+        self._count_nodes()
         fields = self._event_fields()
         self.events.emit(
             "loader.read_done",
@@ -298,6 +302,10 @@ class LoadEngine:
             bytes_to_read=self.plan.bytes_to_read,
             model_bytes=self.plan.total_bytes,
             bytes_received=self.stats.bytes_received,
+            node=self.stats.node,
+            nodes=len(self.stats.bytes_read_by_node),
+            node_bytes=self.stats.node_bytes_read,
+            bytes_by_node=self.stats.bytes_read_by_node,
             bytes_by_split=self.stats.bytes_by_split,
             verification=self.stats.verification,
             duration_ms=round((self.stats.read_done - self.stats.read_start) * 1000, 3),
@@ -313,6 +321,15 @@ class LoadEngine:
             tensors=len(self.tensors),
             duration_ms=round((self.stats.device_done - self.stats.read_start) * 1000, 3),
         )
+
+    def _count_nodes(self) -> None:
+        """What this rank's node and every node read (a group's ranks exchange counts; nodes.py)."""
+        st = self.stats
+        if self.count_nodes is not None:
+            st.node, st.bytes_read_by_node = self.count_nodes(st.bytes_read)
+        else:
+            st.node, st.bytes_read_by_node = 0, [st.bytes_read]
+        st.node_bytes_read = st.bytes_read_by_node[st.node]
 
     def abort(self, exc: BaseException | None) -> None:
         for fut, _ in self.inflight:

@@ -109,10 +109,8 @@ class ChunkFetcher:
             self.keep.offer(self.file.relpath, index, data)
 
     def __call__(self, offset: int, length: int) -> bytes:
-        cs = self.table.chunk_size
         out = bytearray()
-        first, last = offset // cs, (offset + length - 1) // cs
-        for idx in range(first, last + 1):
+        for idx in self.table.chunks_covering(self.layer, offset, offset + length):
             c0, clen = self.table.chunk_range(self.layer, idx)
             buf = self._seen.get(idx)
             if buf is None:

@@ -42,6 +42,9 @@ class LoaderOptions:
     # a torch.distributed process group of exactly the TP ranks (group rank = TP rank): the ranks
     # share chunk-verified reads, each chunk read by one rank and broadcast (shared_read.py)
     group: Any = None
+    # with a group over several nodes: ranks per node, filled in global-rank order (nodes.py);
+    # 0 = torchrun's LOCAL_WORLD_SIZE, and without it the whole group is one node
+    local_world_size: int = 0
     # an index of variants: which entry to load (a modelpack.oci.variant_selection.VariantSelector
     # built from the node's device arch, TP size, engine and --variant; loader/variant_source.py)
     variant: VariantSelector | None = None
@@ -112,6 +115,11 @@ class LoadStats:
     # split kind (dim0, dim1, replicate) → {tensorBytes, planned, read}; header/other → {read}:
     # the bytes the readers fetched, attributed to the tensors (of any rank) they belong to
     bytes_by_split: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the node this rank runs on and what each node's ranks read (options.group; nodes.py):
+    # without a group, one node that read what this rank read
+    node: int = 0
+    node_bytes_read: int = 0
+    bytes_read_by_node: list[int] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:

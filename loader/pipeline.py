@@ -33,7 +33,13 @@ from modelpack.loader.read_paths import run
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.request import EventsLike, LoadFields, LoadRequest
 from modelpack.loader.sharded_state import REPLICATE_ALL, check_layout_name, select_rank_files
-from modelpack.loader.shared_read import check_group, check_sources, peer_plans, read_header_shared
+from modelpack.loader.shared_read import (
+    check_group,
+    check_sources,
+    peer_plans,
+    read_by_node,
+    read_header_shared,
+)
 from modelpack.loader.sources import resolve_source
 from modelpack.loader.weight_files import ResolvedSource
 from modelpack.mediatypes.variants import LAYOUT_CANONICAL, LAYOUT_SHARDED_STATE
@@ -295,6 +301,9 @@ def iter_tensors(
         load.header_bytes = prep.header_bytes
         load.verified = prep.verified
         load.peers = prep.peers
+        if opts.group is not None and prep.peers:
+            group, per_node = opts.group, opts.local_world_size
+            load.count_nodes = lambda n: read_by_node(group, per_node, n)
         load.setup()
         try:
             for idx in run(load):

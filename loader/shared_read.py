@@ -51,6 +51,7 @@ from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.chunked import needed_chunks, read_chunked
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.headers import ChunkFetcher, VerifiedChunks, read_header
+from modelpack.loader.nodes import node_size, nodes_of, totals_by_node
 from modelpack.loader.plan import FilePlan, ReadPlan
 from modelpack.loader.readers import RangeReader
 from modelpack.loader.staging import Slot
@@ -154,7 +155,14 @@ def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -
             "hold exactly the TP ranks (or EP ranks) in order"
         )
     files = sorted(
-        (f.relpath, f.mode, f.chunks.chunk_size if f.mode == "chunks" else 0, f.size) for f in src.files
+        (
+            f.relpath,
+            f.mode,
+            f.chunks.chunk_size if f.mode == "chunks" else 0,
+            f.chunks.aligned if f.mode == "chunks" else False,
+            f.size,
+        )
+        for f in src.files
     )
     _agree(group, {"digest": src.digest, "files": files}, "a source")
 
@@ -225,16 +233,21 @@ def read_header_shared(
     return read_header(reader, name, reader.size, fetcher)  # from the verified chunks, no read
 
 
-def header_chunks(fp: FilePlan, chunk_size: int) -> set[int]:
+def header_chunks(fp: FilePlan, table: Any, layer: str) -> set[int]:
     """Chunks holding header bytes: every rank verified them already to plan the load."""
-    return set(range(0, max(1, -(-fp.header.data_start // chunk_size))))
+    return set(table.chunks_covering(layer, 0, fp.header.data_start)) or {0}
 
 
-def chunk_owners(needs: Sequence[set[int]], local: set[int]) -> tuple[dict[int, int], list[int]]:
+def chunk_owners(
+    needs: Sequence[set[int]], local: set[int], nodes: Sequence[int] | None = None
+) -> tuple[dict[int, int], list[int]]:
     """(owner of every chunk some rank needs, except ``local``; the shared chunks in order).
 
     A chunk one rank needs is that rank's; the chunks several ranks need are cut, in file order,
     into ``len(needs)`` contiguous runs of (nearly) equal count, run ``r`` owned by rank ``r``.
+    Over several nodes (``nodes``: the node of each rank) a run's chunk that no rank of rank
+    ``r``'s node needs goes to the rank nearest ``r`` that needs it instead, so a node reads only
+    chunks its own ranks need (its experts, its part of the replicated tensors; ``nodes.py``).
     """
     users: dict[int, list[int]] = {}
     for r, chunks in enumerate(needs):
@@ -244,7 +257,10 @@ def chunk_owners(needs: Sequence[set[int]], local: set[int]) -> tuple[dict[int, 
     shared = sorted(c for c, rs in users.items() if len(rs) > 1)
     p = len(needs)
     for i, c in enumerate(shared):
-        owner[c] = i * p // len(shared)
+        run = i * p // len(shared)
+        if nodes is not None and all(nodes[u] != nodes[run] for u in users[c]):
+            run = min(users[c], key=lambda u: (abs(u - run), u))
+        owner[c] = run
     return owner, shared
 
 
@@ -263,24 +279,28 @@ def read_chunked_shared(
     me = load.plan.group_rank
     table = f.chunks
     layer = str(f.descriptor.digest) if f.descriptor else ""
-    cs = table.chunk_size
-    local = header_chunks(fp, cs)
-    needs = [needed_chunks(peer, cs) for peer in peers]
-    owner, shared = chunk_owners(needs, local)
+    local = header_chunks(fp, table, layer)
+    needs = [needed_chunks(peer, table, layer) for peer in peers]
+    nodes = nodes_of(group, node_size(load.opts.local_world_size))
+    owner, shared = chunk_owners(needs, local, nodes if len(set(nodes)) > 1 else None)
     mine = needs[me]
     shared_set = set(shared)
     own_private = {c for c in mine if c in local or (c not in shared_set and owner.get(c) == me)}
     yield from read_chunked(load, reader, f, fp, ids, only=own_private)
 
     assert load.ring is not None
-    cap = max(1, (load.ring.slot_bytes - 1) // cs)  # the status byte follows the data
+    cap = load.ring.slot_bytes - 1  # the status byte follows the data
     blocks: list[list[int]] = []
+    block_bytes = 0
     for c in shared:
+        clen = table.chunk_range(layer, c)[1]
         last = blocks[-1] if blocks else None
-        if last and last[-1] == c - 1 and owner[last[-1]] == owner[c] and len(last) < cap:
+        if last and last[-1] == c - 1 and owner[last[-1]] == owner[c] and block_bytes + clen <= cap:
             last.append(c)
+            block_bytes += clen
         else:
             blocks.append([c])
+            block_bytes = clen
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
     nccl = dist.get_backend(group) == "nccl"
     for block in blocks:
@@ -358,6 +378,20 @@ def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool,
     if not owned:
         slot.host[:n].copy_(dev, non_blocking=True)
     stream.synchronize()
+
+
+def read_by_node(group: Any, local_world_size: int, bytes_read: int) -> tuple[int, list[int]]:
+    """(this rank's node, the bytes each node's ranks read): every rank's count all-gathered
+    (``nodes.py``; ``local_world_size`` 0: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    import torch.distributed as dist
+
+    nodes = nodes_of(group, node_size(local_world_size))
+    dev = _comm_device(group)
+    mine = torch.tensor([bytes_read], dtype=torch.int64, device=dev)
+    everyone = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in nodes]
+    _finish(dist.all_gather(everyone, mine, group=group, async_op=True), "the byte counts", "a rank")
+    me = nodes[dist.get_rank(group)]
+    return sorted(set(nodes)).index(me), totals_by_node(nodes, [int(c.item()) for c in everyone])
 
 
 def peer_plans(plan: ReadPlan, build: Any) -> list[ReadPlan]:

@@ -11,10 +11,16 @@ Predicate::
 
     {"manifestDigest": "sha256:…", "chunkSize": 16777216, "algorithm": "sha256",
      "layers": {"sha256:<layer>": {"size": 123, "chunks": ["<hex>", …]}}}
+
+A layer entry with ``"runs": [[start, length, count], …]`` has chunks aligned to its tensors
+(``chunk_bounds``; ``chunkSize`` is then the longest chunk): what ``compute_chunk_table(...,
+aligned=True)`` and ``modelpack sign`` write. A layer without ``runs`` is cut every ``chunkSize``
+bytes, as every table published before; both verify the same way.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import hmac
 import os
@@ -26,6 +32,7 @@ from typing import Any
 from modelpack.mediatypes import LayerKind, layer_filepath, parse_layer_media_type
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.bundle import sign_statement
+from modelpack.signing.chunk_bounds import aligned_starts, fixed_starts, runs_of, starts_from_runs
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_CHUNK_DIGESTS,
@@ -41,11 +48,13 @@ from modelpack.errors import (
     ChunkTableError,
     DigestMismatchError,
     ModelpackError,
+    SafetensorsError,
     SizeMismatchError,
 )
 from modelpack.events import EventLog, NullEventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.oci.digest import Digest
+from modelpack.packing.safetensors_format import read_header_from
 from modelpack.targets.base import RangeCheck, ReadableTarget, Target
 
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024  # fits row-split shares: see docs/loader.md, bytes per rank
@@ -70,13 +79,20 @@ __all__ = [
 class LayerChunks:
     size: int
     digests: list[bytes]  # raw 32-byte sha256 per chunk; the last chunk may be short
+    # aligned tables: where each chunk begins (ascending, from 0); None: every chunk_size bytes
+    starts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class ChunkTable:
     manifest_digest: str
-    chunk_size: int
+    chunk_size: int  # fixed layers: the chunk length; aligned layers: the longest chunk
     layers: dict[str, LayerChunks] = field(default_factory=dict)
+
+    @property
+    def aligned(self) -> bool:
+        """Whether any layer's chunks are aligned to its tensors (``runs`` on the wire)."""
+        return any(lc.starts is not None for lc in self.layers.values())
 
     def chunk_range(self, layer_digest: str, index: int) -> tuple[int, int]:
         """(offset, length) of chunk ``index`` in the layer blob."""
@@ -85,8 +101,29 @@ class ChunkTable:
             raise ChunkTableError(
                 f"layer {layer_digest}: chunk {index} out of range (0..{len(layer.digests) - 1})"
             )
-        start = index * self.chunk_size
-        return start, min(self.chunk_size, layer.size - start)
+        if layer.starts is None:
+            start = index * self.chunk_size
+            return start, min(self.chunk_size, layer.size - start)
+        start = layer.starts[index]
+        end = layer.starts[index + 1] if index + 1 < len(layer.starts) else layer.size
+        return start, end - start
+
+    def chunk_index(self, layer_digest: str, offset: int) -> int:
+        """The index of the chunk holding byte ``offset`` of the layer."""
+        layer = self._layer(layer_digest)
+        if layer.starts is None:
+            return offset // self.chunk_size
+        return max(0, bisect.bisect_right(layer.starts, offset) - 1)
+
+    def chunks_covering(self, layer_digest: str, start: int, end: int) -> range:
+        """Indexes of the chunks holding any byte of ``[start, end)``."""
+        if end <= start:
+            return range(0)
+        return range(self.chunk_index(layer_digest, start), self.chunk_index(layer_digest, end - 1) + 1)
+
+    def chunk_at(self, layer_digest: str, offset: int) -> tuple[int, int]:
+        """(offset, length) of the chunk holding byte ``offset`` of the layer."""
+        return self.chunk_range(layer_digest, self.chunk_index(layer_digest, offset))
 
     def _layer(self, layer_digest: str) -> LayerChunks:
         try:
@@ -114,10 +151,12 @@ class ChunkTable:
         """(offset, length) of each whole chunk inside ``data`` (read at ``offset`` of the layer)
         whose bytes do not match the table; chunks ``data`` covers only in part are not judged."""
         layer = self._layer(layer_digest)
-        cs = self.chunk_size
         wrong = []
-        for idx in range(-(-offset // cs), len(layer.digests)):
-            c0, clen = idx * cs, min(cs, layer.size - idx * cs)
+        first = self.chunk_index(layer_digest, offset)
+        if first < len(layer.digests) and self.chunk_range(layer_digest, first)[0] < offset:
+            first += 1  # begins before ``data``: not judged
+        for idx in range(first, len(layer.digests)):
+            c0, clen = self.chunk_range(layer_digest, idx)
             if c0 + clen > offset + len(data):
                 break
             part = data[c0 - offset : c0 - offset + clen]
@@ -135,11 +174,15 @@ class ChunkTable:
             "manifestDigest": str(self.manifest_digest),
             "chunkSize": self.chunk_size,
             "algorithm": "sha256",
-            "layers": {
-                d: {"size": lc.size, "chunks": [c.hex() for c in lc.digests]}
-                for d, lc in sorted(self.layers.items())
-            },
+            "layers": {d: self._layer_doc(lc) for d, lc in sorted(self.layers.items())},
         }
+
+    @staticmethod
+    def _layer_doc(lc: LayerChunks) -> dict[str, Any]:
+        doc: dict[str, Any] = {"size": lc.size, "chunks": [c.hex() for c in lc.digests]}
+        if lc.starts is not None:
+            doc["runs"] = runs_of(lc.starts, lc.size)
+        return doc
 
     @classmethod
     def from_predicate(cls, doc: Any, manifest: Manifest | None = None) -> ChunkTable:
@@ -178,7 +221,14 @@ class ChunkTable:
                 raise ChunkTableError(
                     f"chunk table layer {digest} ({size} bytes) is not a layer of manifest {manifest_digest}"
                 )
-            expected_n = -(-size // chunk_size)
+            starts: tuple[int, ...] | None = None
+            if "runs" in entry:  # aligned: the runs must tile the blob exactly
+                starts = tuple(
+                    starts_from_runs(entry["runs"], size, chunk_size, f"chunk table layer {digest}")
+                )
+                expected_n = len(starts)
+            else:
+                expected_n = -(-size // chunk_size)
             if not isinstance(chunks, list) or len(chunks) != expected_n:
                 raise ChunkTableError(f"chunk table layer {digest}: expected {expected_n} chunk digests")
             raw: list[bytes] = []
@@ -189,7 +239,7 @@ class ChunkTable:
                     raw.append(bytes.fromhex(c))
                 except ValueError as exc:
                     raise ChunkTableError(f"chunk table layer {digest}: bad chunk digest {c!r}") from exc
-            layers[digest] = LayerChunks(size, raw)
+            layers[digest] = LayerChunks(size, raw, starts)
         return cls(str(manifest_digest), chunk_size, layers)
 
 
@@ -220,10 +270,29 @@ def _read_full(stream: Any, view: memoryview) -> int:
     return n
 
 
-def _hash_layer(target: ReadableTarget, layer: Descriptor, chunk_size: int) -> LayerChunks:
+def _layer_starts(target: ReadableTarget, layer: Descriptor, chunk_size: int, aligned: bool) -> list[int]:
+    """Where the layer's chunks begin: aligned to its tensors when asked and it is a safetensors
+    blob (its header read first), else every ``chunk_size`` bytes."""
+    if not aligned or layer.size < 8:
+        return fixed_starts(layer.size, chunk_size)
+    stream = target.fetch_blob(layer)
+    try:
+        header = read_header_from(stream, str(layer.digest), layer.size)
+    except SafetensorsError:
+        return fixed_starts(layer.size, chunk_size)  # not safetensors (GGUF, .bin): nothing to align to
+    finally:
+        stream.close()
+    return aligned_starts(header, layer.size, chunk_size)
+
+
+def _hash_layer(
+    target: ReadableTarget, layer: Descriptor, chunk_size: int, aligned: bool = False
+) -> LayerChunks:
     """Chunk digests and the whole-blob digest in one read. The two sha256 runs of each chunk go
     on two threads (hashlib releases the GIL), so checking the blob costs no extra wall time when a
     second core is free."""
+    starts = _layer_starts(target, layer, chunk_size, aligned)
+    bounds = [*starts[1:], layer.size]
     digests: list[bytes] = []
     whole = hashlib.sha256()
     size = 0
@@ -231,19 +300,17 @@ def _hash_layer(target: ReadableTarget, layer: Descriptor, chunk_size: int) -> L
     stream = target.fetch_blob(layer)
     try:
         with ThreadPoolExecutor(max_workers=1) as helper:
-            while True:
-                n = _read_full(stream, view)
-                if n == 0:
-                    break
+            for start, end in zip(starts, bounds, strict=True):
+                n = _read_full(stream, view[: end - start])
                 size += n
-                if size > layer.size:
-                    raise SizeMismatchError(layer.digest, layer.size, size, source=target.name)
                 chunk = view[:n]
                 pending = helper.submit(lambda v: hashlib.sha256(v).digest(), chunk)
                 whole.update(chunk)
                 digests.append(pending.result())  # before the buffer is refilled
-                if n < chunk_size:
+                if n < end - start:
                     break
+            if size == layer.size and _read_full(stream, view[:1]):
+                size += 1  # more bytes than the descriptor says
     finally:
         stream.close()
     if size != layer.size:
@@ -251,7 +318,7 @@ def _hash_layer(target: ReadableTarget, layer: Descriptor, chunk_size: int) -> L
     actual = "sha256:" + whole.hexdigest()
     if actual != layer.digest:
         raise DigestMismatchError(layer.digest, actual, what="blob", source=target.name)
-    return LayerChunks(layer.size, digests)
+    return LayerChunks(layer.size, digests, tuple(starts) if aligned else None)
 
 
 def compute_chunk_table(
@@ -261,14 +328,21 @@ def compute_chunk_table(
     *,
     layers: Sequence[Descriptor] | None = None,
     jobs: int = 2,
+    aligned: bool = False,
 ) -> ChunkTable:
-    """Hash every weight layer blob in chunks, checking each whole-blob digest in the same pass."""
+    """Hash every weight layer blob in chunks, checking each whole-blob digest in the same pass.
+
+    ``aligned``: chunks begin and end where the tensors (and their dim-0 parts) do
+    (``chunk_bounds``), so a rank reading its share reads no chunk only for another rank's bytes;
+    else every ``chunk_size`` bytes (the form verifiers before the aligned one accept)."""
     if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise ChunkTableError(f"chunk size {chunk_size} out of range [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
     todo = list(layers) if layers is not None else weight_layers(manifest)
     unique = {str(layer.digest): layer for layer in todo}
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(unique) or 1))) as pool:
-        futures = {d: pool.submit(_hash_layer, target, layer, chunk_size) for d, layer in unique.items()}
+        futures = {
+            d: pool.submit(_hash_layer, target, layer, chunk_size, aligned) for d, layer in unique.items()
+        }
         result = {d: f.result() for d, f in futures.items()}
     return ChunkTable(str(manifest.digest), chunk_size, result)
 
@@ -300,7 +374,7 @@ class _DirectoryLayers:
 
 
 def chunk_table_from_directory(
-    directory: str, manifest: Manifest, chunk_size: int = DEFAULT_CHUNK_SIZE
+    directory: str, manifest: Manifest, chunk_size: int = DEFAULT_CHUNK_SIZE, *, aligned: bool = False
 ) -> ChunkTable | None:
     """The chunk table hashed from the checkpoint files themselves (each file's whole sha256 is
     checked against its layer in the same pass); None when the weight layers are not files there
@@ -309,7 +383,7 @@ def chunk_table_from_directory(
     weights = weight_layers(manifest)
     if not weights or not layers.covers(weights):
         return None
-    return compute_chunk_table(layers, manifest, chunk_size)  # type: ignore[arg-type]
+    return compute_chunk_table(layers, manifest, chunk_size, aligned=aligned)  # type: ignore[arg-type]
 
 
 def push_chunk_table(

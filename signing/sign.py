@@ -114,10 +114,13 @@ def sign_artifact(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     events: EventLog | None = None,
     signed_at: str | None = None,
+    aligned_chunks: bool = True,
 ) -> SignResult:
     """Sign an artifact already stored in ``target``. ``chunk_table`` may be a precomputed table
     (the pusher hashed the files anyway); else the weight blobs are read back and hashed. The
     manifest signature carries ``signed_at`` (RFC 3339 UTC, default now) as its signing time.
+    A table hashed here has chunks aligned to the tensors unless ``aligned_chunks`` is False
+    (``signing.chunk_bounds``; fixed chunks are what verifiers before the aligned form accept).
 
     Returns once every referrer written is discoverable; raises ``SigningError`` if one is not."""
     key = private_key if isinstance(private_key, PrivateKey) else load_private_key(private_key)
@@ -144,7 +147,7 @@ def sign_artifact(
         if isinstance(chunk_table, ChunkTable):
             table = chunk_table
         elif weight_layers(manifest):
-            table = compute_chunk_table(target, manifest, chunk_size)
+            table = compute_chunk_table(target, manifest, chunk_size, aligned=aligned_chunks)
     longest = 0.0  # the slowest single referrer write: what a concurrent writer's update takes
 
     def timed(push: Callable[[], Descriptor]) -> Descriptor:

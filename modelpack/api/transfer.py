@@ -166,7 +166,7 @@ def _sign_then_tag(
     manifest, _ = fetch_manifest(target, str(digest))
     desc = target.resolve(str(digest))
     # hashed from the files just uploaded when they are the layers (no second download)
-    table = chunk_table_from_directory(source, manifest) if os.path.isdir(source) else None
+    table = chunk_table_from_directory(source, manifest, aligned=True) if os.path.isdir(source) else None
     try:
         signed = sign_artifact(target, desc, key, chunk_table=table or True, reference=dst.with_tag(tag))
     except ModelpackError as exc:

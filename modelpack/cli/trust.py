@@ -88,6 +88,14 @@ def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
 @click.option(
     "--chunk-size", type=click.IntRange(64 * 1024, 1 << 30), default=4 * 1024 * 1024, show_default=True
 )
+@click.option(
+    "--chunk-layout",
+    type=click.Choice(["aligned", "fixed"]),
+    default="aligned",
+    show_default=True,
+    help="aligned: chunks begin and end on tensors and their dim-0 parts (a rank reads its share); "
+    "fixed: every --chunk-size bytes (the form verifiers before 'aligned' accept).",
+)
 @target_options
 @json_option
 @handle_errors
@@ -99,6 +107,7 @@ def sign_cmd(
     no_chunk_table: bool,
     no_directory_signature: bool,
     chunk_size: int,
+    chunk_layout: str,
     as_json: bool,
     **kwargs: Any,
 ) -> None:
@@ -145,6 +154,7 @@ def sign_cmd(
         directory_signature=not no_directory_signature,
         reference=ref,
         chunk_size=chunk_size,
+        aligned_chunks=chunk_layout == "aligned",
     )
     if as_json:
         emit_json({"reference": str(ref), **res.to_json()})

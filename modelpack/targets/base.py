@@ -123,6 +123,8 @@ class Target(ReadableTarget, Protocol):
 #: ``check(offset, data)`` → the (offset, length) of each whole chunk in ``data`` that is wrong
 #: (the signed chunk table's check, run on a range as it arrives)
 RangeCheck = Callable[[int, bytes], list[tuple[int, int]]]
+#: (offset, length) of the chunk of a signed chunk table holding a byte offset of one layer
+ChunkBounds = Callable[[int], tuple[int, int]]
 
 
 @runtime_checkable
@@ -199,6 +201,8 @@ class ChunkTableLike(Protocol):
     def layers(self) -> Mapping[str, Any]: ...
 
     def range_check(self, layer_digest: str) -> RangeCheck: ...
+
+    def chunk_at(self, layer_digest: str, offset: int) -> tuple[int, int]: ...
 
 
 @runtime_checkable

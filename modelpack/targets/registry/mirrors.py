@@ -60,7 +60,7 @@ from modelpack.errors import (
 )
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
-from modelpack.targets.base import RangeCheck
+from modelpack.targets.base import ChunkBounds, RangeCheck
 from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
@@ -147,15 +147,15 @@ class MirroredBlobs:
         self.blob_order = blob_order()
         #: blob digest → owner peer, from the manifests read (``plan``; ``owners.balanced_owners``)
         self._owners: dict[str, str] = {}
-        #: layer digest → (chunk size, check) from a verified signed chunk table (``check_chunks``)
-        self._chunk_checks: dict[str, tuple[int, RangeCheck]] = {}
+        #: layer digest → (chunk bounds, check) from a verified signed chunk table (``check_chunks``)
+        self._chunk_checks: dict[str, tuple[ChunkBounds, RangeCheck]] = {}
 
-    def check_chunks(self, layer_digest: str, chunk_size: int, check: RangeCheck) -> None:
-        """Check mirrors' whole-blob spools of ``layer_digest`` chunk by chunk with ``check`` (a
-        verified signed chunk table's): a liar is dropped at its first wrong chunk."""
-        if chunk_size > 0:
-            with self._lock:
-                self._chunk_checks[layer_digest] = (chunk_size, check)
+    def check_chunks(self, layer_digest: str, bounds: ChunkBounds, check: RangeCheck) -> None:
+        """Check mirrors' whole-blob spools of ``layer_digest`` chunk by chunk (``bounds``: where
+        the chunk holding an offset lies) with ``check`` (a verified signed chunk table's): a liar
+        is dropped at its first wrong chunk."""
+        with self._lock:
+            self._chunk_checks[layer_digest] = (bounds, check)
 
     # ------------------------------------------------------------------ bookkeeping
     def _count(self, source: str, n: int) -> None:

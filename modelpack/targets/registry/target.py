@@ -32,7 +32,7 @@ from modelpack.errors import (
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
-from modelpack.targets.base import BlobSource, ChunkTableLike, RangeCheck
+from modelpack.targets.base import BlobSource, ChunkBounds, ChunkTableLike, RangeCheck
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.registry.auth import resolve_credentials
 from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
@@ -222,7 +222,7 @@ class RegistryTarget:
         if self.mirrors is None:
             return
         for layer in table.layers:
-            self.mirrors.check_chunks(str(layer), table.chunk_size, table.range_check(str(layer)))
+            self.mirrors.check_chunks(str(layer), _bounds(table, str(layer)), table.range_check(str(layer)))
 
     def fetch_range(self, descriptor: Descriptor, offset: int, length: int) -> bytes:
         if self.mirrors is not None:
@@ -452,3 +452,12 @@ __all__ = [
     "NotFoundError",
     "RegistryTarget",
 ]
+
+
+def _bounds(table: ChunkTableLike, layer: str) -> ChunkBounds:
+    """Where the chunk of ``table``'s ``layer`` holding an offset lies."""
+
+    def at(offset: int) -> tuple[int, int]:
+        return table.chunk_at(layer, offset)
+
+    return at

@@ -1,0 +1,78 @@
+"""A standalone rank (no process group) under a tensor-aligned chunk table reads its share, not
+the chunks around it: an EP rank its experts and the replicated tensors, a TP rank exactly its
+dim-0 rows; the tensors are byte-identical to ``safetensors``' own load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from modelpack.loader import LoadStats, load_state_dict
+from modelpack.signing.chunks import compute_chunk_table
+
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.loader_helpers import Layout, expected_shard, pack_layout, reference_tensors
+from tests.moe_checkpoints import expert_of, linear_experts, write_moe
+
+CHUNK = 1024 * 1024
+EP, E = 8, 16
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Layout]:
+    d = tmp_path_factory.mktemp("share-moe")
+    write_moe(d / "ckpt", "deepseek", experts=E, layers=2, hidden=256, inter=384, vocab=512)
+    return d / "ckpt", pack_layout(d / "ckpt", d / "layout")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Layout]:
+    d = tmp_path_factory.mktemp("share-dense")
+    spec = SyntheticSpec(hidden=512, intermediate=1536, layers=2, heads=8, kv_heads=8, vocab=2048)
+    write_checkpoint(str(d / "ckpt"), spec)
+    return d / "ckpt", pack_layout(d / "ckpt", d / "layout")
+
+
+def _headers(stats: LoadStats) -> int:
+    assert stats.plan is not None
+    return sum(8 + fp.header.header_size for fp in stats.plan.files.values())
+
+
+def test_an_ep_rank_reads_its_experts_and_the_replicated_tensors_within_5_percent(
+    moe: tuple[Path, Layout],
+) -> None:
+    ckpt, lay = moe
+    ref = reference_tensors(ckpt)
+    table = compute_chunk_table(lay.target, lay.manifest, CHUNK, aligned=True)
+    fixed = compute_chunk_table(lay.target, lay.manifest, CHUNK)
+    for rank in (0, 5):
+        mine = linear_experts(E, EP, rank)
+        stats = LoadStats()
+        sd = load_state_dict(lay.ref, ep_size=EP, ep_rank=rank, chunk_table=table, stats=stats)
+        want = {n: t for n, t in ref.items() if expert_of(n) is None or expert_of(n) in mine}
+        assert sorted(sd) == sorted(want)
+        for name, t in want.items():
+            assert torch.equal(sd[name].view(torch.uint8), t.contiguous().view(torch.uint8)), name
+        assert stats.bytes_read <= stats.bytes_to_read * 1.05 + _headers(stats), (rank, stats.bytes_read)
+        # the fixed-size table of the same chunk size reads chunks of other ranks' experts
+        before = LoadStats()
+        load_state_dict(lay.ref, ep_size=EP, ep_rank=rank, chunk_table=fixed, stats=before)
+        assert before.bytes_read > stats.bytes_read * 1.2, (before.bytes_read, stats.bytes_read)
+
+
+@pytest.mark.parametrize(("tp", "chunk"), [(2, CHUNK), (4, CHUNK // 4)])
+def test_a_tp_rank_reads_exactly_its_dim0_rows(dense: tuple[Path, Layout], tp: int, chunk: int) -> None:
+    """TP=2: every dim-0 tensor of 64 KiB or more is cut in halves; finer shares are whole
+    chunks where each part is at least half a chunk (here: every sharded tensor at 256 KiB)."""
+    ckpt, lay = dense
+    ref = reference_tensors(ckpt)
+    table = compute_chunk_table(lay.target, lay.manifest, chunk, aligned=True)
+    for rank in range(tp):
+        stats = LoadStats()
+        sd = load_state_dict(lay.ref, tp_size=tp, tp_rank=rank, chunk_table=table, stats=stats)
+        assert stats.plan is not None
+        for t in stats.plan.tensors:
+            assert torch.equal(sd[t.name], expected_shard(ref[t.name], t.rule, tp, rank)), t.name
+        d0 = stats.bytes_by_split["dim0"]
+        assert d0["read"] == d0["planned"] == d0["tensorBytes"] // tp, d0
