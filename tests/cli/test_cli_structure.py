@@ -18,6 +18,7 @@ import click
 import pytest
 
 from modelpack.cli import COMMANDS, main
+from modelpack.cli.lazy_group import LazyGroup
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.paths import REPO_ROOT
 
@@ -74,6 +75,20 @@ def test_every_lazy_command_resolves_and_its_table_help_is_its_own() -> None:
             f"COMMANDS[{name!r}] help drifted from {entry.target}'s docstring"
         )
     assert main.get_command(ctx, "no-such-command") is None
+
+
+def test_every_lazy_subcommand_resolves_and_its_table_help_is_its_own() -> None:
+    """A group's lazily imported subcommands (``cache serve``, ``cache lora-args``) resolve to
+    commands of that name whose help is the table's."""
+    ctx = click.Context(main)
+    groups = [main.get_command(ctx, name) for name in COMMANDS]
+    lazy = [g for g in groups if isinstance(g, LazyGroup) and g.lazy_commands]
+    assert lazy, "no group has lazy subcommands"
+    for group in lazy:
+        for name, entry in group.lazy_commands.items():
+            command = group.load(name)
+            assert command.name == name, f"{entry.target} is named {command.name!r}, listed as {name!r}"
+            assert entry.short_help == command.get_short_help_str(limit=10_000), entry.target
 
 
 def test_group_help_lists_every_command_and_imports_none() -> None:
