@@ -101,7 +101,7 @@ def test_group_help_lists_every_command_and_imports_none() -> None:
         assert f"\n  {name} " in listed, name
     assert "Pack CHECKPOINT_DIR into a ModelPack artifact at DESTINATION." in listed
     loaded = sorted(m for m in modules if m.startswith("modelpack.cli."))
-    assert loaded == ["modelpack.cli.lazy_group", "modelpack.cli.options"]
+    assert loaded == ["modelpack.cli.failures", "modelpack.cli.lazy_group", "modelpack.cli.options"]
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
 
@@ -157,6 +157,7 @@ def test_pull_cache_hit_by_registry_digest_imports_nothing_heavy(registry, tmp_p
     commands = sorted(m for m in modules if m.startswith("modelpack.cli."))
     assert commands == [
         "modelpack.cli.cache",
+        "modelpack.cli.failures",
         "modelpack.cli.lazy_group",
         "modelpack.cli.options",
         "modelpack.cli.pull",
