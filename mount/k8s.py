@@ -23,27 +23,39 @@ reaches each container that pulls as the ``MODELPACK_*`` variables it reads (``k
 Every reference is pinned by digest: a tag would let two replicas run different weights. The
 generated dicts are checked against the ``kubernetes`` client models (``validate``); the tests
 also validate them strictly against the published OpenAPI schemas of 1.33 and the newest release.
+
+Beside it: ``k8s_containers`` (the pieces every workload shares: mounts, literal strings, the
+cache volume and owner container, the pull command), ``k8s_prewarm`` (the pre-warm DaemonSet and
+its peers Service), ``k8s_settings`` (pull settings as container variables).
 """
 
 from __future__ import annotations
 
 import functools
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from modelpack.mount.k8s_settings import PodPullSettings, peer_token_env
+from modelpack.mount.k8s_containers import (  # re-exported: where callers find them
+    ADAPTER_POD_HOLD,
+    CACHE_UID,
+    DEFAULT_CACHE_HOST_PATH,
+    DEFAULT_CACHE_MOUNT,
+    DOCKER_CONFIG_MOUNT,
+    POLICY_MOUNT,
+    cache_owner_container,
+    credential_env_and_mounts,
+    env_var,
+    literal,
+    node_cache_volume,
+    pull_command,
+)
+from modelpack.mount.k8s_prewarm import peers_service, peers_url, prewarm_daemonset  # re-exported
+from modelpack.mount.k8s_settings import PodPullSettings
 
 from modelpack.errors import InvalidReferenceError, K8sError
 from modelpack.oci.reference import Reference, parse_reference
 
-DEFAULT_CACHE_HOST_PATH = "/var/cache/modelpack"
-DEFAULT_CACHE_MOUNT = "/var/cache/modelpack"
-POLICY_MOUNT = "/etc/modelpack/policy"
-DOCKER_CONFIG_MOUNT = "/etc/modelpack/docker"
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-#: the modelpack image's user (images/modelpack/Containerfile), who owns a node cache it writes
-CACHE_UID = 1000
 
 IMAGE_VOLUME_NOTES = [
     "Image volumes need the ImageVolume feature gate: on by default from Kubernetes 1.35; on 1.31-1.34 "
@@ -52,17 +64,6 @@ IMAGE_VOLUME_NOTES = [
     "containerd >= 2.1 mounts only images: push with 'modelpack push --format image' and read <mount>/models/.",
     "The reference is pinned by digest; pullPolicy IfNotPresent then never re-pulls a changed tag.",
 ]
-
-
-def literal(value: str) -> str:
-    """``value`` as the kubelet will hand it to the process from ``command``, ``args`` or an env
-    ``value``: it replaces ``$(NAME)`` with a variable's value and ``$$`` with ``$`` (anything
-    else after a ``$`` is left alone), so doubling every ``$`` is exactly undone by it."""
-    return value.replace("$", "$$")
-
-
-def _env(name: str, value: str) -> dict[str, str]:
-    return {"name": name, "value": literal(value)}
 
 
 def snapshot_path(cache_path: str, digest_hex: str) -> str:
@@ -98,92 +99,6 @@ def _name_from(ref: Reference) -> str:
     return (base or "model")[:50].strip("-") or "model"
 
 
-def _secret_volume(name: str, secret: str, items: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    src: dict[str, Any] = {"secretName": secret, "defaultMode": 0o440}
-    if items:
-        src["items"] = items
-    return {"name": name, "secret": src}
-
-
-def _cache_volume(kind: str, host_path: str, size_limit: str | None) -> dict[str, Any]:
-    if kind == "hostPath":
-        return {"name": "modelpack-cache", "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
-    if kind == "emptyDir":
-        empty: dict[str, Any] = {}
-        if size_limit:
-            empty["sizeLimit"] = size_limit
-        return {"name": "modelpack-cache", "emptyDir": empty}
-    raise K8sError(f"cache volume must be hostPath or emptyDir, got {kind!r}")
-
-
-#: how long an init container's pull keeps a base and its adapters from ``cache gc``: the
-#: serving container's image pull and start, until vLLM leases each adapter it serves
-ADAPTER_POD_HOLD = "1h"
-
-
-def _cache_owner_container(image: str, cache_path: str) -> dict[str, Any]:
-    """For a hostPath cache: the kubelet creates a missing node directory as root, mode 0755, where
-    the image's uid 1000 cannot write. This one-shot container gives that directory (not what is
-    in it) to uid 1000, as root with no capability but CAP_CHOWN; everything else runs as 1000."""
-    return {
-        "name": "modelpack-cache-owner",
-        "image": image,
-        "command": ["chown", f"{CACHE_UID}:{CACHE_UID}", literal(cache_path)],
-        "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}],
-        "securityContext": {
-            "runAsUser": 0,
-            "runAsNonRoot": False,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
-        },
-    }
-
-
-def _pull_command(
-    references: Sequence[str],
-    cache_path: str,
-    policy_secret: str | None,
-    policy_key: str,
-    adapters: Sequence[str] = (),
-) -> list[str]:
-    args = ["modelpack", "pull"]
-    cmd: list[str] = []
-    for r in references:
-        one = [*args, r, "--cache", cache_path, "--json"]
-        for a in adapters:  # LoRA adapters of this base, each checked against it by the pull
-            one += ["--adapter", a]
-        if adapters:  # kept from gc until the server starts and leases them (serving.adapter_leases)
-            one += ["--hold", ADAPTER_POD_HOLD]
-        if policy_secret:
-            one += ["--policy", f"{POLICY_MOUNT}/{policy_key}"]
-        cmd.append(shlex.join(one))
-    return cmd
-
-
-def _credential_env_and_mounts(
-    registry_secret: str | None, policy_secret: str | None, policy_key: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    env: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = []
-    volumes: list[dict[str, Any]] = []
-    if registry_secret:
-        # A kubernetes.io/dockerconfigjson Secret: its .dockerconfigjson becomes $DOCKER_CONFIG/config.json
-        volumes.append(
-            _secret_volume(
-                "registry-credentials",
-                registry_secret,
-                [{"key": ".dockerconfigjson", "path": "config.json"}],
-            )
-        )
-        mounts.append({"name": "registry-credentials", "mountPath": DOCKER_CONFIG_MOUNT, "readOnly": True})
-        env.append(_env("DOCKER_CONFIG", DOCKER_CONFIG_MOUNT))
-    if policy_secret:
-        volumes.append(_secret_volume("trust-policy", policy_secret))
-        mounts.append({"name": "trust-policy", "mountPath": POLICY_MOUNT, "readOnly": True})
-    return env, mounts, volumes
-
-
 def image_volume_pod(
     reference: str | Reference,
     *,
@@ -208,7 +123,7 @@ def image_volume_pod(
                 {
                     "name": container_name,
                     "image": image,
-                    "env": [_env("MODELPACK_MODEL_DIR", mount_path)],
+                    "env": [env_var("MODELPACK_MODEL_DIR", mount_path)],
                     "volumeMounts": [{"name": "model", "mountPath": mount_path, "readOnly": True}],
                 }
             ],
@@ -259,10 +174,10 @@ def init_container_pod(
     assert ref.digest is not None
     pull = pull or PodPullSettings()
     pull.check()
-    env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
+    env, mounts, volumes = credential_env_and_mounts(registry_secret, policy_secret, policy_key)
     env, mounts, volumes = [*env, *pull.env()], [*mounts, *pull.mounts()], [*volumes, *pull.volumes()]
     snapshot = snapshot_path(cache_path, ref.digest.hex)
-    commands = _pull_command([image_ref], cache_path, policy_secret, policy_key, adapters)
+    commands = pull_command([image_ref], cache_path, policy_secret, policy_key, adapters)
     meta = _pod_metadata(ref, name, namespace)
     return {
         "apiVersion": "v1",
@@ -270,16 +185,12 @@ def init_container_pod(
         "metadata": meta,
         "spec": {
             "initContainers": [
-                *(
-                    [_cache_owner_container(modelpack_image, cache_path)]
-                    if cache_volume == "hostPath"
-                    else []
-                ),
+                *([cache_owner_container(modelpack_image, cache_path)] if cache_volume == "hostPath" else []),
                 {
                     "name": "modelpack-pull",
                     "image": modelpack_image,
                     "command": ["sh", "-c", literal(commands[0])],
-                    "env": [*env, _env("MODELPACK_CACHE", cache_path), _start_id_env()],
+                    "env": [*env, env_var("MODELPACK_CACHE", cache_path), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
                     "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
                 },
@@ -288,171 +199,11 @@ def init_container_pod(
                 {
                     "name": "server",
                     "image": image,
-                    "env": [_env("MODELPACK_MODEL_DIR", snapshot), _start_id_env()],
+                    "env": [env_var("MODELPACK_MODEL_DIR", snapshot), _start_id_env()],
                     "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path, "readOnly": True}],
                 }
             ],
-            "volumes": [_cache_volume(cache_volume, host_path, size_limit), *volumes],
-        },
-    }
-
-
-def prewarm_daemonset(
-    references: Sequence[str | Reference],
-    *,
-    node_selector: Mapping[str, str],
-    host_path: str = DEFAULT_CACHE_HOST_PATH,
-    cache_path: str = DEFAULT_CACHE_MOUNT,
-    interval_s: int = 300,
-    policy_secret: str | None = None,
-    policy_key: str = "policy.yaml",
-    registry_secret: str | None = None,
-    modelpack_image: str,
-    name: str = "modelpack-prewarm",
-    namespace: str | None = None,
-    tolerate_all: bool = False,
-    serve_port: int | None = None,
-    peer_token_secret: str | None = None,
-    pull: PodPullSettings | None = None,
-) -> dict[str, Any]:
-    """A DaemonSet that pulls ``references`` into every selected node's cache and re-checks them.
-
-    Tags are allowed here (pre-warming "the current v1"), but pods should consume digests.
-    Re-pulling a cached digest is a hit (no hashing, no transfer), so the loop is cheap.
-
-    With ``serve_port``, each pod also runs ``cache serve --fill`` (the digest-pinned references;
-    only it mounts the cache writable) on that port and pulls ask the peers of ``peers_service``
-    first (``MODELPACK_MIRRORS=dns+http://…``, then the user's mirrors), ranked per blob, the
-    origin last. Peer serving needs ``peer_token_secret`` (a Secret whose ``token`` key the server
-    requires, ``MODELPACK_SERVE_TOKEN``, and the pulls present, ``MODELPACK_PEER_TOKEN``). ``pull``
-    reaches every pull, and the fills (its mirrors excepted: a fill asks the origin).
-    """
-    pull = pull or PodPullSettings()
-    pull.check()
-    if not references:
-        raise K8sError("prewarm needs at least one reference")
-    if not node_selector:
-        raise K8sError("prewarm needs --node-selector KEY=VALUE (pre-warming every node is rarely meant)")
-    refs = []
-    for r in references:
-        ref = parse_reference(r) if isinstance(r, str) else r
-        if ref.scheme != "registry":
-            raise InvalidReferenceError(f"prewarm: {ref} is not a registry reference")
-        refs.append(str(ref))
-    if interval_s < 10:
-        raise K8sError("--interval must be at least 10 seconds")
-    if serve_port is not None and not 1 <= serve_port <= 65535:
-        raise K8sError(f"--serve-peers {serve_port}: not a port")
-    if serve_port is not None and not peer_token_secret:
-        raise K8sError(
-            "--serve-peers needs --peer-token-secret NAME (a Secret with key 'token'): the peers serve "
-            "the node's cached models to holders of that token only"
-        )
-    env, mounts, volumes = _credential_env_and_mounts(registry_secret, policy_secret, policy_key)
-    mounts, volumes = [*mounts, *pull.mounts()], [*volumes, *pull.volumes()]
-    fills = [r for r in refs if parse_reference(r).digest is not None] if serve_port is not None else []
-    serve_env, serve_mounts, _ = _credential_env_and_mounts(registry_secret, None, policy_key)
-    serve_env = [*serve_env, *pull.env(with_mirrors=False)] if fills else []
-    serve_mounts = [*serve_mounts, *pull.mounts()] if fills else []
-    if serve_port is not None:
-        assert peer_token_secret is not None
-        serve_env.append(peer_token_env("MODELPACK_SERVE_TOKEN", peer_token_secret))
-        env = [
-            *env,
-            *([_env("MODELPACK_PEER_ORDER", "blob")] if fills else []),
-            *pull.env(mirrors_first=(peers_url(name, namespace, serve_port),)),
-            peer_token_env("MODELPACK_PEER_TOKEN", peer_token_secret),
-            {"name": "MODELPACK_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-            {"name": "MODELPACK_NODE_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        ]
-    else:
-        env = [*env, *pull.env()]
-    pulls = _pull_command(refs, cache_path, policy_secret, policy_key)
-    loop = "".join(f"  {p} || echo 'prewarm failed: exit '$? >&2\n" for p in pulls)
-    script = f"set -u\nwhile true; do\n{loop}  sleep {int(interval_s)}\ndone\n"
-    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "modelpack-prewarm"}
-    meta: dict[str, Any] = {"name": name, "labels": dict(labels)}
-    if namespace:
-        meta["namespace"] = namespace
-    pod_spec: dict[str, Any] = {
-        "nodeSelector": dict(node_selector),
-        "initContainers": [_cache_owner_container(modelpack_image, cache_path)],
-        "containers": [
-            {
-                "name": "prewarm",
-                "image": modelpack_image,
-                "command": ["sh", "-c", literal(script)],
-                "env": [*env, _env("MODELPACK_CACHE", cache_path)],
-                "volumeMounts": [{"name": "modelpack-cache", "mountPath": cache_path}, *mounts],
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
-            }
-        ],
-        "volumes": [_cache_volume("hostPath", host_path, None), *volumes],
-    }
-    if serve_port is not None:
-        pod_spec["containers"].append(
-            {
-                "name": "peer-serve",
-                "image": modelpack_image,
-                "command": [
-                    "modelpack",
-                    "cache",
-                    "serve",
-                    "--cache",
-                    literal(cache_path),
-                    "--listen",
-                    f"0.0.0.0:{serve_port}",
-                    *(arg for ref in fills for arg in ("--fill", literal(ref))),
-                ],
-                "env": serve_env,
-                "ports": [{"name": "peers", "containerPort": serve_port, "protocol": "TCP"}],
-                # a TCP check: every HTTP path, /v2/ included, answers 401 without the token
-                "readinessProbe": {"tcpSocket": {"port": serve_port}, "periodSeconds": 10},
-                "volumeMounts": [
-                    {"name": "modelpack-cache", "mountPath": cache_path, "readOnly": not fills},
-                    *serve_mounts,
-                ],
-                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
-                "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True},
-            }
-        )
-    if tolerate_all:
-        pod_spec["tolerations"] = [{"operator": "Exists"}]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
-        "metadata": meta,
-        "spec": {
-            "selector": {"matchLabels": dict(labels)},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
-        },
-    }
-
-
-def peers_url(name: str, namespace: str | None, port: int) -> str:
-    """The ``dns+http://`` mirror naming every pod behind ``peers_service``."""
-    host = f"{name}-peers" + (f".{namespace}.svc" if namespace else "")
-    return f"dns+http://{host}:{port}"
-
-
-def peers_service(name: str, namespace: str | None, port: int) -> dict[str, Any]:
-    """The headless Service over the pre-warm DaemonSet's ``cache serve`` containers: its name
-    resolves to one address per ready pod (``publishNotReadyAddresses`` off: a pod whose serve
-    is not answering yet is not a peer)."""
-    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "modelpack-prewarm"}
-    meta: dict[str, Any] = {"name": f"{name}-peers", "labels": dict(labels)}
-    if namespace:
-        meta["namespace"] = namespace
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta,
-        "spec": {
-            "clusterIP": "None",
-            "selector": dict(labels),
-            "ports": [{"name": "peers", "port": port, "targetPort": port, "protocol": "TCP"}],
+            "volumes": [node_cache_volume(cache_volume, host_path, size_limit), *volumes],
         },
     }
 
@@ -555,3 +306,26 @@ def to_yaml(obj: Mapping[str, Any], notes: Sequence[str] = ()) -> str:
 
     header = "".join(f"# {n}\n" for n in notes)
     return header + yaml.dump(dict(obj), Dumper=_dumper(), sort_keys=False, default_flow_style=False)
+
+
+__all__ = [
+    "ADAPTER_POD_HOLD",
+    "CACHE_UID",
+    "DEFAULT_CACHE_HOST_PATH",
+    "DEFAULT_CACHE_MOUNT",
+    "DOCKER_CONFIG_MOUNT",
+    "IMAGE_VOLUME_NOTES",
+    "POLICY_MOUNT",
+    "PULL_POLICIES",
+    "as_deployment",
+    "image_volume_pod",
+    "init_container_pod",
+    "literal",
+    "peers_service",
+    "peers_url",
+    "prewarm_daemonset",
+    "served_model_name",
+    "snapshot_path",
+    "to_yaml",
+    "validate",
+]

@@ -20,21 +20,13 @@ committed blob (a regular, read-only file of the cache owner that nobody else ca
 planted, writable, linked or quarantined file, a partial download or anything outside the store
 is 404. Whatever a peer serves, its client verifies against the digest.
 
-Who may read: beyond loopback (any listen address but a loopback one or ``localhost``: 0.0.0.0,
-a pod or node address, a name) it refuses to start without a bearer token
-(``MODELPACK_SERVE_TOKEN`` or ``--token-file``) unless the operator opts out loudly
-(``allow_no_token``, ``--insecure-no-auth``). The token is compared in constant time before
-anything else is done for a request (``401`` with a ``WWW-Authenticate`` challenge otherwise):
-no file is opened, no fill started, for a requester without it. TLS (certificate and key) is
-optional.
-
-Bounded: at most ``max_connections`` connections at once and ``max_per_address`` from one
-client address (the next is answered ``503`` with ``Retry-After`` and closed), each request
-head (the TLS handshake too, for the first) within ``head_timeout`` seconds as a whole, however
-slowly its bytes trickle (``_HeadDeadlines``: the connection is shut down when it passes; an
-idle keep-alive connection likewise), request lines and headers bounded by ``http.server``
-(64 KiB, 100 headers), paths of more than 2 KiB refused, every socket read and write times out
-after ``io_timeout`` seconds (a peer that stops reading frees its slot).
+Who may read, and how much (``mount/serve_access.py``): beyond loopback a bearer token is
+required (``MODELPACK_SERVE_TOKEN`` or ``--token-file``; ``--insecure-no-auth`` opts out loudly),
+checked in constant time before anything else is done for a request (``401`` otherwise: no file
+opened, no fill started); at most ``max_connections`` connections and ``max_per_address`` from
+one address (the next: ``503`` and closed); each request head within ``head_timeout`` as a whole;
+every socket read and write times out after ``io_timeout``. Request lines and headers are bounded
+by ``http.server`` (64 KiB, 100 headers), paths of more than 2 KiB refused. TLS is optional.
 
 With ``fill`` (``cache serve --fill REF@DIGEST``, ``mount/serve_fill.py``) a miss for a blob of a
 pinned manifest is fetched once from that manifest's registry, verified and committed: the one
@@ -50,26 +42,26 @@ client, which hashes every byte before using any, abandons this peer for its nex
 from __future__ import annotations
 
 import contextlib
-import hmac
-import http.server
-import ipaddress
 import json
 import logging
 import os
 import re
-import socket
-import socketserver
 import ssl
 import stat
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
 from modelpack.mount.kept_referrers import referrers_index
+from modelpack.mount.serve_access import (  # beyond_loopback: re-exported
+    DeadlineHandler,
+    GuardedServer,
+    bearer_authorized,
+    beyond_loopback,
+    require_token,
+)
 from modelpack.mount.serve_fill import BUSY, DONE, FAILED, MISS, READY, RUNNING, Fill, Filler, FillSettings
 from modelpack.mount.store import Store
 
@@ -112,190 +104,34 @@ class ServeSettings:
     allow_no_token: bool = False
 
 
-def beyond_loopback(host: str) -> bool:
-    """Whether listening on ``host`` reaches beyond this machine: every address but a loopback
-    one, and every name but ``localhost`` (a name is never resolved to decide it; an IPv4-mapped
-    IPv6 address counts as beyond: the check fails closed)."""
-    name = host.strip("[]")
-    try:
-        return not ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return name.lower() != "localhost"
-
-
-class _HeadDeadlines:
-    """Cuts connections whose request head (or TLS handshake) is not complete by its deadline.
-
-    A per-read timeout does not bound a head sent one byte every few seconds; this does, for the
-    head as a whole: a watch (a duplicate of the connection's socket, so shutting it down ends a
-    read blocked on the original, TLS or not) is armed when a head is awaited and disarmed once it
-    is parsed. One thread checks every armed deadline four times a second."""
-
-    def __init__(self, closing: threading.Event) -> None:
-        self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, socket.socket]] = {}
-        self._closing = closing
-        self._thread: threading.Thread | None = None
-
-    def arm(self, key: int, watch: socket.socket, seconds: float) -> None:
-        with self._lock:
-            if key not in self._armed:
-                self._armed[key] = (time.monotonic() + seconds, watch)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="modelpack-serve-heads", daemon=True)
-                self._thread.start()
-
-    def disarm(self, key: int) -> None:
-        with self._lock:
-            self._armed.pop(key, None)
-
-    def _run(self) -> None:
-        while not self._closing.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                late = [k for k, (deadline, _) in self._armed.items() if deadline <= now]
-                cut = [self._armed.pop(k)[1] for k in late]
-            for watch in cut:
-                with contextlib.suppress(OSError):
-                    watch.shutdown(socket.SHUT_RDWR)
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    # socketserver's default backlog is 5: a burst of connects (a flood, or a storm of nodes) then
-    # overflows it and the kernel drops SYNs, so an honest client's connect waits out SYN
-    # retransmits (1 + 2 + 4 + 8 + 16 s) before the per-address limit and head deadline can act
-    request_queue_size = 1024
-
+class _Server(GuardedServer):
     def __init__(
         self, settings: ServeSettings, store: Store, tls: ssl.SSLContext | None, filler: Filler | None = None
     ) -> None:
         self.settings = settings
         self.store = store
-        self.tls = tls
         self.filler = filler  # fill-on-miss for pinned manifests' blobs (``serve_fill``), or None
-        self.slots = threading.BoundedSemaphore(settings.max_connections)
-        self.per_address: dict[str, int] = {}  # open connections by client address
-        self.closing = threading.Event()  # set on shutdown: ends the waits of streamed fills
-        self.heads = _HeadDeadlines(self.closing)
         self.served = 0
-        self.refused = 0
         self.count_lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-        self.address_family = family
-        super().__init__((settings.host, settings.port), _Handler)
-
-    def _take_slot(self, address: str) -> bool:
-        """One of this address's ``max_per_address`` and one of the ``max_connections`` slots."""
-        with self.count_lock:
-            if self.per_address.get(address, 0) >= self.settings.max_per_address:
-                return False
-            if not self.slots.acquire(blocking=False):
-                return False
-            self.per_address[address] = self.per_address.get(address, 0) + 1
-            return True
-
-    def _give_slot(self, address: str) -> None:
-        with self.count_lock:
-            left = self.per_address.get(address, 1) - 1
-            if left > 0:
-                self.per_address[address] = left
-            else:
-                self.per_address.pop(address, None)
-            self.slots.release()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        address = str(client_address[0])
-        if not self._take_slot(address):
-            with self.count_lock:
-                self.refused += 1
-            with contextlib.suppress(OSError):
-                request.settimeout(1.0)
-                if self.tls is None:  # a TLS client would not read plain bytes: just close
-                    request.sendall(
-                        b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
-                        b"Content-Length: 0\r\nConnection: close\r\n\r\n"
-                    )
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._give_slot(address)
-            raise
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A requester hanging up mid-blob is routine (a node abandons a slow peer, a pod is
-        killed): one debug line, never socketserver's traceback on stderr. Anything else is a
-        warning naming the exception, still without a traceback (``--debug`` logs it)."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError, ssl.SSLError)):
-            log.debug("%s hung up: %s", client_address, exc)
-        else:
-            log.warning(
-                "request from %s failed: %r", client_address, exc, exc_info=log.isEnabledFor(logging.DEBUG)
-            )
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._give_slot(str(client_address[0]))
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(self.settings.io_timeout)
-        try:
-            watch = request.dup()  # shut down when a head is late: ends reads on ``request`` too
-        except OSError:
-            return
-        key = id(watch)
-        try:
-            self.heads.arm(key, watch, self.settings.head_timeout)  # the handshake and first head
-            if self.tls is not None:
-                try:
-                    request = self.tls.wrap_socket(request, server_side=True)
-                except (OSError, ssl.SSLError) as exc:
-                    log.debug("TLS handshake with %s failed: %s", client_address, exc)
-                    return
-            _Handler(request, client_address, self, head_watch=(key, watch))
-        finally:
-            self.heads.disarm(key)
-            watch.close()
+        super().__init__(
+            (settings.host, settings.port),
+            _Handler,
+            tls=tls,
+            max_connections=settings.max_connections,
+            max_per_address=settings.max_per_address,
+            io_timeout=settings.io_timeout,
+            head_timeout=settings.head_timeout,
+        )
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(DeadlineHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     server_version = "modelpack-cache"
     sys_version = ""
 
-    def __init__(
-        self,
-        request: socket.socket,
-        client_address: tuple[str, int],
-        server: socketserver.BaseServer,
-        head_watch: tuple[int, socket.socket] | None = None,
-    ) -> None:
-        self.head_watch = head_watch  # (key, socket) in ``server.heads``: see ``_HeadDeadlines``
-        super().__init__(request, client_address, server)
-
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
-
-    # ------------------------------------------------------------------ head deadline
-    def handle_one_request(self) -> None:
-        """Each request head (an idle keep-alive wait too) within ``head_timeout`` as a whole."""
-        if self.head_watch is not None:
-            key, watch = self.head_watch
-            self.server.heads.arm(key, watch, self.server.settings.head_timeout)
-        super().handle_one_request()
-
-    def parse_request(self) -> bool:
-        parsed = super().parse_request()  # reads the headers: the end of the head
-        if self.head_watch is not None:
-            self.server.heads.disarm(self.head_watch[0])
-        return parsed
 
     # ------------------------------------------------------------------ answers
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
@@ -326,12 +162,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ routing
     def _authorized(self) -> bool:
-        token = self.server.settings.token
-        if token is None:
-            return True
-        got = self.headers.get("Authorization", "")
-        scheme, _, value = got.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode()):
+        if bearer_authorized(self.headers.get("Authorization", ""), self.server.settings.token):
             return True
         self._error(
             401,
@@ -565,22 +396,9 @@ class CacheServer:
             raise CacheServeError("--tls-cert and --tls-key go together")
         if settings.max_per_address < 1 or not settings.head_timeout > 0:
             raise CacheServeError("--max-per-address and --head-timeout must be positive")
-        if settings.token is not None and not settings.token.strip():
-            raise CacheServeError("the token is empty; an empty token is never 'no token'")
-        if beyond_loopback(settings.host) and settings.token is None:
-            if not settings.allow_no_token:
-                raise CacheServeError(
-                    f"{settings.host} is beyond loopback: peers must present a token there; set "
-                    "MODELPACK_SERVE_TOKEN (or --token-file) here and the same value as "
-                    "MODELPACK_PEER_TOKEN on the pulling nodes (or --insecure-no-auth to serve "
-                    "every model in this cache to anyone who reaches the port)"
-                )
-            log.warning(
-                "serving %s without a token (--insecure-no-auth): anyone who reaches "
-                "the port reads every model in this cache%s",
-                settings.host,
-                ", and has it fetched with this node's credentials (--fill)" if fill is not None else "",
-            )
+        require_token(
+            settings.host, settings.token, allow_no_token=settings.allow_no_token, fill=fill is not None
+        )
         # with --fill this server writes the cache: on a node with none yet (a DaemonSet's first
         # rollout) it is created as 'pull --cache' creates it (Store: owner, 0750, layout);
         # read-only serving never turns a mistyped --cache into a new cache
@@ -627,4 +445,4 @@ class CacheServer:
         self._server.shutdown()
 
 
-__all__ = ["CacheServeError", "CacheServer", "ServeSettings"]
+__all__ = ["CacheServeError", "CacheServer", "ServeSettings", "beyond_loopback"]

@@ -18,6 +18,7 @@ import click
 import pytest
 
 from modelpack.cli import COMMANDS, main
+from modelpack.cli.lazy_group import LazyGroup
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.paths import REPO_ROOT
 
@@ -76,6 +77,20 @@ def test_every_lazy_command_resolves_and_its_table_help_is_its_own() -> None:
     assert main.get_command(ctx, "no-such-command") is None
 
 
+def test_every_lazy_subcommand_resolves_and_its_table_help_is_its_own() -> None:
+    """A group's lazily imported subcommands (``cache serve``, ``cache lora-args``) resolve to
+    commands of that name whose help is the table's."""
+    ctx = click.Context(main)
+    groups = [main.get_command(ctx, name) for name in COMMANDS]
+    lazy = [g for g in groups if isinstance(g, LazyGroup) and g.lazy_commands]
+    assert lazy, "no group has lazy subcommands"
+    for group in lazy:
+        for name, entry in group.lazy_commands.items():
+            command = group.load(name)
+            assert command.name == name, f"{entry.target} is named {command.name!r}, listed as {name!r}"
+            assert entry.short_help == command.get_short_help_str(limit=10_000), entry.target
+
+
 def test_group_help_lists_every_command_and_imports_none() -> None:
     # 110 columns (the group's max_content_width): 80 truncates every table help once a command
     # name is as long as storage-initializer
@@ -86,7 +101,7 @@ def test_group_help_lists_every_command_and_imports_none() -> None:
         assert f"\n  {name} " in listed, name
     assert "Pack CHECKPOINT_DIR into a ModelPack artifact at DESTINATION." in listed
     loaded = sorted(m for m in modules if m.startswith("modelpack.cli."))
-    assert loaded == ["modelpack.cli.lazy_group", "modelpack.cli.options"]
+    assert loaded == ["modelpack.cli.failures", "modelpack.cli.lazy_group", "modelpack.cli.options"]
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
 
 
@@ -142,6 +157,7 @@ def test_pull_cache_hit_by_registry_digest_imports_nothing_heavy(registry, tmp_p
     commands = sorted(m for m in modules if m.startswith("modelpack.cli."))
     assert commands == [
         "modelpack.cli.cache",
+        "modelpack.cli.failures",
         "modelpack.cli.lazy_group",
         "modelpack.cli.options",
         "modelpack.cli.pull",

@@ -42,6 +42,10 @@ SOURCE_FOLDERS = {
 # modules that import an engine the `vllm` extra brings (not installed here); nothing else may fail
 NEEDS_VLLM = {"modelpack.serving.vllm_loader", "modelpack.serving.vllm_plugin"}
 EXTRAS = "loader,s3,image,k8s"
+# pip as the README runs it, less the byte-compiling of every installed module (torch, botocore,
+# kubernetes, transformers: most of the install's CPU time); the modules a test imports are
+# compiled on first import instead, which runs the same code
+PIP = ("-m", "pip", "install", "-q", "--no-compile")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -52,8 +56,11 @@ def _run(argv: list[str | Path], **kwargs: object) -> subprocess.CompletedProces
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """The environment minus anything that would put the checkout or the dev venv on sys.path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    """The environment minus anything that would put the checkout or the dev venv on sys.path,
+    and minus ``PYTHONDONTWRITEBYTECODE``: as on a user's machine, the first import of a module
+    of the fresh venv writes its bytecode (pip installs there with ``--no-compile``, ``PIP``)."""
+    dropped = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if str(ROOT) not in p)
     env.update(extra)
     return env
@@ -105,8 +112,8 @@ def venv(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ven
     v = Venv(home / "venv")
     env = _clean_env()
     _run([sys.base_prefix + "/bin/python3", "-m", "venv", v.path], env=env, cwd=home)
-    _run([v.python, "-m", "pip", "install", "-q", "torch==2.13.0"], env=env, cwd=home)
-    _run([v.python, "-m", "pip", "install", "-q", f"{built.wheel}[{EXTRAS}]"], env=env, cwd=home)
+    _run([v.python, *PIP, "torch==2.13.0"], env=env, cwd=home)
+    _run([v.python, *PIP, f"{built.wheel}[{EXTRAS}]"], env=env, cwd=home)
     yield v
     shutil.rmtree(home, ignore_errors=True)
 
@@ -288,7 +295,7 @@ def test_the_demo_runs_from_the_installed_wheel_as_the_readme_says(
     command = "python -m modelpack.demo --out /tmp/modelpack-demo"
     assert install in readme and command in readme
     env = _clean_env(HOME=str(tmp_path / "home"), CI="1")
-    _run([venv.python, "-m", "pip", "install", "-q", f"{built.wheel}[demo]"], env=env, cwd=tmp_path)
+    _run([venv.python, *PIP, f"{built.wheel}[demo]"], env=env, cwd=tmp_path)
     out = tmp_path / "modelpack-demo"
     proc = _run([venv.python, "-m", "modelpack.demo", "--out", out], env=env, cwd=tmp_path)
     assert proc.stdout.count("logits identical: True") == 3, proc.stdout[-3000:]  # cache miss, hit, stream

@@ -217,7 +217,7 @@ def test_mirror_corrupting_one_blob_is_abandoned_and_nothing_corrupt_is_written(
     mark = registry.log_mark()
     _res, events = _pull_via(tmp_path, origin, f"http://{mirror.host}", "mirrors/corrupt", checkpoint)
     # the origin served that one blob whole (once); the mirror, caught serving bytes that are not
-    # the blob, is not asked for the blobs it had not started yet (``_Mirror.lied``)
+    # the blob, is not asked for the blobs it had not started yet (``Mirror.lied``)
     assert origin.blob_bytes[str(big.digest)] == big.size
     assert [p.rsplit("/", 1)[1] for p in _origin_blob_gets(registry, mark)].count(str(big.digest)) == 1
     gone = _abandoned(events)
@@ -266,7 +266,7 @@ def test_node_cache_and_loader_ranges_go_through_the_mirror(
         assert (Path(result.path) / f.name).read_bytes() == f.read_bytes()
     origin.settle()
     # the corrupted blob came whole from the origin (the mirror, caught, is not asked again in
-    # that pull: ``_Mirror.lied``)
+    # that pull: ``Mirror.lied``)
     assert origin.blob_bytes[str(big.digest)] == big.size
 
     origin.clear()

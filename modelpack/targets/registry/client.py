@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -34,16 +33,13 @@ from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
-import urllib3
 from requests.adapters import HTTPAdapter
 
 from modelpack.errors import (
     AuthenticationError,
     InsecureRegistryError,
-    PermissionDeniedError,
     RegistryConnectionError,
     RegistryError,
-    RegistryNotFoundError,
     RegistryTLSError,
 )
 from modelpack.targets.registry.auth import Authenticator, Credentials, unbound_environment_hint
@@ -54,10 +50,17 @@ from modelpack.targets.registry.bodies import (
     is_transport_error,
     oci_error,
     read_by_deadline,
-    unreachable_reason,
 )
 from modelpack.targets.registry.hosts import canonical_host, is_loopback_host
-from modelpack.targets.retry import OutageClock, RetryBudget
+from modelpack.targets.registry.outages import RegistryOutages
+from modelpack.targets.registry.request_errors import (  # redact_url: re-exported
+    connection_error,
+    foreign_challenge,
+    redact_url,
+    status_error,
+    untrusted_certificate,
+)
+from modelpack.targets.retry import RetryBudget
 
 log = logging.getLogger("modelpack.targets.registry")
 
@@ -76,22 +79,6 @@ DOCKER_HUB_API = "registry-1.docker.io"
 
 # bytes, a stream with read() and __len__, or a factory returning a fresh one per attempt
 Body = Any
-
-#: the API hosts that answered an HTTP request in this process. A refused connection or a name
-#: that does not resolve is an outage (a registry restarting, a service's DNS moving) from one of
-#: these, retried within ``--retry-for``; from any other host it is a typo'd host or port, which
-#: waiting cannot heal, and fails at once.
-_ANSWERED_HOSTS: set[str] = set()
-_answered_lock = threading.Lock()
-
-
-def redact_url(url: str) -> str:
-    """Scheme, host and path only: upload URLs carry opaque state; never log query strings."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return f"{parts.scheme}://{host}{parts.path}"
 
 
 class _BigBlockAdapter(HTTPAdapter):
@@ -163,10 +150,8 @@ class RegistryClient:
             timeout=min(self.timeout, 60.0),
             retry_for=retry_for,
         )
-        self.retries = 0  # requests retried after a transport failure or a "not now" status
-        self.outage = OutageClock()  # --retry-for is one budget for everything this client does
-        self._retries_lock = threading.Lock()
-        self._outage_said = threading.Event()  # this outage's "waiting for" line was printed
+        #: the retry budget, retry count and outage state (``outages``): one --retry-for for all
+        self.outages = RegistryOutages(host, self.api_host, retry_for)
 
     def with_retry_for(self, retry_for: float | None) -> RegistryClient:
         """This client — its session and connection pool, credentials, tokens and scheme — under
@@ -174,48 +159,20 @@ class RegistryClient:
         somewhere else to go, without a second pool or a second token exchange."""
         other = copy.copy(self)
         other.retry_for = retry_for
-        other.outage = OutageClock()
-        other._outage_said = threading.Event()
+        other.outages = self.outages.under(retry_for)
         return other
+
+    @property
+    def retries(self) -> int:
+        """Requests retried after a transport failure or a "not now" status."""
+        return self.outages.retries
 
     def budget(self) -> RetryBudget:
         """A fresh retry budget for one operation, drawing on the client's one ``--retry-for``."""
-        return RetryBudget(self.retry_for, shared=self.outage, on_outage=self._say_waiting)
+        return self.outages.budget()
 
     def count_retry(self) -> None:
-        with self._retries_lock:
-            self.retries += 1
-
-    def _say_waiting(self, left_s: float) -> None:
-        """One line on a terminal's stderr (a log warning) when the client starts waiting out an
-        outage: what it waits for and until when, so a retrying command is never a silent one.
-        Said again only after the registry answered in between. Not on a log or a pipe: there a
-        failure stays the one line every command ends with (README, "Exit status"), however many
-        times a flapping registry made the command wait."""
-        if not os.isatty(2):
-            return
-        with self._retries_lock:
-            if self._outage_said.is_set():
-                return
-            self._outage_said.set()
-        until = time.strftime("%H:%M:%S", time.localtime(time.time() + left_s))
-        log.warning(
-            "waiting for the registry %s to answer; retrying until %s (--retry-for sets how long)",
-            self.host,
-            until,
-        )
-
-    def _mark_answered(self) -> None:
-        """The registry answered (any HTTP status): later refusals are an outage, worth waiting."""
-        self._outage_said.clear()
-        if self.api_host not in _ANSWERED_HOSTS:
-            with _answered_lock:
-                _ANSWERED_HOSTS.add(self.api_host)
-
-    def _cannot_heal(self, exc: BaseException) -> bool:
-        """A refused connection or an unresolvable name from a host that never answered in this
-        process: a typo, failed at once instead of after ``--retry-for``."""
-        return self.api_host not in _ANSWERED_HOSTS and unreachable_reason(exc) is not None
+        self.outages.count_retry()
 
     # ------------------------------------------------------------------ scheme
     @property
@@ -245,22 +202,22 @@ class RegistryClient:
                     verify=self.verify,
                     allow_redirects=False,
                 ).close()
-                self._mark_answered()
+                self.outages.mark_answered()
                 return "https"
             except requests.exceptions.SSLError as exc:
-                if _untrusted_certificate(exc):
+                if untrusted_certificate(exc):
                     raise RegistryTLSError(
                         "TLS certificate not trusted (pass --ca-file with the registry's CA, or "
                         "--plain-http if it serves HTTP)",
                         target=self.host,
                     ) from None
-                self._mark_answered()  # a TLS handshake failed: something listens there
+                self.outages.mark_answered()  # a TLS handshake failed: something listens there
                 return "http"
             except requests.exceptions.ConnectionError as exc:
                 if "SSL" in str(exc) or "EOF occurred" in str(exc):
-                    self._mark_answered()  # something listens there, speaking plain HTTP
+                    self.outages.mark_answered()  # something listens there, speaking plain HTTP
                     return "http"
-                if not self._cannot_heal(exc) and budget.wait():  # a GET: retried like any GET
+                if not self.outages.cannot_heal(exc) and budget.wait():  # a GET: retried like any GET
                     self.count_retry()
                     continue
                 raise self.connection_error("registry check", exc, budget) from None
@@ -341,7 +298,7 @@ class RegistryClient:
                     discard_body(resp, min(self.timeout, SMALL_BODY_SECONDS))
             except requests.exceptions.SSLError as exc:
                 self._close_body(data)
-                if _untrusted_certificate(exc) or not idempotent or not budget.wait():
+                if untrusted_certificate(exc) or not idempotent or not budget.wait():
                     raise RegistryTLSError(
                         f"{label}: TLS handshake failed (untrusted certificate? pass --ca-file)",
                         target=self.host,
@@ -353,11 +310,11 @@ class RegistryClient:
                 if not is_transport_error(exc):  # redirect loops, invalid URLs: not transient
                     raise RegistryError(f"{label} failed: {type(exc).__name__}", target=self.host) from None
                 log.debug("%s %s failed: %s", method, redact_url(url), type(exc).__name__)
-                if idempotent and not self._cannot_heal(exc) and budget.wait():
+                if idempotent and not self.outages.cannot_heal(exc) and budget.wait():
                     self.count_retry()
                     continue
                 raise self.connection_error(label, exc, budget) from None
-            self._mark_answered()
+            self.outages.mark_answered()
             self._close_body(data)
             log.debug(
                 "%s %s -> %d (%.0f ms)",
@@ -393,15 +350,8 @@ class RegistryClient:
             raise self.error_for(resp, label)
 
     def foreign_challenge(self, what: str, url: str) -> AuthenticationError:
-        """A 401 from a host the request was redirected to: never answered with this registry's
-        credentials (the challenge, and any token realm it names, belong to that host)."""
-        return AuthenticationError(
-            f"{what}: the registry redirected to {canonical_host(urlsplit(url).netloc)}, which asks "
-            f"for credentials; credentials for {canonical_host(self.host)} are never sent to another "
-            "host (the registry's redirect target must serve the blob without them)",
-            status=401,
-            target=self.host,
-        )
+        """A 401 from a host the request was redirected to (``request_errors.foreign_challenge``)."""
+        return foreign_challenge(self.host, what, url)
 
     @staticmethod
     def _retryable_status(status: int, errors_500: int) -> bool:
@@ -410,30 +360,9 @@ class RegistryClient:
     def connection_error(
         self, what: str, exc: BaseException | None, budget: RetryBudget | None = None
     ) -> RegistryConnectionError:
-        """The typed error for a transport failure: the registry, what was being done, why, and
-        how long it was retried (a traceback names none of these)."""
-        reason = type(exc).__name__ if exc is not None else "connection lost"
-        unreachable = unreachable_reason(exc) if exc is not None else None
-        failure = "connection"
-        if exc is not None and _timed_out(exc):
-            reason = f"no answer within {self.timeout:g} s; --timeout sets the limit"
-            failure = "stall"
-        elif unreachable is not None and self.api_host not in _ANSWERED_HOSTS:
-            check = "host name" if "resolve" in unreachable else "host and port"
-            reason = f"{unreachable}; it never answered, so nothing was retried: check the {check}"
-        elif unreachable is not None:
-            reason = unreachable  # "connection refused" named: the source-events say why a source was left
-        elif exc is not None and "refused" in str(exc).lower():
-            reason = "connection refused"
-        if "connection refused" in reason:
-            failure = "connection_refused"
-        tried = ""
-        if budget is not None and (budget.retries or budget.exhausted):
-            tried = f" (retried for {budget.spent_s:.0f} s; --retry-for sets how long)"
-        return RegistryConnectionError(
-            f"{what} failed: cannot reach the registry ({reason}){tried}",
-            target=self.host,
-            failure=failure,
+        """The typed error for a transport failure (``request_errors.connection_error``)."""
+        return connection_error(
+            self.host, what, exc, budget, timeout=self.timeout, ever_answered=self.outages.ever_answered()
         )
 
     def fetch_document(
@@ -507,17 +436,8 @@ class RegistryClient:
         return None
 
     def error_for(self, resp: requests.Response, what: str) -> RegistryError:
-        code, message = oci_error(resp, min(self.timeout, SMALL_BODY_SECONDS))
-        resp.close()
-        status = resp.status_code
-        cls: type[RegistryError] = RegistryError
-        if status == 404 or (code or "").endswith("_UNKNOWN") or code == "NAME_UNKNOWN":
-            cls = RegistryNotFoundError
-        elif status == 401:
-            cls = AuthenticationError
-        elif status == 403 or code == "DENIED":
-            cls = PermissionDeniedError
-        return cls(what, status=status, code=code, target=self.host, detail=message)
+        """The typed error for an HTTP error answer (``request_errors.status_error``)."""
+        return status_error(self.host, resp, what, timeout=self.timeout)
 
     def ping(self) -> None:
         """GET /v2/: learns the auth scheme; raises if the registry is unreachable or refuses us."""
@@ -525,19 +445,6 @@ class RegistryClient:
 
     def close(self) -> None:
         self.session.close()
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """A connect or read timeout, whichever layer (requests, urllib3, the socket) noticed it."""
-    return isinstance(
-        exc, (requests.exceptions.Timeout, urllib3.exceptions.TimeoutError, TimeoutError)
-    ) or "timed out" in str(exc)
-
-
-def _untrusted_certificate(exc: BaseException) -> bool:
-    """A certificate verification failure (fatal), as opposed to a handshake cut by a restart."""
-    text = str(exc)
-    return "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text or "hostname" in text
 
 
 __all__ = [

@@ -27,7 +27,7 @@ serving wrong bytes just above the floor would hold each blob for size ÷ floor.
 a mirror's part of a spool must average ``BLOB_RATE_FACTOR`` times the floor after a grace of
 ``BLOB_GRACE_WINDOWS`` windows (``blob_deadline_s``; with the default floor, 30 s + 1 s per MiB),
 else the next source continues from the byte reached; and a mirror that alone served a blob
-whose bytes failed its digest is not asked again during this run (``_Mirror.lied``), so a liar
+whose bytes failed its digest is not asked again during this run (``Mirror.lied``), so a liar
 costs at most the blobs it was already serving. With a signed chunk table the caller verified
 (``check_chunks``, from ``RegistryTarget.use_chunk_table``) a spool is checked chunk by chunk as
 it arrives (``ChunkGate``): a liar is dropped at its first wrong chunk and the next source
@@ -38,6 +38,11 @@ Range reads (the loader's streaming) go to the mirrors in order too, falling bac
 a range cannot be verified alone, so the caller may pass ``check`` (the loader's signed chunk
 table): the chunks of a mirror's bytes that fail it are fetched again from the next source and
 finally the origin, chunk by chunk. The loader verifies every chunk again, as for the origin.
+
+This module decides which source to ask and spools whole blobs; beside it: ``mirror_config``
+(which mirrors), ``mirror_ledger`` (each mirror's state, bytes per source, abandonments: the one
+interface the spool, the stream and the ranges report through), ``mirror_stream`` (a blob read in
+order through the sources), ``mirror_ranges`` (ranges), ``mirror_spool`` (what a spool accepts).
 """
 
 from __future__ import annotations
@@ -47,21 +52,20 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Sequence
+from typing import BinaryIO
 
 from modelpack import stopping
 from modelpack.errors import (
     MirrorTooSlowError,
     ModelpackError,
-    RegistryConnectionError,
     RegistryError,
     TransferInterrupted,
 )
 from modelpack.events import EventLog
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.targets.base import ChunkBounds, RangeCheck
-from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream, read_range
+from modelpack.targets.registry.blob_reads import Floor, ResumingBlobStream
 from modelpack.targets.registry.client import RegistryClient
 from modelpack.targets.registry.mirror_config import (  # re-exported: where callers find them
     DEFAULT_HOSTS_DIR,
@@ -72,6 +76,8 @@ from modelpack.targets.registry.mirror_config import (  # re-exported: where cal
     mirror_limits,
     parse_mirror_url,
 )
+from modelpack.targets.registry.mirror_ledger import Mirror, SourceLedger
+from modelpack.targets.registry.mirror_ranges import read_range_through
 from modelpack.targets.registry.mirror_spool import (  # re-exported: where callers find them
     BLOB_GRACE_WINDOWS,
     BLOB_RATE_FACTOR,
@@ -79,33 +85,18 @@ from modelpack.targets.registry.mirror_spool import (  # re-exported: where call
     ChunkGate,
     blob_deadline_s,
 )
+from modelpack.targets.registry.mirror_stream import SourcesStream
 from modelpack.targets.registry.owners import balanced_owners
 from modelpack.targets.registry.peers import blob_order, rendezvous
 from modelpack.targets.registry.repository import RepositoryAPI
-from modelpack.targets.registry.source_events import emit, failure_kind, origin_url
 
 log = logging.getLogger("modelpack.targets.registry")
 
 #: a mirror's whole retry budget per blob: a dead mirror is abandoned quickly, the origin has 60 s
 MIRROR_RETRY_FOR = 3.0
-#: a mirror whose connection failed is not asked again for this long
-DOWN_FOR_S = 30.0
 #: blobs up to this size are spooled in memory, larger ones in a temp file (``TMPDIR``)
 SPOOL_IN_MEMORY = 16 * 1024 * 1024
 _CHUNK = 1024 * 1024
-
-
-class _Mirror:
-    def __init__(self, endpoint: MirrorEndpoint, repo: RepositoryAPI) -> None:
-        self.endpoint = endpoint
-        self.repo = repo
-        self.down_until = 0.0
-        #: it alone served a blob whose bytes failed the digest: not asked again this run
-        self.lied = False
-
-    @property
-    def name(self) -> str:
-        return self.endpoint.host
 
 
 class MirroredBlobs:
@@ -139,10 +130,10 @@ class MirroredBlobs:
                 retry_for=budget,
             )
             client.session.headers.update(dict(ep.headers))
-            self.mirrors.append(_Mirror(ep, RepositoryAPI(client, origin.repository)))
+            self.mirrors.append(Mirror(ep, RepositoryAPI(client, origin.repository)))
         self._lock = threading.Lock()
-        self.bytes_by_source: dict[str, int] = {}
-        self.abandoned = 0
+        #: bytes per source and abandonments, shared with the ``SourcesStream``s it opens
+        self.ledger = SourceLedger(origin, events)
         #: ``MODELPACK_PEER_ORDER=blob``: each blob is asked first of its owner peer (``_for_blob``)
         self.blob_order = blob_order()
         #: blob digest → owner peer, from the manifests read (``plan``; ``owners.balanced_owners``)
@@ -158,36 +149,15 @@ class MirroredBlobs:
             self._chunk_checks[layer_digest] = (bounds, check)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _count(self, source: str, n: int) -> None:
-        if n:
-            with self._lock:
-                self.bytes_by_source[source] = self.bytes_by_source.get(source, 0) + n
+    @property
+    def bytes_by_source(self) -> dict[str, int]:
+        """Bytes delivered per source host (mirror name or origin host) in this run."""
+        return self.ledger.bytes_by_source
 
-    def _abandon(self, mirror: _Mirror, desc: Descriptor, reason: str, offset: int, *, failure: str) -> None:
-        """``failure`` is the kind (``source_events.failure_kind`` of a typed error, or what the
-        caller itself saw): never guessed from ``reason``, whose hosts and digests hold digits."""
-        with self._lock:
-            self.abandoned += 1
-        log.warning("mirror %s abandoned for %s at byte %d: %s", mirror.name, desc.digest, offset, reason)
-        emit(
-            self.events,
-            "registry.mirror_abandoned",
-            source=mirror.endpoint.url,
-            kind="mirror",
-            failure=failure,
-            mirror=mirror.name,
-            blob=str(desc.digest),
-            reason=reason[:300],
-            offset=offset,
-            registry=self.origin.name,
-        )
-
-    def _mirror_failed(self, mirror: _Mirror, desc: Descriptor, exc: BaseException, offset: int) -> None:
-        """``mirror`` failed ``desc`` at ``offset``: marked down after a failed connection (so a
-        dead mirror costs one short budget per run), abandoned for the next source."""
-        if isinstance(exc, RegistryConnectionError):
-            mirror.down_until = time.monotonic() + DOWN_FOR_S
-        self._abandon(mirror, desc, str(exc), offset, failure=failure_kind(exc))
+    @property
+    def abandoned(self) -> int:
+        """How many times a mirror was left for a blob, a range or a manifest."""
+        return self.ledger.abandoned
 
     def url_of(self, name: str) -> str:
         """Mirror ``name``'s URL (never credentials: a mirror URL carries none)."""
@@ -199,29 +169,13 @@ class MirroredBlobs:
 
     def manifest_abandoned(self, name: str, what: str, exc: BaseException) -> None:
         """A manifest (or referrers listing) ``name`` could not serve: the next source is asked."""
-        mirror = next(m for m in self.mirrors if m.name == name)
-        if isinstance(exc, RegistryConnectionError):
-            mirror.down_until = time.monotonic() + DOWN_FOR_S
-        with self._lock:
-            self.abandoned += 1
-        log.warning("mirror %s abandoned for %s: %s", name, what, exc)
-        emit(
-            self.events,
-            "registry.mirror_abandoned",
-            source=mirror.endpoint.url,
-            kind="mirror",
-            failure=failure_kind(exc),
-            mirror=name,
-            manifest=what,
-            reason=str(exc)[:300],
-            registry=self.origin.name,
-        )
+        self.ledger.manifest_abandoned(next(m for m in self.mirrors if m.name == name), what, exc)
 
-    def _usable(self) -> list[_Mirror]:
+    def _usable(self) -> list[Mirror]:
         now = time.monotonic()
-        return [m for m in self.mirrors if m.down_until <= now and not m.lied]
+        return [m for m in self.mirrors if m.usable(now)]
 
-    def _for_blob(self, desc: Descriptor) -> list[_Mirror]:
+    def _for_blob(self, desc: Descriptor) -> list[Mirror]:
         """The usable mirrors for ``desc``. With blob order, the peers (in the place of the first
         one) are ranked by rendezvous hashing on the blob digest, the owner ``plan`` assigned
         (bounded load) first: every node computes the same owner for a blob, so a storm asks one
@@ -272,7 +226,7 @@ class MirroredBlobs:
         # a resume (``offset`` > 0: a kept partial) asks the mirrors too, each from the byte
         # reached; the caller re-hashed its prefix and checks the whole blob
         mirrors = self._for_blob(desc) if offset > 0 else []
-        return _SourcesStream(self, desc, offset, mirrors)  # type: ignore[return-value]
+        return SourcesStream(self.ledger, desc, offset, mirrors, floor=self.floor)  # type: ignore[return-value]
 
     def spool_verified(self, desc: Descriptor) -> BinaryIO | None:
         """The whole blob, verified, whoever serves it: the mirrors first (``_spool``), then the
@@ -323,7 +277,7 @@ class MirroredBlobs:
             return None, set()
         spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY, dir=self.spool_dir)
         pos = 0
-        sources: list[tuple[_Mirror | None, int]] = []
+        sources: list[tuple[Mirror | None, int]] = []
         chunks = ChunkGate(desc, self._chunk_checks.get(str(desc.digest)), hasher, spool)
         try:
             for mirror in [*(m for m in self._for_blob(desc) if m.name not in excluded), None]:
@@ -346,7 +300,9 @@ class MirroredBlobs:
                             if limit is not None and time.monotonic() - began > limit:
                                 raise self._too_slow_for_blob(desc, floor, pos - start, began, pos)
                     if pos < desc.size and mirror is not None:
-                        self._abandon(mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short")
+                        self.ledger.abandon(
+                            mirror, desc, f"short blob: ended at byte {pos}", pos, failure="short"
+                        )
                 except TransferInterrupted:
                     raise
                 except BadChunk as bad:
@@ -354,7 +310,7 @@ class MirroredBlobs:
                     if bad.offset >= start:  # this mirror alone served the chunk: it lied
                         mirror.lied = True
                     pos = bad.offset  # the next source continues from the last good chunk
-                    self._abandon(
+                    self.ledger.abandon(
                         mirror,
                         desc,
                         f"digest mismatch: chunk at byte {bad.offset} ({bad.length} bytes) does not "
@@ -365,17 +321,17 @@ class MirroredBlobs:
                 except (RegistryError, ModelpackError) as exc:
                     if mirror is None:
                         raise
-                    self._mirror_failed(mirror, desc, exc, pos)
+                    self.ledger.mirror_failed(mirror, desc, exc, pos)
                 sources.append((mirror, max(0, pos - start)))
             if pos == desc.size and hasher.hexdigest() == want:
                 split: dict[str, int] = {}
                 for mirror, n in sources:
-                    name = mirror.name if mirror is not None else self.origin.client.host
-                    self._count(name, n)
+                    name = mirror.name if mirror is not None else self.ledger.origin_name
+                    self.ledger.count(name, n)
                     split[name] = split.get(name, 0) + n
                 if self.events is not None:
                     urls = {m.name: m.endpoint.url for m, _ in sources if m is not None}
-                    urls.setdefault(self.origin.client.host, origin_url(self.origin.client))
+                    urls.setdefault(self.ledger.origin_name, self.ledger.origin_url)
                     self.events.emit(
                         "registry.blob_sources",
                         blob=str(desc.digest),
@@ -393,7 +349,7 @@ class MirroredBlobs:
                         mirror.lied = True
             for mirror, n in sources:
                 if mirror is not None and n:
-                    self._abandon(
+                    self.ledger.abandon(
                         mirror,
                         desc,
                         "digest mismatch: served bytes that are not the blob",
@@ -402,7 +358,7 @@ class MirroredBlobs:
                     )
                     liars.add(mirror.name)
                 elif n:
-                    self._count(self.origin.client.host, n)  # crossed the wire, then discarded
+                    self.ledger.count(self.ledger.origin_name, n)  # crossed the wire, then discarded
             spool.close()
             return None, liars
         except BaseException:
@@ -428,192 +384,13 @@ class MirroredBlobs:
         """Exactly ``length`` bytes at ``offset`` from the first source that serves them. With
         ``check``, the chunks a mirror got wrong are fetched again from the next source and the
         origin (the loader verifies every chunk against the signed chunk table either way)."""
-        split: dict[str, int] = {}
-        urls: dict[str, str] = {}
-
-        def got(name: str, url: str, n: int) -> None:
-            self._count(name, n)
-            if n:
-                split[name] = split.get(name, 0) + n
-                urls[name] = url
-
-        try:
-            return self._read_range(desc, offset, length, check, got)
-        finally:
-            if self.events is not None and split:
-                self.events.emit(
-                    "registry.range_sources",
-                    blob=str(desc.digest),
-                    offset=offset,
-                    bytes=sum(split.values()),
-                    sources=split,
-                    source_urls=urls,
-                )
-
-    def _read_range(
-        self,
-        desc: Descriptor,
-        offset: int,
-        length: int,
-        check: RangeCheck | None,
-        got: Callable[[str, str, int], None],
-    ) -> bytes:
-        out: bytearray | None = None
-        missing = [(offset, length)]
-        for mirror in self._for_blob(desc):
-            left: list[tuple[int, int]] = []
-            for o, n in missing:
-                try:
-                    data = read_range(mirror.repo, desc, o, n, floor=self.floor)
-                except TransferInterrupted:
-                    raise
-                except (RegistryError, ModelpackError) as exc:
-                    self._mirror_failed(mirror, desc, exc, o)
-                    left.append((o, n))
-                    continue
-                bad = check(o, data) if check is not None else []
-                if bad:
-                    first = bad[0][0]
-                    self._abandon(
-                        mirror,
-                        desc,
-                        f"digest mismatch: {len(bad)} chunk(s) of range {o}+{n} are wrong",
-                        first,
-                        failure="digest_mismatch",
-                    )
-                if not bad and o == offset and n == length:
-                    got(mirror.name, mirror.endpoint.url, len(data))
-                    return data
-                if out is None:
-                    out = bytearray(length)
-                out[o - offset : o - offset + n] = data
-                got(mirror.name, mirror.endpoint.url, n - sum(b for _, b in bad))
-                left.extend(bad)
-            missing = left
-            if not missing:
-                break
-        for o, n in missing:
-            data = read_range(self.origin, desc, o, n)
-            got(self.origin.client.host, origin_url(self.origin.client), len(data))
-            if o == offset and n == length and out is None:
-                return data
-            if out is None:
-                out = bytearray(length)
-            out[o - offset : o - offset + n] = data
-        assert out is not None
-        return bytes(out)
+        return read_range_through(
+            self.ledger, self._for_blob(desc), desc, offset, length, check, floor=self.floor
+        )
 
     def close(self) -> None:
         for m in self.mirrors:
             m.repo.client.close()
-
-
-class _SourcesStream:
-    """A blob from ``offset`` (not verified here: its consumer checks the whole blob): each of
-    ``mirrors`` in turn, then the origin, each continuing from the byte reached; a mirror that
-    fails, stalls, trickles or ends short is abandoned for the next source. Books what each
-    source delivered, and says so once in a ``registry.blob_sources`` event at close."""
-
-    def __init__(self, owner: MirroredBlobs, desc: Descriptor, offset: int, mirrors: list[_Mirror]) -> None:
-        self._owner = owner
-        self._desc = desc
-        self._pos = offset
-        self._left: list[_Mirror | None] = [*mirrors, None]
-        self._mirror: _Mirror | None = None
-        self._inner: ResumingBlobStream | None = None
-        self._split: dict[str, int] = {}
-        self._urls: dict[str, str] = {}
-        self._reported = False
-        self._next()
-
-    def _next(self) -> None:
-        """Open the next source at the byte reached; the origin's failure is the caller's."""
-        owner = self._owner
-        while self._left:
-            mirror = self._left.pop(0)
-            try:
-                if mirror is None:
-                    self._inner = ResumingBlobStream(owner.origin, self._desc, self._pos)
-                else:
-                    self._inner = ResumingBlobStream(mirror.repo, self._desc, self._pos, floor=owner.floor)
-                self._mirror = mirror
-                return
-            except TransferInterrupted:
-                raise
-            except (RegistryError, ModelpackError) as exc:
-                if mirror is None:
-                    raise
-                owner._mirror_failed(mirror, self._desc, exc, self._pos)
-
-    def _give_up_on_mirror(self, why: BaseException | None) -> None:
-        mirror = self._mirror
-        assert mirror is not None and self._inner is not None
-        if why is None:
-            self._owner._abandon(
-                mirror, self._desc, f"short blob: ended at byte {self._pos}", self._pos, failure="short"
-            )
-        else:
-            self._owner._mirror_failed(mirror, self._desc, why, self._pos)
-        self._inner.close()
-        self._inner = None
-        self._next()
-
-    def _book(self, n: int) -> None:
-        if not n:
-            return
-        mirror = self._mirror
-        name = mirror.name if mirror is not None else self._owner.origin.client.host
-        self._owner._count(name, n)
-        self._split[name] = self._split.get(name, 0) + n
-        self._urls.setdefault(
-            name, mirror.endpoint.url if mirror is not None else origin_url(self._owner.origin.client)
-        )
-        self._pos += n
-
-    def read(self, n: int = -1) -> bytes:
-        while True:
-            assert self._inner is not None
-            try:
-                data = self._inner.read(n)
-            except TransferInterrupted:
-                raise
-            except (RegistryError, ModelpackError) as exc:
-                if self._mirror is None:
-                    raise
-                self._give_up_on_mirror(exc)
-                continue
-            if not data and self._pos < self._desc.size and self._mirror is not None:
-                self._give_up_on_mirror(None)
-                continue
-            self._book(len(data))
-            return data
-
-    def readinto(self, buf: Any) -> int:
-        data = self.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        if self._inner is not None:
-            self._inner.close()
-        if not self._reported and self._owner.events is not None and self._split:
-            self._reported = True
-            self._owner.events.emit(
-                "registry.blob_sources",
-                blob=str(self._desc.digest),
-                bytes=sum(self._split.values()),
-                sources=dict(self._split),
-                source_urls=dict(self._urls),
-            )
-
-    def __enter__(self) -> _SourcesStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 __all__ = [
