@@ -160,13 +160,26 @@ class CacheFollowReader:
 
     local = True
 
-    def __init__(self, store: Store, desc: Descriptor, fill: _Fill, *, name: str, stall_s: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        desc: Descriptor,
+        fill: _Fill,
+        *,
+        name: str,
+        stall_s: float,
+        leftover: tuple[int, int] | None = None,
+    ) -> None:
         self.store = store
         self.descriptor = desc
         self.size = desc.size
         self.name = name
         self._fill = fill
         self._stall_s = stall_s
+        # (inode, bytes) of the partial that was there before this fill started: a crash's
+        # leftover, verified only when its blob is committed, so its first bytes are never read
+        # from it (the bytes a live writer appends after them come from the source)
+        self._leftover = leftover
         self._fd = -1
         self._lock = threading.Lock()
         self._count = _Counter()
@@ -194,8 +207,11 @@ class CacheFollowReader:
             self._fd = fd
             return fd
 
-    def _partial(self, end: int) -> tuple[int, int]:
-        """An open partial holding at least ``end`` bytes (fd, -1 otherwise) and its size."""
+    def _partial(self, offset: int, end: int) -> tuple[int, int]:
+        """An open partial holding ``[offset, end)`` as its writer fetched it (fd, -1 otherwise)
+        and its size. Of a leftover partial (there before the fill), the bytes it held then are
+        not read until the writer started it over (it shrank): a resumed prefix is only re-hashed
+        at the commit."""
         try:
             fd = os.open(
                 self.store.partial_path(self.descriptor.digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -203,7 +219,13 @@ class CacheFollowReader:
         except OSError:
             return -1, -1
         st = os.fstat(fd)
-        if st.st_size >= end and self.store.trusted(st):
+        fresh_from = 0
+        if self._leftover is not None and self._leftover[0] == st.st_ino:
+            if st.st_size < self._leftover[1]:  # started over from zero: all it holds now is fetched
+                self._leftover = None
+            else:
+                fresh_from = self._leftover[1]
+        if offset >= fresh_from and st.st_size >= end and self.store.trusted(st):
             return fd, st.st_size
         os.close(fd)
         return -1, st.st_size
@@ -223,7 +245,7 @@ class CacheFollowReader:
             fd = self._committed()
             if fd >= 0 and _preadv_all(fd, views, offset):
                 break
-            pfd, have = self._partial(end)
+            pfd, have = self._partial(offset, end)
             if pfd >= 0:
                 try:
                     if _preadv_all(pfd, views, offset):  # short: truncated under us, wait again
@@ -256,6 +278,25 @@ class CacheFollowReader:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _partials(store: Store) -> dict[str, tuple[int, int]]:
+    """hex digest → (inode, size) of every resumable partial in the store's ``ingest/`` now."""
+    from modelpack.mount.store import PARTIAL_SUFFIX
+
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        entries = list(os.scandir(store.ingest_dir))
+    except OSError:
+        return out
+    for e in entries:
+        if e.name.endswith(PARTIAL_SUFFIX):
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            out[e.name[: -len(PARTIAL_SUFFIX)]] = (st.st_ino, st.st_size)
+    return out
 
 
 def _preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> bool:
@@ -351,10 +392,18 @@ def open_cache_stream(
             )
         )
         return src
+    leftovers = _partials(cache.store)  # before the fill starts: what a crash may have left
     fill = _Fill(stream, ref, policy, variant)
 
     def follow(desc: Descriptor, name: str) -> CacheFollowReader:
-        return CacheFollowReader(cache.store, desc, fill, name=name, stall_s=stream.stall_s)
+        return CacheFollowReader(
+            cache.store,
+            desc,
+            fill,
+            name=name,
+            stall_s=stream.stall_s,
+            leftover=leftovers.get(Digest(desc.digest).hex),
+        )
 
     try:
         src = open_target_source(target, str(ref.digest), blob_reader=follow, **common)

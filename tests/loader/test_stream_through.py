@@ -304,3 +304,51 @@ def _manifest(cache: NodeCache, digest: str):  # type: ignore[no-untyped-def]
     from modelpack.oci.descriptor import Manifest
 
     return Manifest.parse(cache.store.read_small(digest))
+
+
+def test_a_damaged_partial_left_in_the_cache_is_never_read_and_the_stream_still_loads(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A partial a crash left (torn write, bit rot: here the whole blob's length of zeros) is the
+    cache's to re-hash and throw away; the stream does not read its bytes before the blob is
+    committed, so the load gets the registry's bytes and the cache publishes verified ones."""
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+
+    ckpt = _model(tmp_path, seed=6)
+    digest = push_model(ckpt, registry.host, "stream/damaged")
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/damaged", "v1")), PLAIN)
+    from modelpack.loader.weight_files import config_json_layer
+
+    manifest = Manifest.parse(target.fetch_manifest(digest)[0])
+    config_json = config_json_layer(manifest)  # the first blob a load reads
+    assert config_json is not None
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    for layer in (config_json, max(manifest.layers, key=lambda x: x.size)):
+        fd = os.open(cache.store.partial_path(layer.digest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"\0" * layer.size)
+        os.close(fd)
+
+    # another pull holds the manifest lock for a while: the stream's own pull waits behind it, and
+    # the load meanwhile finds only the damaged partial
+    import fcntl
+    import threading
+
+    held = os.open(
+        os.path.join(cache.store.locks_dir, f"m-{digest.split(':')[1]}.lock"), os.O_RDWR | os.O_CREAT, 0o600
+    )
+    fcntl.flock(held, fcntl.LOCK_EX)
+    release = threading.Timer(2.0, lambda: os.close(held))
+    release.start()
+    src = CacheStream(cache, f"{proxy.host}/stream/damaged@{digest}", target_options=PLAIN)
+    try:
+        sd = load_state_dict(src)
+    finally:
+        release.join()
+    expected = _expected(ckpt)
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)
+    assert src.report.published
+    assert _events(cache_dir / "events.jsonl", "cache.resume_discarded")
+    assert all(r.ok for r in cache.verify())
