@@ -352,3 +352,35 @@ def test_a_damaged_partial_left_in_the_cache_is_never_read_and_the_stream_still_
     assert src.report.published
     assert _events(cache_dir / "events.jsonl", "cache.resume_discarded")
     assert all(r.ok for r in cache.verify())
+
+
+def test_a_fill_that_makes_no_progress_stops_the_load_within_its_bound(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A blob lock held by a process that writes nothing: the load gives up after ``stall_s``
+    with an error naming the blob; the fill itself takes the stale lock over and still publishes."""
+    import fcntl
+
+    from modelpack.errors import CacheFillStalledError
+    from modelpack.loader.weight_files import config_json_layer
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+
+    digest = push_model(_model(tmp_path, seed=7), registry.host, "stream/stall")
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/stall", "v1")), PLAIN)
+    first = config_json_layer(Manifest.parse(target.fetch_manifest(digest)[0]))
+    assert first is not None
+    cache = NodeCache(str(tmp_path / "cache"), stale_after=4.0)
+    held = os.open(cache.store.lock_path(first.digest), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a holder that never writes a byte
+    try:
+        src = CacheStream(cache, f"{proxy.host}/stream/stall@{digest}", target_options=PLAIN, stall_s=1.0)
+        t = time.monotonic()
+        with pytest.raises(CacheFillStalledError) as exc:
+            load_state_dict(src)
+        assert str(first.digest) in str(exc.value)
+        assert time.monotonic() - t < 30
+    finally:
+        os.close(held)
+    assert src.report.published and cache.snapshots.ready(digest) is not None
