@@ -17,6 +17,7 @@ Wall seconds include the publish (the load returns only once the snapshot is rea
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     write_checkpoint(str(ckpt), SyntheticSpec.for_size(args.size_mib * 2**20, shards=args.shards))
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     registry = start_registry(work / "registry")
-    rows: dict[str, list[float]] = {}
+    rows: dict[str, list[tuple[float, float]]] = {}
     try:
         key = generate_key()
         signed = api.push(str(ckpt), registry.ref("bench/signed", "v1"), sign_key=key, progress="off")
@@ -69,16 +70,20 @@ def run(args: argparse.Namespace, work: Path) -> int:
         )
         for i in range(args.repeat):
             for label, ref, keys in cases:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 sd = load_state_dict(ref, trusted_keys=keys, target_options=PLAIN)
-                rows.setdefault(f"{label}: stream", []).append(time.perf_counter() - t)
+                rows.setdefault(f"{label}: stream", []).append(
+                    (time.perf_counter() - t, time.process_time() - c)
+                )
                 del sd
                 cache = NodeCache(str(work / f"cache-{i}-{label[0]}"))
                 for state in ("cold", "hit"):
                     src = CacheStream(cache, ref, target_options=PLAIN)
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     sd = load_state_dict(src, trusted_keys=keys)
-                    rows.setdefault(f"{label}: stream + cache, {state}", []).append(time.perf_counter() - t)
+                    rows.setdefault(f"{label}: stream + cache, {state}", []).append(
+                        (time.perf_counter() - t, time.process_time() - c)
+                    )
                     assert src.report.published and src.report.state == (
                         "filled" if state == "cold" else "hit"
                     )
@@ -88,16 +93,20 @@ def run(args: argparse.Namespace, work: Path) -> int:
         registry.stop()
     print(
         f"{size / 2**20:.0f} MiB in {args.shards} shard(s) from a loopback registry, "
-        f"{args.repeat} interleaved rounds (wall seconds, best / median)"
+        f"{args.repeat} interleaved rounds, load average {os.getloadavg()[0]:.1f} at the end "
+        "(seconds: best / median; CPU = this process, every thread)"
     )
     print()
-    print("| row | wall best / median | vs stream (median) |")
-    print("|---|---|---|")
-    for name, walls in rows.items():
-        base = statistics.median(rows[name.split(":")[0] + ": stream"])
+    print("| row | wall | vs stream (median wall) | CPU | vs stream (median CPU) |")
+    print("|---|---|---|---|---|")
+    for name, runs in rows.items():
+        base = rows[name.split(":")[0] + ": stream"]
+        wall, cpu = [w for w, _ in runs], [c for _, c in runs]
         print(
-            f"| {name} | {min(walls):.2f} / {statistics.median(walls):.2f} s | "
-            f"{statistics.median(walls) / base:.2f}× |"
+            f"| {name} | {min(wall):.2f} / {statistics.median(wall):.2f} s | "
+            f"{statistics.median(wall) / statistics.median(w for w, _ in base):.2f}× | "
+            f"{min(cpu):.2f} / {statistics.median(cpu):.2f} s | "
+            f"{statistics.median(cpu) / statistics.median(c for _, c in base):.2f}× |"
         )
     return 0
 

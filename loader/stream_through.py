@@ -56,7 +56,9 @@ FILL_MODES = ("leave", "background")
 #: a reader waits at most this long for a blob's bytes while nothing moves (no byte lands in its
 #: partial, no blob is committed) before it gives up (``CacheFillStalledError``)
 DEFAULT_STALL_S = 180.0
-_POLL_S = (0.001, 0.02)
+#: first and longest pause between two looks at a partial another process writes (this process's
+#: own fill wakes its readers as its bytes land)
+_POLL_S = (0.005, 0.05)
 
 
 @dataclass
@@ -124,6 +126,10 @@ class _Fill:
         self.result: PullResult | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
+        # bumped whenever this process's pull lands bytes (or ends): readers wait on it instead of
+        # spinning; another process's writes are seen by the readers' bounded poll
+        self.landed = 0
+        self._cond = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, args=(stream, ref, policy, variant), name="mp-stream-fill", daemon=True
         )
@@ -138,11 +144,23 @@ class _Fill:
                 jobs=stream.jobs,
                 variant=variant,
                 source=stream.target,
+                on_bytes=self._landed,
             )
         except BaseException as exc:  # handed to the readers and the report
             self.error = exc
         finally:
             self.done.set()
+            self._landed(0)
+
+    def _landed(self, n: int) -> None:
+        with self._cond:
+            self.landed += 1
+            self._cond.notify_all()
+
+    def wait_landed(self, seen: int, timeout: float) -> None:
+        """Until bytes land after ``seen`` (``self.landed`` then), the pull ends, or ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.landed != seen, timeout)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -242,6 +260,7 @@ class CacheFollowReader:
         moved = time.monotonic()
         pause = _POLL_S[0]
         while True:
+            landed = self._fill.landed
             fd = self._committed()
             if fd >= 0 and _preadv_all(fd, views, offset):
                 break
@@ -262,14 +281,14 @@ class CacheFollowReader:
                 continue
             now = time.monotonic()
             if have != seen:
-                seen, moved, pause = have, now, _POLL_S[0]
+                seen, moved = have, now
             elif now - moved > self._stall_s:
                 raise CacheFillStalledError(
                     f"{self.name}: no byte of blob {self.descriptor.digest} landed in the node cache "
                     f"{self.store.root} for {self._stall_s:.0f}s (the fill holding its lock made no "
                     "progress); refusing the load"
                 )
-            self._fill.done.wait(pause)
+            self._fill.wait_landed(landed, pause)
             pause = min(pause * 2, _POLL_S[1])
         self._count.add(want, offset)
 
