@@ -28,6 +28,7 @@ cache's locks).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -38,7 +39,13 @@ from typing import TYPE_CHECKING, Any
 from modelpack.loader.readers import _Counter
 from modelpack.loader.weight_files import ResolvedSource
 
-from modelpack.errors import CacheFillStalledError, SourceError, TruncatedSourceError, UnpinnedReferenceError
+from modelpack.errors import (
+    CacheFillStalledError,
+    ExpectedDigestError,
+    SourceError,
+    TruncatedSourceError,
+    UnpinnedReferenceError,
+)
 from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.digest import Digest
 from modelpack.oci.reference import Reference, parse_reference
@@ -338,17 +345,13 @@ def _pinned(stream: CacheStream, expected_digest: str | None) -> Reference:
     if expected_digest:
         pin = str(Digest(expected_digest))
         if digest and digest != pin:
-            from modelpack.errors import ExpectedDigestError
-
             raise ExpectedDigestError(pin, digest, source=str(ref))
         digest = pin
     if digest is None:
         raise UnpinnedReferenceError(
             f"{ref}: pin the manifest digest (@sha256:… or --expected-digest) to stream it into the node cache"
         )
-    from dataclasses import replace
-
-    return replace(ref, tag=None, digest=Digest(digest))
+    return dataclasses.replace(ref, tag=None, digest=Digest(digest))
 
 
 def open_cache_stream(
