@@ -273,6 +273,10 @@ def load_cmd(
     # SOURCE pinning an index of variants: the entry for this device, TP size and --variant
     selector = selector_from(kwargs, tp_size=tp_size, device=device)
     opts = build_target_options(kwargs)
+    if cache_fill != "leave" and cache_dir is None:
+        raise click.UsageError(
+            "--cache-fill says what a rank does about the node cache: it needs --cache DIR"
+        )
     if cache_dir is not None:
         src, streamed = _cache_stream(source, cache_dir, opts, events, cache_fill)
     else:
