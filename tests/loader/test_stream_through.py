@@ -76,7 +76,7 @@ def _events(path: Path, name: str) -> list[dict]:  # type: ignore[type-arg]
 def test_first_start_fills_the_cache_from_one_read_and_the_next_start_reads_no_blob_bytes(
     registry, proxy, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    ckpt = _model(tmp_path)
+    ckpt = _model(tmp_path, seed=40)
     digest = push_model(ckpt, registry.host, "stream/fill")
     cache_dir = tmp_path / "cache"
     cache = NodeCache(str(cache_dir))
@@ -135,7 +135,7 @@ def _load_process(cache: Path, ref: str) -> subprocess.Popen[str]:
 def test_kill_9_mid_stream_leaves_resumable_partials_and_never_a_snapshot(
     registry, proxy, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    digest = push_model(_model(tmp_path, seed=1, layers=4), registry.host, "stream/kill")
+    digest = push_model(_model(tmp_path, seed=41, layers=4), registry.host, "stream/kill")
     cache_dir = tmp_path / "cache"
     ref = f"{proxy.host}/stream/kill@{digest}"
     proxy.rate = 512 * 1024  # per response: several seconds for the model
@@ -174,7 +174,7 @@ def test_kill_9_mid_stream_leaves_resumable_partials_and_never_a_snapshot(
 
 
 def test_a_concurrent_pull_and_streamed_load_download_each_blob_once(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    digest = push_model(_model(tmp_path, seed=2, layers=4), registry.host, "stream/both")
+    digest = push_model(_model(tmp_path, seed=42, layers=4), registry.host, "stream/both")
     cache_dir = tmp_path / "cache"
     ref = f"{proxy.host}/stream/both@{digest}"
     proxy.rate = 1024 * 1024  # long enough for the two to overlap
@@ -199,7 +199,7 @@ def test_a_concurrent_pull_and_streamed_load_download_each_blob_once(registry, p
 
 
 def test_a_corrupt_registry_blob_commits_nothing_and_fails_typed(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    digest = push_model(_model(tmp_path, seed=3), registry.host, "stream/corrupt")
+    digest = push_model(_model(tmp_path, seed=43), registry.host, "stream/corrupt")
     from modelpack.oci.descriptor import Manifest
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.registry.target import RegistryTarget
@@ -208,15 +208,19 @@ def test_a_corrupt_registry_blob_commits_nothing_and_fails_typed(registry, proxy
     raw, _ = target.fetch_manifest(digest)
     layer = max(Manifest.parse(raw).layers, key=lambda x: x.size)
     data_path = registry.blob_data_path(layer.digest)
-    tampered = bytearray(data_path.read_bytes())
+    original = data_path.read_bytes()
+    tampered = bytearray(original)
     tampered[len(tampered) // 2] ^= 0xFF
     data_path.write_bytes(bytes(tampered))  # same size: only the hash can tell
 
     cache_dir = tmp_path / "cache"
     cache = NodeCache(str(cache_dir))
     src = CacheStream(cache, f"{proxy.host}/stream/corrupt@{digest}", target_options=PLAIN)
-    with pytest.raises(DigestMismatchError) as exc:
-        load_state_dict(src)
+    try:
+        with pytest.raises(DigestMismatchError) as exc:
+            load_state_dict(src)
+    finally:
+        data_path.write_bytes(original)  # the registry is the session's: leave it as found
     assert str(layer.digest) in str(exc.value)
     assert cache.ls() == [] and cache.snapshots.ready(digest) is None
     assert str(layer.digest) not in committed(cache_dir)
@@ -225,7 +229,7 @@ def test_a_corrupt_registry_blob_commits_nothing_and_fails_typed(registry, proxy
 
 
 def test_a_tp_rank_share_leaves_the_snapshot_unpublished_and_says_so(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    digest = push_model(_model(tmp_path, seed=4), registry.host, "stream/share")
+    digest = push_model(_model(tmp_path, seed=44), registry.host, "stream/share")
     cache_dir = tmp_path / "cache"
     cache = NodeCache(str(cache_dir))
     ref = f"{proxy.host}/stream/share@{digest}"
@@ -269,7 +273,7 @@ def test_a_signed_stream_publishes_the_same_trust_facts_as_pull_cache(
     from modelpack import api
 
     key = generate_key()
-    ckpt = _model(tmp_path, seed=5)
+    ckpt = _model(tmp_path, seed=45)
     pushed = api.push(str(ckpt), registry.ref("stream/signed", "v1"), sign_key=key, progress="off")
     digest = str(pushed.digest)
     ref = f"{proxy.host}/stream/signed@{digest}"
@@ -316,7 +320,7 @@ def test_a_damaged_partial_left_in_the_cache_is_never_read_and_the_stream_still_
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.registry.target import RegistryTarget
 
-    ckpt = _model(tmp_path, seed=6)
+    ckpt = _model(tmp_path, seed=46)
     digest = push_model(ckpt, registry.host, "stream/damaged")
     target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/damaged", "v1")), PLAIN)
     from modelpack.loader.weight_files import config_json_layer
@@ -361,13 +365,14 @@ def test_a_fill_that_makes_no_progress_stops_the_load_within_its_bound(
     with an error naming the blob; the fill itself takes the stale lock over and still publishes."""
     import fcntl
 
-    from modelpack.errors import CacheFillStalledError
     from modelpack.loader.weight_files import config_json_layer
+
+    from modelpack.errors import CacheFillStalledError
     from modelpack.oci.descriptor import Manifest
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.registry.target import RegistryTarget
 
-    digest = push_model(_model(tmp_path, seed=7), registry.host, "stream/stall")
+    digest = push_model(_model(tmp_path, seed=47), registry.host, "stream/stall")
     target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/stall", "v1")), PLAIN)
     first = config_json_layer(Manifest.parse(target.fetch_manifest(digest)[0]))
     assert first is not None
