@@ -25,6 +25,7 @@ from modelpack.loader.pipeline import (
 )
 from modelpack.loader.plan import DEFAULT_RULES, ReadPlan, ShardRule
 from modelpack.loader.request import LoadFields, LoadRequest
+from modelpack.loader.stream_through import CacheStream, StreamReport
 
 from modelpack.errors import (
     ExpectedDigestError,
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_RULES",
     "FINGERPRINT_FILE",
     "LOADER_FORMAT_VERSION",
+    "CacheStream",
     "ExpectedDigestError",
     "Fingerprint",
     "FingerprintFileError",
@@ -57,6 +59,7 @@ __all__ = [
     "ReadPlan",
     "ShardRule",
     "SourceError",
+    "StreamReport",
     "TruncatedSourceError",
     "UnpinnedReferenceError",
     "UnsupportedDtypeError",

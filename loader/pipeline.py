@@ -136,6 +136,7 @@ def prepare(
         allow_missing_chunk_table=opts.allow_missing_chunk_table,
         direct=opts.direct_io,
         variant=opts.variant,
+        share=tp_size > 1 or ep.ep_size > 1,
     )
     readers: dict[str, RangeReader] = {}
     verified = VerifiedChunks(opts.verified_chunk_cache_bytes)

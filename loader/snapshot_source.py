@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.loader import snapshot_binding
 from modelpack.loader.weight_files import (
@@ -36,6 +36,11 @@ from modelpack.errors import (
 )
 from modelpack.oci.descriptor import Manifest
 from modelpack.oci.digest import Digest, verify_bytes
+
+if TYPE_CHECKING:
+    from modelpack.mount.cache import NodeCache
+
+    from modelpack.oci.reference import Reference
 
 
 def open_snapshot(
@@ -199,3 +204,35 @@ def _verified_snapshot_config(
         raise UnverifiedSourceError(f"{path}: missing from the snapshot")
     verify_bytes(data, digest, size, what="config.json", source=path)
     return data
+
+
+def open_cache_pair(
+    cache: NodeCache,
+    reference: str | Reference,
+    *,
+    expected_digest: str | None,
+    direct: bool,
+    trusted_keys: Sequence[Any] | None,
+) -> ResolvedSource:
+    """``(NodeCache, reference)``: hold the cache's reader lease for the whole load."""
+    # the cache resolves the reference locally (tags were resolved once, at pull time); a pin that
+    # differs from what the tag points at is refused by open_snapshot's digest check below
+    ctx = cache.open_snapshot(str(reference))
+    info = ctx.__enter__()
+    try:
+        src = open_snapshot(
+            info.path,
+            expected_digest=expected_digest,
+            allow_unverified=False,
+            direct=direct,
+            trusted_keys=trusted_keys,
+        )
+    except BaseException:
+        ctx.__exit__(None, None, None)
+        raise
+
+    def release() -> None:
+        ctx.__exit__(None, None, None)
+
+    src._cleanup.insert(0, release)
+    return src

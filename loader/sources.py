@@ -1,7 +1,8 @@
 """Where a load reads from: any accepted source, turned into weight files with a verification mode.
 
 Sources: a snapshot directory (``modelpack pull --cache`` prints it), a ``(NodeCache, reference)``
-pair, a ``(ReadableTarget, reference)`` pair, or a reference string (``oci:…``, ``s3://…``,
+pair, a ``CacheStream`` (a pinned reference streamed while it fills the node cache,
+``stream_through``), a ``(ReadableTarget, reference)`` pair, or a reference string (``oci:…``, ``s3://…``,
 ``host/repo@sha256:…``) streamed by range reads. ``weight_files`` says what each mode means,
 ``snapshot_source`` and ``target_source`` open the two kinds.
 """
@@ -12,7 +13,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from modelpack.loader.snapshot_source import open_snapshot
+from modelpack.loader.snapshot_source import open_cache_pair, open_snapshot
+from modelpack.loader.stream_through import CacheStream, open_cache_stream
 from modelpack.loader.target_source import open_target_source
 from modelpack.loader.weight_files import ResolvedSource, WeightFile
 
@@ -21,14 +23,19 @@ from modelpack.oci.reference import parse_reference
 from modelpack.targets.base import ReadableTarget
 
 if TYPE_CHECKING:
-    from modelpack.mount.cache import NodeCache
     from modelpack.signing.chunks import ChunkTable
 
-    from modelpack.oci.reference import Reference
     from modelpack.oci.variant_selection import VariantSelector
     from modelpack.targets.options import TargetOptions
 
-__all__ = ["ResolvedSource", "WeightFile", "open_snapshot", "open_target_source", "resolve_source"]
+__all__ = [
+    "ResolvedSource",
+    "WeightFile",
+    "open_cache_pair",
+    "open_snapshot",
+    "open_target_source",
+    "resolve_source",
+]
 
 
 def resolve_source(
@@ -42,13 +49,26 @@ def resolve_source(
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
     variant: VariantSelector | None = None,
+    share: bool = False,
 ) -> ResolvedSource:
     """Turn any accepted ``source`` into files with a verification mode (see the module doc).
-    ``variant`` selects the entry when a reference pins an index of variants."""
+    ``variant`` selects the entry when a reference pins an index of variants. ``share``: the
+    load reads only a rank's share (a ``CacheStream`` then leaves the cache to a fill)."""
+    if isinstance(source, CacheStream):
+        return open_cache_stream(
+            source,
+            share=share,
+            expected_digest=expected_digest,
+            trusted_keys=trusted_keys,
+            chunk_table=chunk_table,
+            allow_missing_chunk_table=allow_missing_chunk_table,
+            direct=direct,
+            variant=variant,
+        )
     if isinstance(source, tuple) and len(source) == 2:
         first, ref = source
         if hasattr(first, "open_snapshot"):
-            return _open_cache_pair(
+            return open_cache_pair(
                 first, ref, expected_digest=expected_digest, direct=direct, trusted_keys=trusted_keys
             )
         if isinstance(first, ReadableTarget):
@@ -93,35 +113,3 @@ def resolve_source(
             variant=variant,
         )
     raise SourceError(f"unsupported load source {type(source).__name__}")
-
-
-def _open_cache_pair(
-    cache: NodeCache,
-    reference: str | Reference,
-    *,
-    expected_digest: str | None,
-    direct: bool,
-    trusted_keys: Sequence[Any] | None,
-) -> ResolvedSource:
-    """``(NodeCache, reference)``: hold the cache's reader lease for the whole load."""
-    # the cache resolves the reference locally (tags were resolved once, at pull time); a pin that
-    # differs from what the tag points at is refused by open_snapshot's digest check below
-    ctx = cache.open_snapshot(str(reference))
-    info = ctx.__enter__()
-    try:
-        src = open_snapshot(
-            info.path,
-            expected_digest=expected_digest,
-            allow_unverified=False,
-            direct=direct,
-            trusted_keys=trusted_keys,
-        )
-    except BaseException:
-        ctx.__exit__(None, None, None)
-        raise
-
-    def release() -> None:
-        ctx.__exit__(None, None, None)
-
-    src._cleanup.insert(0, release)
-    return src

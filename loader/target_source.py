@@ -51,6 +51,7 @@ def open_target_source(
     allow_missing_chunk_table: bool = False,
     direct: bool = False,
     variant: Any = None,
+    blob_reader: Callable[[Descriptor, str], RangeReader] | None = None,
 ) -> ResolvedSource:
     """A manifest pinned by digest in any Target; blobs read by ranges and verified.
 
@@ -119,7 +120,9 @@ def open_target_source(
         elif wanted_table:
             uncovered.append(rel)
         mode = "chunks" if layer_table is not None else "whole"
-        if local_path is not None:
+        if blob_reader is not None:
+            opener = _follow_opener(blob_reader, layer, f"{target.name} {rel} ({layer.digest})")
+        elif local_path is not None:
             opener = file_opener(local_path(layer.digest), layer.size, direct)
         else:
             opener = _target_opener(target, layer, rel, layer_table)
@@ -147,7 +150,15 @@ def open_target_source(
     quant = "none"
     data: bytes | None = None
     cfg = config_json_layer(manifest)
-    if cfg is not None:
+    if cfg is not None and blob_reader is not None:
+        buf = bytearray(cfg.size)
+        cfg_reader = blob_reader(cfg, f"{pinned_ref} config.json ({cfg.digest})")
+        try:
+            cfg_reader.read_into(0, memoryview(buf))
+        finally:
+            cfg_reader.close()
+        data = bytes(buf)
+    elif cfg is not None:
         with target.fetch_blob(cfg) as f:
             data = f.read(cfg.size + 1)
         verify_bytes(data, cfg.digest, cfg.size, what="config.json", source=pinned_ref)
@@ -163,6 +174,15 @@ def open_target_source(
         notices=notices,
         config=data,
     )
+
+
+def _follow_opener(
+    blob_reader: Callable[[Descriptor, str], RangeReader], layer: Descriptor, name: str
+) -> Callable[[], RangeReader]:
+    def opener() -> RangeReader:
+        return blob_reader(layer, name)
+
+    return opener
 
 
 def _target_opener(

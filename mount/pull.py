@@ -76,6 +76,8 @@ class Puller:
     hold: float | None = None  # --hold: keep the snapshot from GC this many seconds after the pull
     rollback: RollbackGuard | None = None  # tag pulls under a policy: no older signed version
     variants: Any = None  # mount.variants.VariantResolver: an index reference → the entry that fits
+    # told the bytes each blob write lands (a streamed load follows the ingest: loader.stream_through)
+    on_bytes: Callable[[int], None] | None = None
 
     def pull(
         self,
@@ -366,6 +368,8 @@ class Puller:
             def on_bytes(n: int) -> None:
                 heartbeat()
                 bar.update(n)
+                if self.on_bytes is not None:
+                    self.on_bytes(n)
 
             results = self.blobs.ingest_all(
                 missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes

@@ -74,6 +74,43 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
     return (target, str(ref.digest) if ref.digest else ref.tag), target
 
 
+def _cache_stream(source: str, cache_dir: str, opts: Any, events: str | None, fill: str) -> tuple[Any, Any]:
+    """``load REF@D --cache DIR``: the pinned reference streamed through the node cache
+    (``loader.stream_through``); DIR is created as ``pull --cache`` creates it. Returns (source
+    for the loader, the target both the cache and the load read)."""
+    import os
+
+    from modelpack.errors import ModelpackError
+    from modelpack.events import EventLog
+    from modelpack.loader import CacheStream
+    from modelpack.mount.cache import NodeCache
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.opener import open_readable
+
+    if os.path.isdir(source):
+        raise click.UsageError(
+            f"--cache streams a pinned reference into the node cache; {source} is a directory"
+        )
+    try:
+        ref = parse_reference(source)
+    except ModelpackError as exc:
+        raise click.UsageError(f"--cache: {source!r} is not a reference: {exc}") from None
+    if events and opts.events is None:
+        opts.events = EventLog(events)  # the source events: which source served each read
+    target = open_readable(ref, opts)
+    return CacheStream(
+        NodeCache(cache_dir, events=events), ref, target_options=opts, target=target, fill=fill
+    ), target
+
+
+def _cache_line(report: Any) -> str:
+    if report.state == "share":
+        return f"{report.root}: not published (this rank read its share; left to a full fill)"
+    if report.published:
+        return f"{report.state}: {report.path}"
+    return f"{report.root}: not published ({report.error or report.state})"
+
+
 def _expert_map(value: str) -> str | list[int]:
     """--expert-map: a placement name, or one EP rank per expert (``0,0,1,1``)."""
     if value in ("linear", "round_robin"):
@@ -147,6 +184,24 @@ def _expert_map(value: str) -> str | list[int]:
 )
 @click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
 @click.option(
+    "--cache",
+    "cache_dir",
+    default=None,
+    metavar="DIR",
+    help="Stream a pinned reference through the node cache DIR (as 'pull --cache DIR'): a hit "
+    "reads the snapshot; a miss writes each verified blob into DIR while the load reads it, and "
+    "publishes the snapshot once every blob is committed (docs/loader.md#stream-through-cache).",
+)
+@click.option(
+    "--cache-fill",
+    type=click.Choice(["leave", "background"]),
+    default="leave",
+    show_default=True,
+    help="With --cache, for a rank that reads only its share (--tp-size/--ep-size above 1): leave "
+    "the snapshot to a full fill (pull --cache, pre-warm), or fill the whole model in the "
+    "background and read the share from the cache as it lands.",
+)
+@click.option(
     "--layout",
     type=click.Choice(["canonical", "sharded_state"]),
     default="canonical",
@@ -178,6 +233,8 @@ def load_cmd(
     allow_missing_chunk_table: bool,
     uneven: str,
     direct_io: bool,
+    cache_dir: str | None,
+    cache_fill: str,
     layout: str,
     progress: str,
     as_json: bool,
@@ -216,7 +273,14 @@ def load_cmd(
     # SOURCE pinning an index of variants: the entry for this device, TP size and --variant
     selector = selector_from(kwargs, tp_size=tp_size, device=device)
     opts = build_target_options(kwargs)
-    src, streamed = _streamed_source(source, opts, events)
+    if cache_fill != "leave" and cache_dir is None:
+        raise click.UsageError(
+            "--cache-fill says what a rank does about the node cache: it needs --cache DIR"
+        )
+    if cache_dir is not None:
+        src, streamed = _cache_stream(source, cache_dir, opts, events, cache_fill)
+    else:
+        src, streamed = _streamed_source(source, opts, events)
     sd = load_state_dict(
         src,
         device,
@@ -272,6 +336,8 @@ def load_cmd(
         "fingerprintDigest": stats.fingerprint.digest if stats.fingerprint else None,
         "bytesBySource": streamed.bytes_by_source() if hasattr(streamed, "bytes_by_source") else {},
     }
+    if cache_dir is not None:
+        doc["cache"] = src.report.to_json()
     if as_json:
         emit_json(doc)
         return
@@ -300,5 +366,7 @@ def load_cmd(
             )
     modes = sorted(set(stats.verification.values()))
     click.echo(f"verified    {', '.join(modes) or '-'}")
+    if cache_dir is not None:
+        click.echo(f"node cache  {_cache_line(src.report)}")
     if stats.fingerprint:
         click.echo(f"fingerprint {stats.fingerprint.digest}")

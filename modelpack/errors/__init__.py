@@ -83,6 +83,9 @@ from modelpack.errors.base import (
     VariantSelectionError as VariantSelectionError,
 )
 from modelpack.errors.loading import (
+    CacheFillStalledError as CacheFillStalledError,
+)
+from modelpack.errors.loading import (
     ExpectedDigestError as ExpectedDigestError,
 )
 from modelpack.errors.loading import (

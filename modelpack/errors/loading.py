@@ -16,6 +16,11 @@ class GroupStalledError(LoaderError):
     hangs, or was stopped, but stays alive): named, so the operator knows which pod to look at."""
 
 
+class CacheFillStalledError(LoaderError):
+    """A streamed load that fills the node cache waited for a blob's bytes and the fill (this
+    process's or another's) made no progress within the deadline: names the blob and the cache."""
+
+
 class PlanError(LoaderError, ValueError):
     """The tensor-parallel read plan cannot be built (bad rule, uneven split, duplicate tensor)."""
 

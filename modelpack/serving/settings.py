@@ -11,6 +11,13 @@ loading something else. Keys (all optional except that the weights must be pinne
 ``trusted_keys``      PEM public-key paths whose signed chunk table verifies streamed chunks
 ``policy``            a trust-policy YAML checked against the source before anything is read
 ``fingerprint``       a recorded fingerprint (file path or ``sha256:`` digest) the load must match
+``cache``             a node cache directory (as ``pull --cache``) to stream ``source`` through:
+                      a hit reads the snapshot; a miss writes each verified blob into it while
+                      the rank reads it and publishes the snapshot once every blob is committed,
+                      so the next start on the node is a hit (docs/loader.md#stream-through-cache)
+``cache_fill``        with ``cache``, for a rank that reads only its TP/EP share: ``leave`` (default;
+                      the snapshot is left to a full fill) or ``background`` (the whole model is
+                      filled, the rank reads its share from the cache as it lands)
 ``events``            JSON-lines event log (default: ``$MODELPACK_EVENTS``); t2–t5 and refusals
 ``start_id``          groups this start's events (default: ``$MODELPACK_START_ID``)
 
@@ -69,6 +76,8 @@ _STR_KEYS = (
     "ca_file",
     "trust",
     "layout",
+    "cache",
+    "cache_fill",
 )
 KNOWN_KEYS = frozenset(
     {
@@ -82,6 +91,7 @@ KNOWN_KEYS = frozenset(
     }
 )
 TRUST_MODES = ("snapshot", "runtime")
+CACHE_FILL_MODES = ("leave", "background")
 ASSET_KEYS = frozenset({"kind", "ref", "policy", "trusted_keys", "allow_unsigned"})
 #: Asset kinds an engine start can fetch: the cache vLLM itself reads before it compiles.
 ENGINE_ASSET_KINDS = ("vllm",)
@@ -164,6 +174,10 @@ class ServingSettings:
     allow_extra_files: bool = False
     layout: str = "canonical"
     into_parameters: bool = True
+    #: a node cache to stream ``source`` through (``loader.stream_through``), and what a rank
+    #: reading only its share does about the rest
+    cache: str | None = None
+    cache_fill: str = "leave"
     #: the connection settings the environment gives (timeout, retry budget, mirrors, S3…), read
     #: by ``from_extra_config`` from the environ it was given; ``target_options`` adds this
     #: start's own ``plain_http`` and ``ca_file``
@@ -253,6 +267,16 @@ class ServingSettings:
                 "--model-loader-extra-config: expected_digest is required when the weights come from --model "
                 "(the manifest digest printed by 'modelpack pull --cache')"
             )
+        cache_fill = doc.get("cache_fill", "leave")
+        if cache_fill not in CACHE_FILL_MODES:
+            raise ServingConfigError(
+                f"--model-loader-extra-config: cache_fill must be one of {CACHE_FILL_MODES}"
+            )
+        if doc.get("cache") and not source:
+            raise ServingConfigError(
+                "--model-loader-extra-config: cache streams source through the node cache; without source "
+                "--model is already read from one"
+            )
         assets = _asset_settings(doc["assets"], source) if "assets" in doc else None
         return cls(
             source=source or None,
@@ -270,6 +294,8 @@ class ServingSettings:
             allow_extra_files=bool(doc.get("allow_extra_files", False)),
             layout=layout,
             into_parameters=bool(doc.get("into_parameters", True)),
+            cache=doc.get("cache") or None,
+            cache_fill=cache_fill,
             environment_options=TargetOptions.from_environ(env),
             environ=env,
         )

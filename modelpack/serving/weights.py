@@ -23,7 +23,7 @@ import torch
 from modelpack import settings as env_settings
 from modelpack.errors import ModelpackError, SettingsError
 from modelpack.events import EventLog, NullEventLog
-from modelpack.loader import LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
+from modelpack.loader import CacheStream, LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
 from modelpack.mount.resolve import resolve_trusted
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
@@ -138,6 +138,7 @@ class RankLoad:
             "direct_tensors": len(self.direct.tensors) if self.direct else 0,
             "direct_bytes": self.direct.nbytes if self.direct else 0,
             "rules": self.rules_reason,
+            "cache": self.source.report.to_json() if isinstance(self.source, CacheStream) else None,
             "duration_ms": round(self.stats.seconds * 1000, 3),
         }
 
@@ -309,5 +310,19 @@ def _remote_source(
     check_model_dir(
         model_dir, manifest, where=str(ref.with_digest(pinned_entry)), allow_extra=settings.allow_extra_files
     )
+    if settings.cache:  # streamed through the node cache: the next start on this node is a hit
+        from modelpack.mount.cache import NodeCache
+
+        return (
+            CacheStream(
+                NodeCache(settings.cache),
+                ref.with_digest(pinned),
+                target_options=options,
+                target=target,
+                policy=policy if policy is not None else (keys or None),
+                fill=settings.cache_fill,
+            ),
+            "streamed",
+        )
     # a tag named beside the pin is handed on: the loader refuses it if it moved off the pin
     return (target, ref.tag if ref.tag and not ref.digest else pinned), "streamed"

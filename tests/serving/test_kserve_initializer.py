@@ -554,3 +554,39 @@ def test_two_pods_starting_together_on_a_node_download_each_blob_once(
         assert pod.files(pod.dest("pod-0")) == pod.files(pod.dest("pod-1"))
     finally:
         proxy.close()
+
+
+def test_a_filtered_uri_with_a_cache_lands_its_blobs_in_the_cache_for_the_next_full_pull(
+    registry_factory, pod: Pod, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """``?exclude=`` with a node cache: the selected blobs are written, verified, into the cache's
+    store on the way to DEST (the snapshot is left to a full pull, and an event says so); the next
+    full pull on the node fetches only the rest."""
+    from modelpack.mediatypes.annotations import layer_filepath
+
+    registry = registry_factory.start(basic_auth=True, tls=True)
+    digest = _push(registry, tmp_path, "kserve/tee", seed=10, shards=2)
+    _tls_pod(pod, registry)
+    env = kserve_env(pod, MODELPACK_CACHE=str(pod.node_cache))
+    uri = f"modelpack://{registry.host}/kserve/tee@{digest}"
+    manifest = _manifest(registry, "kserve/tee", digest)
+    small = {
+        str(layer.digest)
+        for layer in manifest.layers
+        if not (layer_filepath(layer.annotations) or "").endswith(".safetensors")
+    }
+    configs = pod.dest("configs")
+    first = run_initializer(pod, [uri + "?exclude=*.safetensors", str(configs)], env)
+    assert first.returncode == 0, first.stderr
+    assert {_sha(d) for d in pod.files(configs).values()} == small
+    committed = {"sha256:" + p.name for p in (pod.node_cache / "blobs" / "sha256").iterdir()}
+    assert small <= committed
+    assert not (pod.node_cache / "snapshots" / f"{digest[7:]}.ready").exists()
+    left = [e for e in read_events(str(pod.node_cache / "events.jsonl")) if e["event"] == "kserve.cache_left"]
+    assert left and left[0]["left_to"] == "fill" and set(left[0]["blobs"]) == small
+
+    mark = registry.log_mark()
+    full = run_initializer(pod, [uri, str(pod.dest("models"))], env)
+    assert full.returncode == 0, full.stderr
+    fetched = set(blob_gets(registry, mark))
+    assert fetched and not fetched & small  # what the filtered run cached is not fetched again

@@ -11,8 +11,9 @@ Per pair, after the trust policy (``MODELPACK_POLICY``) accepted the manifest di
 - with a node cache (``MODELPACK_CACHE``, a hostPath shared by the node's pods): the cache's
   pull (one download per node, resumable, verified before publication, a hit without network
   when pinned) and then ``placement`` links or copies the snapshot's files into DEST;
-- without one, or for a URI that selects files (``?include=``/``?exclude=``: the cache holds
-  whole models): the trusted-resolve step (``mount.resolve``: policy, variant, and with a node
+- without one, or for a URI that selects files (``?include=``/``?exclude=``: the cache publishes
+  whole models; with a node cache the selected blobs are still committed to its store on their
+  way to DEST, ``mount.store_first``, and the snapshot is left to a full pull): the trusted-resolve step (``mount.resolve``: policy, variant, and with a node
   cache its tag history, so a filter never skips the rollback check) pins the digest, then
   ``transfer.materialize`` downloads each file into DEST through a resumable partial and
   renames it only once its digest matched.
@@ -33,6 +34,9 @@ from modelpack.errors import ModelpackError, StorageInitializerError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.mount.cache import NodeCache
 from modelpack.mount.resolve import resolve_trusted
+from modelpack.mount.store_first import StoreFirstTarget
+from modelpack.oci.descriptor import Manifest
+from modelpack.oci.digest import verify_bytes
 from modelpack.serving.kserve.placement import DIR_MODE, place_snapshot
 from modelpack.serving.kserve.progress_lines import CountingTarget, ProgressLines, human_size
 from modelpack.serving.kserve.settings import InitializerSettings
@@ -189,7 +193,10 @@ class StorageInitializer:
             progress="off",
             force=True,  # DEST is the initializer's: a stale file is replaced by a verified one
         )
-        pulled = pull_to_directory(target, pinned.digest, dest, options)
+        if self.cache is None:
+            pulled = pull_to_directory(target, pinned.digest, dest, options)
+        else:
+            pulled = self._direct_through_store(target, pinned.digest, dest, options, uri)
         pinned.accept()
         return PairResult(
             uri.text,
@@ -201,6 +208,31 @@ class StorageInitializer:
             {"files": len(pulled.files), "present": pulled.present},
             time.monotonic() - t0,
         )
+
+    def _direct_through_store(
+        self, target: CountingTarget, digest: str, dest: str, options: PullOptions, uri: StorageUri
+    ) -> Any:
+        """A file-filtered URI with a node cache: each selected blob is committed to the cache's
+        store on its way to DEST (``mount.store_first``), from the same registry read; the snapshot
+        of the whole model is left to a full pull, which finds them committed."""
+        assert self.cache is not None
+        raw, _ = target.fetch_manifest(digest)
+        verify_bytes(raw, digest, None, what="manifest", source=target.name)
+        manifest = Manifest.parse(raw)
+        needed = [digest, *{str(d.digest) for d in [manifest.config, *manifest.layers]}]
+        source = StoreFirstTarget(target, self.cache.store, self.cache.blobs)
+        with self.cache.leases.hold(needed):  # GC leaves the fresh blobs alone meanwhile
+            pulled = pull_to_directory(source, digest, dest, options)
+        self.events.emit(
+            "kserve.cache_left",
+            reference=uri.text,
+            digest=digest,
+            left_to="fill",
+            blobs=sorted(source.ingested),
+            bytes=sum(source.ingested.values()),
+            reason="a file-filtered URI: its blobs are in the node cache, the snapshot is left to a full pull",
+        )
+        return pulled
 
 
 def _fields(fields: Any) -> str:

@@ -1,0 +1,391 @@
+"""A streamed load that fills the node cache as it goes (``CacheStream``, ``modelpack load --cache``).
+
+Against a real registry behind a counting proxy (``FaultProxy``): the blob bytes that cross the
+wire say how many reads served the load and the cache, the cache's files say what was published.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from modelpack.loader import CacheStream, load_state_dict
+from modelpack.mount import NodeCache
+from safetensors.torch import load_file
+
+from modelpack.cli import main
+from modelpack.errors import DigestMismatchError, NotFoundError
+from modelpack.events import read_events
+from modelpack.targets.opener import TargetOptions
+from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
+from tests.fixtures.faultproxy import FaultProxy
+from tests.mount.test_cache_support import committed, finish, partial_bytes, pull_process, push_model
+from tests.paths import REPO_ROOT
+
+PLAIN = TargetOptions(plain_http=True)
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def proxy(registry):  # type: ignore[no-untyped-def]
+    p = FaultProxy(registry.host)
+    yield p
+    p.close()
+
+
+def _model(tmp_path: Path, seed: int = 0, layers: int = 2) -> Path:
+    d = tmp_path / f"ckpt-{seed}"
+    write_checkpoint(str(d), SyntheticSpec(shards=2, seed=seed, layers=layers))
+    return d
+
+
+def _expected(ckpt: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _blob_total(cache: NodeCache, digest: str) -> int:
+    from modelpack.oci.descriptor import Manifest
+
+    m = Manifest.parse(cache.store.read_small(digest))
+    return sum(d.size for d in {str(x.digest): x for x in [m.config, *m.layers]}.values())
+
+
+def _valid_load_json(doc: dict) -> None:  # type: ignore[type-arg]
+    import jsonschema
+
+    from modelpack.cli.json_output import load_schema
+
+    jsonschema.validate(doc, load_schema("load"))
+
+
+def _events(path: Path, name: str) -> list[dict]:  # type: ignore[type-arg]
+    return [e for e in read_events(str(path)) if e["event"] == name]
+
+
+def test_first_start_fills_the_cache_from_one_read_and_the_next_start_reads_no_blob_bytes(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    ckpt = _model(tmp_path, seed=40)
+    digest = push_model(ckpt, registry.host, "stream/fill")
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    ref = f"{proxy.host}/stream/fill@{digest}"
+
+    src = CacheStream(cache, ref, target_options=PLAIN)
+    sd = load_state_dict(src)
+    expected = _expected(ckpt)
+    assert sd.keys() == expected.keys() and all(torch.equal(sd[k], expected[k]) for k in expected)
+    assert src.report.state == "filled" and src.report.published
+    info = cache.snapshots.ready(digest)
+    assert info is not None and src.report.path == info.path
+    total = _blob_total(cache, digest)
+    # one read from the registry served the load and the cache: each blob fetched once
+    assert proxy.total_blob_bytes() == total
+    assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values()), proxy.blob_gets
+    assert all(r.ok for r in cache.verify())
+    assert _events(cache_dir / "events.jsonl", "cache.ready")
+
+    proxy.clear()
+    res = CliRunner().invoke(
+        main, ["load", ref, "--cache", str(cache_dir), "--plain-http", "--json"], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    _valid_load_json(doc)
+    assert doc["state"] == "hit" and doc["cache"]["state"] == "hit" and doc["cache"]["published"]
+    assert doc["cache"]["path"] == info.path
+    assert proxy.total_blob_bytes() == 0 and not proxy.blob_gets
+
+
+LOAD_SCRIPT = """
+import json, sys
+from modelpack.loader import CacheStream, load_state_dict
+from modelpack.mount import NodeCache
+from modelpack.targets.opener import TargetOptions
+src = CacheStream(NodeCache(sys.argv[1]), sys.argv[2], target_options=TargetOptions(plain_http=True))
+sd = load_state_dict(src)
+print(json.dumps({"tensors": len(sd), "state": src.report.state, "published": src.report.published}))
+"""
+
+
+def _load_process(cache: Path, ref: str) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-c", LOAD_SCRIPT, str(cache), ref],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(REPO_ROOT),
+    )
+
+
+def test_kill_9_mid_stream_leaves_resumable_partials_and_never_a_snapshot(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    digest = push_model(_model(tmp_path, seed=41, layers=4), registry.host, "stream/kill")
+    cache_dir = tmp_path / "cache"
+    ref = f"{proxy.host}/stream/kill@{digest}"
+    proxy.rate = 512 * 1024  # per response: several seconds for the model
+    proc = _load_process(cache_dir, ref)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if sum(partial_bytes(cache_dir).values() if (cache_dir / "ingest").exists() else [0]) > 300_000:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    partials = partial_bytes(cache_dir)
+    assert partials and sum(partials.values()) > 300_000
+    before = committed(cache_dir)
+
+    cache = NodeCache(str(cache_dir))
+    assert cache.ls() == [] and cache.snapshots.ready(digest) is None  # never a hit
+    with pytest.raises(NotFoundError), cache.open_snapshot(ref):
+        pass
+
+    proxy.rate = None
+    proxy.wait_idle()
+    proxy.clear()
+    result = cache.pull(ref, PLAIN)  # pull --cache resumes what the stream left
+    assert result.state == "cold" and result.bytes_resumed > 0
+    missing = _blob_total(cache, digest) - sum(
+        os.path.getsize(cache.store.blob_path(d)) for d in before if d != digest
+    )
+    assert result.bytes_downloaded == missing - result.bytes_resumed
+    assert proxy.total_blob_bytes() == result.bytes_downloaded
+    assert all(r.ok for r in cache.verify())
+
+
+def test_a_concurrent_pull_and_streamed_load_download_each_blob_once(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    digest = push_model(_model(tmp_path, seed=42, layers=4), registry.host, "stream/both")
+    cache_dir = tmp_path / "cache"
+    ref = f"{proxy.host}/stream/both@{digest}"
+    proxy.rate = 1024 * 1024  # long enough for the two to overlap
+    mark = registry.log_mark()
+    puller = pull_process(cache_dir, ref)
+    loader = _load_process(cache_dir, ref)
+    pulled = finish(puller)
+    out, err = loader.communicate(timeout=120)
+    assert loader.returncode == 0, err[-3000:]
+    loaded = json.loads(out.strip().splitlines()[-1])
+    assert loaded["published"] and pulled["digest"] == digest
+    cache = NodeCache(str(cache_dir))
+    total = _blob_total(cache, digest)
+    assert proxy.total_blob_bytes() == total
+    assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values()), proxy.blob_gets
+    gets: dict[str, int] = {}
+    for method, path, status in registry.requests_since(mark):
+        if method == "GET" and "/blobs/sha256:" in path and status in (200, 206):
+            gets[path.rsplit("/", 1)[1]] = gets.get(path.rsplit("/", 1)[1], 0) + 1
+    assert gets and all(n == 1 for n in gets.values()), gets
+    assert [e.digest for e in cache.ls()] == [digest]
+
+
+def test_a_corrupt_registry_blob_commits_nothing_and_fails_typed(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    digest = push_model(_model(tmp_path, seed=43), registry.host, "stream/corrupt")
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/corrupt", "v1")), PLAIN)
+    raw, _ = target.fetch_manifest(digest)
+    layer = max(Manifest.parse(raw).layers, key=lambda x: x.size)
+    data_path = registry.blob_data_path(layer.digest)
+    original = data_path.read_bytes()
+    tampered = bytearray(original)
+    tampered[len(tampered) // 2] ^= 0xFF
+    data_path.write_bytes(bytes(tampered))  # same size: only the hash can tell
+
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    src = CacheStream(cache, f"{proxy.host}/stream/corrupt@{digest}", target_options=PLAIN)
+    try:
+        with pytest.raises(DigestMismatchError) as exc:
+            load_state_dict(src)
+    finally:
+        data_path.write_bytes(original)  # the registry is the session's: leave it as found
+    assert str(layer.digest) in str(exc.value)
+    assert cache.ls() == [] and cache.snapshots.ready(digest) is None
+    assert str(layer.digest) not in committed(cache_dir)
+    assert not any(p.name.startswith(layer.digest.split(":")[1]) for p in (cache_dir / "ingest").iterdir())
+    assert src.report.state == "failed" and not src.report.published
+
+
+def test_a_tp_rank_share_leaves_the_snapshot_unpublished_and_says_so(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    digest = push_model(_model(tmp_path, seed=44), registry.host, "stream/share")
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    ref = f"{proxy.host}/stream/share@{digest}"
+    events = tmp_path / "events.jsonl"
+
+    res = CliRunner().invoke(
+        main,
+        [
+            *("load", ref, "--cache", str(cache_dir), "--plain-http"),
+            *("--tp-size", "2", "--tp-rank", "0", "--events", str(events), "--json"),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    _valid_load_json(doc)
+    assert doc["cache"]["state"] == "share" and doc["cache"]["published"] is False
+    assert doc["cache"]["leftTo"] == "fill"
+    assert cache.snapshots.ready(digest) is None and not committed(cache_dir)
+    left = _events(events, "loader.cache_left")
+    assert left and left[0]["left_to"] == "fill" and left[0]["digest"] == digest
+
+    # asked to fill in the background: the share is read from the cache as the fill lands it
+    proxy.clear()
+    src = CacheStream(cache, ref, target_options=PLAIN, fill="background")
+    sd = load_state_dict(src, tp_size=2, tp_rank=1)
+    assert sd and src.report.state == "filled" and src.report.published
+    assert src.report.left_to == "background"
+    assert cache.snapshots.ready(digest) is not None
+    assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values())
+    assert proxy.total_blob_bytes() == _blob_total(cache, digest)
+
+
+def test_a_signed_stream_publishes_the_same_trust_facts_as_pull_cache(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from modelpack.loader import LoadStats
+    from modelpack.mount.kept_referrers import kept_referrers
+    from modelpack.signing.keys import generate_key
+
+    from modelpack import api
+
+    key = generate_key()
+    ckpt = _model(tmp_path, seed=45)
+    pushed = api.push(str(ckpt), registry.ref("stream/signed", "v1"), sign_key=key, progress="off")
+    digest = str(pushed.digest)
+    ref = f"{proxy.host}/stream/signed@{digest}"
+
+    streamed = NodeCache(str(tmp_path / "streamed"))
+    stats = LoadStats()
+    src = CacheStream(streamed, ref, target_options=PLAIN)
+    sd = load_state_dict(src, trusted_keys=[key.public], stats=stats)
+    expected = _expected(ckpt)
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)
+    assert set(stats.verification.values()) == {"chunks"}  # ranges checked against the signed table
+    assert src.report.published
+    model_blobs = {str(d.digest) for d in (lambda m: [m.config, *m.layers])(_manifest(streamed, digest))}
+    assert all(proxy.blob_gets[d] == 1 for d in model_blobs), proxy.blob_gets
+
+    pulled = NodeCache(str(tmp_path / "pulled"))
+    pulled.pull(ref, PLAIN, policy=[key.public])
+    assert streamed.trust.read(digest) == pulled.trust.read(digest)
+    assert streamed.trust.read(digest)["key_ids"] and streamed.trust.read(digest)["chunk_table"] == "verified"
+    assert sorted(str(d.digest) for d in kept_referrers(streamed.store, digest)) == sorted(
+        str(d.digest) for d in kept_referrers(pulled.store, digest)
+    )
+    assert kept_referrers(streamed.store, digest)
+    # the next start under the same key is a hit from the trust record: no blob, no signature read
+    proxy.clear()
+    again = CacheStream(streamed, ref, target_options=PLAIN)
+    load_state_dict(again, trusted_keys=[key.public])
+    assert again.report.state == "hit" and proxy.total_blob_bytes() == 0
+
+
+def _manifest(cache: NodeCache, digest: str):  # type: ignore[no-untyped-def]
+    from modelpack.oci.descriptor import Manifest
+
+    return Manifest.parse(cache.store.read_small(digest))
+
+
+def test_a_damaged_partial_left_in_the_cache_is_never_read_and_the_stream_still_loads(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A partial a crash left (torn write, bit rot: here the whole blob's length of zeros) is the
+    cache's to re-hash and throw away; the stream does not read its bytes before the blob is
+    committed, so the load gets the registry's bytes and the cache publishes verified ones."""
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+
+    ckpt = _model(tmp_path, seed=46)
+    digest = push_model(ckpt, registry.host, "stream/damaged")
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/damaged", "v1")), PLAIN)
+    from modelpack.loader.weight_files import config_json_layer
+
+    manifest = Manifest.parse(target.fetch_manifest(digest)[0])
+    config_json = config_json_layer(manifest)  # the first blob a load reads
+    assert config_json is not None
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    for layer in (config_json, max(manifest.layers, key=lambda x: x.size)):
+        fd = os.open(cache.store.partial_path(layer.digest), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"\0" * layer.size)
+        os.close(fd)
+
+    # another pull holds the manifest lock for a while: the stream's own pull waits behind it, and
+    # the load meanwhile finds only the damaged partial
+    import fcntl
+    import threading
+
+    held = os.open(
+        os.path.join(cache.store.locks_dir, f"m-{digest.split(':')[1]}.lock"), os.O_RDWR | os.O_CREAT, 0o600
+    )
+    fcntl.flock(held, fcntl.LOCK_EX)
+    release = threading.Timer(2.0, lambda: os.close(held))
+    release.start()
+    src = CacheStream(cache, f"{proxy.host}/stream/damaged@{digest}", target_options=PLAIN)
+    try:
+        sd = load_state_dict(src)
+    finally:
+        release.join()
+    expected = _expected(ckpt)
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)
+    assert src.report.published
+    assert _events(cache_dir / "events.jsonl", "cache.resume_discarded")
+    assert all(r.ok for r in cache.verify())
+
+
+def test_a_fill_that_makes_no_progress_stops_the_load_within_its_bound(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A blob lock held by a process that writes nothing: the load gives up after ``stall_s``
+    with an error naming the blob; the fill itself takes the stale lock over and still publishes."""
+    import fcntl
+
+    from modelpack.loader.weight_files import config_json_layer
+
+    from modelpack.errors import CacheFillStalledError
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+
+    digest = push_model(_model(tmp_path, seed=47), registry.host, "stream/stall")
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/stall", "v1")), PLAIN)
+    first = config_json_layer(Manifest.parse(target.fetch_manifest(digest)[0]))
+    assert first is not None
+    cache = NodeCache(str(tmp_path / "cache"), stale_after=4.0)
+    held = os.open(cache.store.lock_path(first.digest), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a holder that never writes a byte
+    try:
+        src = CacheStream(cache, f"{proxy.host}/stream/stall@{digest}", target_options=PLAIN, stall_s=1.0)
+        t = time.monotonic()
+        with pytest.raises(CacheFillStalledError) as exc:
+            load_state_dict(src)
+        assert str(first.digest) in str(exc.value)
+        assert time.monotonic() - t < 30
+    finally:
+        os.close(held)
+    assert src.report.published and cache.snapshots.ready(digest) is not None
