@@ -54,6 +54,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from modelpack.mediatypes import MEDIA_TYPE_OCI_MANIFEST
+from modelpack.mount.fill_stream import DONE, FAILED, RUNNING, Fill
 from modelpack.mount.kept_referrers import referrers_index
 from modelpack.mount.serve_access import (  # beyond_loopback: re-exported
     DeadlineHandler,
@@ -62,7 +63,7 @@ from modelpack.mount.serve_access import (  # beyond_loopback: re-exported
     beyond_loopback,
     require_token,
 )
-from modelpack.mount.serve_fill import BUSY, DONE, FAILED, MISS, READY, RUNNING, Fill, Filler, FillSettings
+from modelpack.mount.serve_fill import BUSY, MISS, READY, Filler, FillSettings
 from modelpack.mount.store import Store
 
 from modelpack.boundedjson import loads_object

@@ -34,16 +34,8 @@ therefore bounded by what the *operator* pinned, never by the request:
   bytes are fetched from the origin over the process's life (default: twice the pinned
   manifests' total).
 
-A fill streams (:class:`Fill`): its requesters are answered from the growing temp file as the
-origin's bytes land, not once the whole blob is committed (store-and-forward left a requester's
-throughput window empty, it abandoned the owner, and the next-ranked peer filled the blob from
-the origin again). So a peer now sends bytes it has not verified yet. That is safe because the
-client hashes every byte before using any (``MirroredBlobs`` spools and verifies whole blobs;
-ranges are checked against the signed chunk table, as from the origin), and because the last byte
-of a blob is held back until the fill verified and committed it: a fill that fails (short, too
-long, wrong digest, origin error) cuts every response still streaming from it before its last
-byte, so no client ever receives a complete wrong blob from a peer, and it abandons this source
-for its next one at once.
+A fill streams to its requesters as the origin's bytes land (:class:`~modelpack.mount.fill_stream.Fill`,
+why that is safe: its docstring).
 
 Stopping (``Filler.close``, run when ``CacheServer.serve_forever`` returns: a signal or
 ``shutdown``) starts no new fill, stops the running ones at their next read and waits a bounded
@@ -60,6 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from modelpack.mount.fill_stream import DONE, FAILED, RUNNING, WAKE_S, Fill
 from modelpack.mount.locks import is_locked
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
 from modelpack.mount.refs import Pins
@@ -137,67 +130,6 @@ class FillStats:
 
 #: outcomes of ``Filler.fill``
 READY, MISS, BUSY = "ready", "miss", "busy"
-#: states of a :class:`Fill`
-RUNNING, DONE, FAILED = "running", "done", "failed"
-#: a waiting reader wakes at least this often (to notice a server shutdown)
-_WAKE_S = 0.5
-
-
-class Fill:
-    """One fill in flight: the origin's bytes land in a temp file that its readers follow.
-
-    ``written`` grows as bytes are on disk; a reader may send up to ``sendable()``: everything
-    written but the blob's last byte while the fill runs, the whole blob once it is verified and
-    committed (``DONE``). ``FAILED`` ends every reader short of the end."""
-
-    def __init__(self, digest: str, size: int) -> None:
-        self.digest = digest
-        self.size = size
-        self.cond = threading.Condition()
-        self.written = 0
-        self.state = RUNNING
-        self._fd: int | None = None  # read-only fd on the temp file while the fill runs
-        self.temp_path: str | None = None  # the temp file, once opened
-
-    def sendable(self) -> int:
-        if self.state == DONE:
-            return self.size
-        return 0 if self.state == FAILED else min(self.written, self.size - 1)
-
-    def reader(self) -> int | None:
-        """A private fd on the temp file (the committed blob's inode once renamed), or None when
-        there is none (the fill is over, or did not write a temp file): read the committed blob."""
-        with self.cond:
-            return os.dup(self._fd) if self._fd is not None else None
-
-    def wait(self, pos: int, timeout: float, stop: threading.Event | None = None) -> tuple[int, str]:
-        """(sendable bytes, state) as soon as more than ``pos`` bytes are sendable or the fill
-        ended, else after ``timeout`` seconds (or ``stop``): bounded, woken every ``_WAKE_S``."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while self.state == RUNNING and self.sendable() <= pos:
-                left = deadline - time.monotonic()
-                if left <= 0 or (stop is not None and stop.is_set()):
-                    break
-                self.cond.wait(min(left, _WAKE_S))
-            return self.sendable(), self.state
-
-    def _opened(self, fd: int) -> None:
-        with self.cond:
-            self._fd = fd
-
-    def _landed(self, n: int) -> None:
-        with self.cond:
-            self.written = min(n, self.size)
-            self.cond.notify_all()
-
-    def _end(self, state: str) -> None:
-        with self.cond:
-            self.state = state
-            if self._fd is not None:
-                os.close(self._fd)  # readers hold their own dup
-                self._fd = None
-            self.cond.notify_all()
 
 
 class Filler:
@@ -347,7 +279,7 @@ class Filler:
                     return MISS
                 if now >= deadline or self._closing.is_set():
                     return BUSY
-                self._loads.wait(min(deadline - now, _WAKE_S))
+                self._loads.wait(min(deadline - now, WAKE_S))
 
     # ------------------------------------------------------------------ filling
     def fill(self, hex_digest: str) -> str:
@@ -439,7 +371,7 @@ class Filler:
                 self._inflight.pop(fill.digest, None)
                 self._threads.discard(threading.current_thread())
             self._slots.release()
-            fill._end(state)
+            fill.end(state)
 
     def _fetch(self, target: ReadableTarget, desc: Descriptor, fill: Fill) -> None:
         """Stream ``desc`` from the origin through the blob writer into a private temp file that
@@ -448,14 +380,14 @@ class Filler:
         start = time.monotonic()
         landed = 0
 
-        def wrote(n: int) -> None:  # unbuffered writes: what ``_landed`` announces is in the file
+        def wrote(n: int) -> None:  # unbuffered writes: what ``landed`` announces is in the file
             nonlocal landed
             if self._closing.is_set():  # shutdown: the writer removes its temp file on the way out
                 raise TransferCancelled(f"fill of {desc.digest} stopped: the server is shutting down")
             landed += n
             with self._lock:
                 self.stats.origin_bytes += n
-            fill._landed(landed)
+            fill.landed(landed)
 
         fetch_verified(
             target,
@@ -522,7 +454,7 @@ class _FillSlot:
         partial = LockedTemp(self.store.ingest_dir, self.digest, tag=_FILL_TAG).open()
         self.fill.temp_path = partial.path
         try:
-            self.fill._opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            self.fill.opened(os.open(partial.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
         except BaseException:
             os.close(partial.fd)
             os.unlink(partial.path)
@@ -543,13 +475,9 @@ def _origin_target(text: str, options: TargetOptions) -> ReadableTarget:
 
 __all__ = [
     "BUSY",
-    "DONE",
-    "FAILED",
     "FILL_ANNOTATION",
     "MISS",
     "READY",
-    "RUNNING",
-    "Fill",
     "FillSettings",
     "FillStats",
     "Filler",
