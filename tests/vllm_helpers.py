@@ -37,6 +37,18 @@ LLAMA_CONFIG: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# a tiny Qwen2-MoE (4 routed experts of which 2 per token, a shared expert and its gate, q/k/v
+# biases): the layout of ``…mlp.experts.{i}.{gate,up,down}_proj`` that vLLM's FusedMoE loads
+QWEN2_MOE_CONFIG: dict[str, Any] = {
+    **LLAMA_CONFIG,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+}
 PROMPTS: list[list[int]] = [[1, 17, 42, 7, 99, 3, 250, 64], [1, 5, 6, 7, 8, 200, 201, 9, 10]]
 MAX_TOKENS = 8
 
@@ -45,8 +57,11 @@ def vllm_available() -> bool:
     return VLLM_PYTHON.exists()
 
 
-def write_tiny_llama(directory: Path, seed: int = 0, config: Mapping[str, Any] | None = None) -> Path:
-    """A float32 Llama (head_dim 32) with its config and a local tokenizer, as a plain directory.
+def write_tiny_llama(
+    directory: Path, seed: int = 0, config: Mapping[str, Any] | None = None, *, moe: bool = False
+) -> Path:
+    """A float32 Llama (head_dim 32) with its config and a local tokenizer, as a plain directory;
+    with ``moe``, a Qwen2-MoE of the same attention and size (``QWEN2_MOE_CONFIG``).
 
     ``config`` overrides ``LLAMA_CONFIG`` keys (the benchmark builds a larger model); the tokenizer
     always covers ``VOCAB`` words, which prompts given as token ids do not need more of.
@@ -57,8 +72,14 @@ def write_tiny_llama(directory: Path, seed: int = 0, config: Mapping[str, Any] |
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**LLAMA_CONFIG, **(config or {})}, torch_dtype="float32")
-    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    if moe:
+        moe_config = transformers.Qwen2MoeConfig(
+            **{**QWEN2_MOE_CONFIG, **(config or {})}, torch_dtype="float32"
+        )
+        model = transformers.Qwen2MoeForCausalLM(moe_config).to(torch.float32).eval()
+    else:
+        llama_config = transformers.LlamaConfig(**{**LLAMA_CONFIG, **(config or {})}, torch_dtype="float32")
+        model = transformers.LlamaForCausalLM(llama_config).to(torch.float32).eval()
     # random init leaves logits nearly flat; sharper weights make greedy choices and logprobs distinct
     with torch.no_grad():
         for p in model.parameters():
@@ -134,6 +155,8 @@ _OFFLINE = textwrap.dedent(
             kwargs["distributed_executor_backend"] = "uni"
         if run.get("extra") is not None:
             kwargs["model_loader_extra_config"] = run["extra"]
+        if run.get("save_sharded") is not None:
+            kwargs["worker_extension_cls"] = "tests.sharded_state_saver.ShardedStateSaver"
         try:
             llm = LLM(**kwargs)
         except Exception as exc:
@@ -147,7 +170,10 @@ _OFFLINE = textwrap.dedent(
             c = o.outputs[0]
             res.append({"tokens": list(c.token_ids),
                         "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]})
-        print("RESULT " + json.dumps({"name": run["name"], "outputs": res}), flush=True)
+        doc = {"name": run["name"], "outputs": res}
+        if run.get("save_sharded") is not None:  # each TP worker writes its rank's files
+            doc["saved"] = llm.collective_rpc("modelpack_save_sharded_state", args=tuple(run["save_sharded"]))
+        print("RESULT " + json.dumps(doc), flush=True)
         llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
         del llm
         gc.collect()
@@ -159,7 +185,9 @@ _OFFLINE = textwrap.dedent(
 class EngineRun:
     """One engine start: the model directory, its load format and extra config; ``enforce_eager``
     False lets vLLM compile (torch.compile with Inductor's CPU backend), which takes tens of seconds;
-    ``trust_remote_code`` lets transformers import the ``modeling_*.py`` a config's ``auto_map`` names."""
+    ``trust_remote_code`` lets transformers import the ``modeling_*.py`` a config's ``auto_map`` names;
+    ``save_sharded`` ``(directory, part bytes)``: after generating, each TP worker writes its rank's
+    ``sharded_state`` files there (``tests/sharded_state_saver.py``), listed under ``"saved"``."""
 
     name: str
     model: Path | str
@@ -167,6 +195,7 @@ class EngineRun:
     extra: Mapping[str, Any] | None = None
     enforce_eager: bool = True
     trust_remote_code: bool = False
+    save_sharded: tuple[str, int] | None = None
 
 
 def run_offline(
@@ -180,8 +209,10 @@ def run_offline(
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, Any]]]:
     """(the finished process, {run name: {"outputs": [...]} or {"error": "..."}}).
 
-    TP=1 runs the engine in this one process (``uni`` executor, no engine-core process), so vLLM
-    is imported once for all runs; TP=2 needs vLLM's worker processes.
+    The engine core runs in this one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so vLLM is
+    imported once for all runs: TP=1 with the ``uni`` executor (no other process), TP=2 with
+    vLLM's two worker processes per start and no engine-core process (on two cores, a start
+    spared spawning and importing one more vLLM process).
     """
     spec = {
         "runs": [
@@ -192,6 +223,7 @@ def run_offline(
                 "extra": dict(r.extra) if r.extra is not None else None,
                 "enforce_eager": r.enforce_eager,
                 "trust_remote_code": r.trust_remote_code,
+                "save_sharded": list(r.save_sharded) if r.save_sharded is not None else None,
             }
             for r in runs
         ],
@@ -199,7 +231,9 @@ def run_offline(
         "prompts": [list(p) for p in prompts],
         "max_tokens": MAX_TOKENS,
     }
-    extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp_size == 1 else {}
+    extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if any(r.save_sharded is not None for r in runs):  # the workers import the saver from tests/
+        extra_env["PYTHONPATH"] = str(ROOT)
     extra_env.update(env_extra or {})
     proc = subprocess.run(
         [str(VLLM_PYTHON), "-c", _OFFLINE, json.dumps(spec)],

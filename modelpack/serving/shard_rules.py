@@ -14,7 +14,12 @@ Known exceptions that force ``replicate`` on an otherwise sharded tensor:
 - embed_tokens / lm_head when vLLM pads the vocabulary (its shard boundaries then sit on multiples
   of the padded size, not of the vocabulary);
 - already fused checkpoint tensors (qkv_proj, gate_up_proj): vLLM splits them into q/k/v (gate/up)
-  parts first and narrows each part, which no single contiguous range describes.
+  parts first and narrows each part, which no single contiguous range describes;
+- a mixture-of-experts model's routed experts when their intermediate size does not divide by the
+  ranks. Without expert parallelism vLLM's ``FusedMoE`` narrows each expert as a dense MLP (gate/up
+  rows, down columns), so the Llama rules cover ``experts.{i}.*_proj``; with it, experts are whole
+  on the rank vLLM's map gives them, which the loader's expert layout says (``weights.py``), and the
+  expert rules come before these.
 """
 
 from __future__ import annotations
@@ -38,11 +43,16 @@ LLAMA_LAYOUT_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
     }
 )
+# Mixture-of-experts architectures with that layout around the experts, whose routed experts are
+# ``…mlp.experts.{i}.{gate,up,down}_proj`` (vLLM's FusedMoE) and whose router ``mlp.gate`` and shared
+# expert gate are replicated. Checked against vLLM 0.32 (tests/serving/test_vllm_tp2.py).
+MOE_ARCHITECTURES = frozenset({"Qwen2MoeForCausalLM"})
 
 _COLUMN = r"(^|\.)(q_proj|gate_proj|up_proj)\.weight$"
 _KV = r"(^|\.)(k_proj|v_proj)\.weight$"
 _ROW = r"(^|\.)(o_proj|down_proj)\.weight$"
 _VOCAB = r"(^|\.)(embed_tokens|lm_head)\.weight$"
+_ROUTED_EXPERT = r"(^|\.)experts\.\d+\."
 
 
 def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, ShardRule]], str]:
@@ -55,14 +65,22 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
     if tp_size <= 1:
         return [], "tp_size 1: every tensor is read whole"
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in LLAMA_LAYOUT_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in LLAMA_LAYOUT_ARCHITECTURES | MOE_ARCHITECTURES), None)
     if arch is None:
         return [], (
             f"architecture {archs or 'unknown'} is not one whose vLLM sharding modelpack knows; "
             "every tensor is read whole (pass shard_rules to read less)"
         )
-    rules: list[tuple[str, ShardRule]] = [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
+    rules: list[tuple[str, ShardRule]] = []
     notes = [arch]
+    if arch in MOE_ARCHITECTURES:
+        moe = _int(cfg, "moe_intermediate_size")
+        if not moe or moe % tp_size:
+            rules.append((_ROUTED_EXPERT, ShardRule.REPLICATE))
+            notes.append(
+                f"expert intermediate size {moe} does not split over {tp_size} ranks: experts read whole"
+            )
+    rules += [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
     heads = _int(cfg, "num_attention_heads")
     kv_heads = _int(cfg, "num_key_value_heads") or heads
     if kv_heads and kv_heads % tp_size == 0:

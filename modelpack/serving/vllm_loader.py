@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from vllm.config import CompilationMode, ModelConfig, VllmConfig
+from vllm.config import CompilationMode, ModelConfig, ParallelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from modelpack.errors import ServingError
-from modelpack.serving.weights import RankLoad, open_rank_load
+from modelpack.serving.weights import EngineExperts, RankLoad, open_rank_load
 
 LOAD_FORMAT = "modelpack"
 
@@ -38,10 +38,12 @@ class ModelpackModelLoader(BaseModelLoader):
         extra = load_config.model_loader_extra_config
         self.extra_config: dict[str, Any] = dict(extra) if isinstance(extra, dict) else {}
         self.rank: RankLoad | None = None
+        self.parallel: ParallelConfig | None = None
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """vLLM's load (create the model, ``load_weights``, post-process), then, with ``assets``
         set and compilation on, the compile cache for this load before vLLM compiles."""
+        self.parallel = vllm_config.parallel_config  # load_weights needs its expert parallelism
         model = super().load_model(vllm_config, model_config, prefix)
         rank = self.rank
         if rank is not None and rank.settings.assets is not None:
@@ -55,7 +57,14 @@ class ModelpackModelLoader(BaseModelLoader):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
-        rank = open_rank_load(self.extra_config, model_config.model, model_config.hf_config, tp_size, tp_rank)
+        rank = open_rank_load(
+            self.extra_config,
+            model_config.model,
+            model_config.hf_config,
+            tp_size,
+            tp_rank,
+            experts=_engine_experts(self.parallel, tp_size, tp_rank),
+        )
         # the TP ranks share chunk-verified reads over vLLM's own gloo group (each chunk read once)
         rank.group = get_tp_group().cpu_group if tp_size > 1 else None
         self.rank = rank
@@ -84,6 +93,28 @@ class ModelpackModelLoader(BaseModelLoader):
                 rank.events.emit("serving.failed", start_id=rank.start_id, tp_rank=tp_rank, reason=reason)
                 raise ServingError(f"{model_config.model}: {reason}")
         rank.events.emit("serving.weights_loaded", **rank.summary())
+
+
+def _engine_experts(parallel: ParallelConfig | None, tp_size: int, tp_rank: int) -> EngineExperts | None:
+    """vLLM's expert parallelism for this worker, as its ``FusedMoE`` layers compute it: EP spans
+    the data- and context-parallel replicas × TP, this worker's EP rank is its flattened rank
+    (``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``)."""
+    if parallel is None:
+        return None
+    from vllm.distributed.parallel_state import get_dp_group, get_pcp_group
+
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    dp_rank = get_dp_group().rank_in_group if dp > 1 else 0
+    pcp_rank = get_pcp_group().rank_in_group if pcp > 1 else 0
+    return EngineExperts(
+        enabled=bool(parallel.enable_expert_parallel),
+        ep_size=dp * pcp * tp_size,
+        ep_rank=dp_rank * pcp * tp_size + pcp_rank * tp_size + tp_rank,
+        placement=str(parallel.expert_placement_strategy),
+        eplb=bool(parallel.enable_eplb),
+        replicas=dp * pcp,
+    )
 
 
 def _load_sharded_state(model: nn.Module, rank: RankLoad, where: str) -> None:

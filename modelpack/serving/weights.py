@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from modelpack import settings as env_settings
-from modelpack.errors import ModelpackError, SettingsError
+from modelpack.errors import ModelpackError, ServingConfigError, SettingsError
 from modelpack.events import EventLog, NullEventLog
 from modelpack.loader import CacheStream, LoaderOptions, LoadRequest, LoadStats, ReadPlan, iter_tensors
+from modelpack.loader.experts import NUM_EXPERTS_KEYS, ExpertLayout
 from modelpack.mount.resolve import resolve_trusted
 from modelpack.oci.reference import parse_reference
 from modelpack.serving.full_shape import iter_full_shape
@@ -31,6 +32,77 @@ from modelpack.serving.model_dir import check_model_dir, check_snapshot_dir
 from modelpack.serving.param_destinations import ParameterDestinations
 from modelpack.serving.settings import ServingSettings
 from modelpack.serving.shard_rules import vllm_shard_rules
+
+
+@dataclass(frozen=True)
+class EngineExperts:
+    """How vLLM spreads a mixture-of-experts model's routed experts over its ranks, as its parallel
+    config says (``vllm_loader.py`` reads it; kept here so the mapping is tested without vLLM)."""
+
+    enabled: bool = False  # --enable-expert-parallel
+    ep_size: int = 1  # vLLM's EP group: TP × DP ranks
+    ep_rank: int = 0
+    placement: str = "linear"  # --expert-placement-strategy
+    eplb: bool = False  # --enable-eplb: redundant experts that move between ranks at run time
+    # data-parallel × context-parallel engine replicas: without EP, vLLM splits each expert over
+    # all of their ranks (replicas × TP), not over the TP ranks the TP rules know
+    replicas: int = 1
+
+
+#: vLLM's expert placement strategies, which the loader's expert maps of the same name reproduce
+VLLM_EXPERT_PLACEMENTS = ("linear", "round_robin")
+# a routed expert's tensors (per-expert or stacked), as the loader's expert presets name them
+_ROUTED_EXPERTS = r"(^|\.)experts\."
+
+
+def vllm_expert_layout(
+    experts: EngineExperts | None,
+) -> tuple[ExpertLayout | None, list[tuple[str, str]], str]:
+    """(the loader's expert layout or None, rules to put before the TP rules, why) for vLLM's EP.
+
+    Without expert parallelism vLLM splits every expert over the TP ranks like a dense MLP, which
+    the TP rules describe: no layout. With it, a rank holds whole experts, those vLLM's placement
+    gives its EP rank. With expert load balancing (EPLB) the experts a rank holds change at run
+    time, so every rank reads every routed expert whole (and no TP rule may split one).
+    """
+    if experts is None:
+        return None, [], ""
+    if not experts.enabled or experts.ep_size <= 1:
+        if experts.replicas > 1:
+            return (
+                None,
+                [(_ROUTED_EXPERTS, "replicate")],
+                (
+                    f"vLLM splits each expert over {experts.replicas} data/context-parallel replicas × TP: "
+                    "routed experts read whole"
+                ),
+            )
+        return None, [], ""
+    if experts.eplb:
+        return (
+            None,
+            [(_ROUTED_EXPERTS, "replicate")],
+            ("expert load balancing moves experts between ranks: every routed expert read whole"),
+        )
+    if experts.placement not in VLLM_EXPERT_PLACEMENTS:
+        raise ServingConfigError(
+            f"vLLM's expert placement {experts.placement!r} is not one modelpack reproduces "
+            f"{VLLM_EXPERT_PLACEMENTS}: a guessed map would load other experts' weights"
+        )
+    layout = ExpertLayout(experts.ep_size, experts.ep_rank, experts.placement)
+    return layout, [], f"expert parallel {experts.ep_size}, rank {experts.ep_rank}, {experts.placement}"
+
+
+def declares_experts(hf_config: Any) -> bool:
+    """Whether the model's config names a number of routed experts (a mixture-of-experts model)."""
+    cfg = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "__dict__", {})
+    for where in (cfg, cfg.get("text_config")):
+        where = where if isinstance(where, Mapping) else getattr(where, "__dict__", None)
+        if isinstance(where, Mapping) and any(
+            isinstance(where.get(k), int) and where.get(k, 0) > 0 for k in NUM_EXPERTS_KEYS
+        ):
+            return True
+    return False
 
 
 @dataclass
@@ -56,6 +128,8 @@ class RankLoad:
     variant: Any = None
     # tensors read straight into the engine's parameters (param_destinations.py), and why not all
     direct: ParameterDestinations | None = None
+    # vLLM's expert parallelism: this rank reads only the routed experts the map gives it, whole
+    experts: ExpertLayout | None = None
 
     def tensors(self, model: torch.nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint-named, checkpoint-shaped CPU tensors; only this rank's slices hold data.
@@ -91,11 +165,15 @@ class RankLoad:
 
         s = self.settings
         sharded = s.layout == "sharded_state"
+        ep = self.experts if self.experts is not None and not sharded else ExpertLayout()
         request = LoadRequest(
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
             rules=self.rules,
             presets=False,
+            ep_size=ep.ep_size,
+            ep_rank=ep.ep_rank,
+            expert_map=ep.expert_map,
             layout=s.layout,
             expected_digest=None if s.trust == "runtime" else s.pinned_digest,
             fingerprint=s.fingerprint,
@@ -133,6 +211,9 @@ class RankLoad:
             "bytes_received": self.stats.bytes_received,
             "model_bytes": plan.total_bytes if plan else None,
             "replicated_bytes": plan.replicated_bytes if plan else None,
+            "ep_size": plan.ep_size if plan else 1,
+            "ep_rank": plan.ep_rank if plan else 0,
+            "experts": list(plan.experts) if plan and plan.ep_size > 1 else None,
             "tensors": self.stats.tensors,
             # bytes read straight into the engine's parameters (no fresh tensor, no second copy)
             "direct_tensors": len(self.direct.tensors) if self.direct else 0,
@@ -174,10 +255,12 @@ def open_rank_load(
     *,
     environ: Mapping[str, str] | None = None,
     target_factory: Callable[[Any, Any], Any] | None = None,
+    experts: EngineExperts | None = None,
 ) -> RankLoad:
     """Check everything that can refuse this start, then return the rank's load (nothing read yet).
 
     Writes t0 (``serving.start``) first, so even a refused start shows in ``modelpack timeline``.
+    ``experts``: vLLM's expert parallelism, when the engine uses it.
     """
     env = os.environ if environ is None else environ
     events: EventLog = NullEventLog()
@@ -207,7 +290,9 @@ def open_rank_load(
         digest=settings.pinned_digest,
     )
     try:
-        return _resolve(settings, model_dir, hf_config, tp_size, tp_rank, events, start_id, target_factory)
+        return _resolve(
+            settings, model_dir, hf_config, tp_size, tp_rank, events, start_id, target_factory, experts
+        )
     except ModelpackError as exc:
         events.emit(
             "serving.refused",
@@ -229,6 +314,7 @@ def _resolve(
     events: EventLog,
     start_id: str,
     target_factory: Callable[[Any, Any], Any] | None,
+    experts: EngineExperts | None = None,
 ) -> RankLoad:
     keys: list[Any] = []
     if settings.trusted_keys:
@@ -238,8 +324,12 @@ def _resolve(
 
         keys = [load_public_key(k) for k in settings.trusted_keys]
     vllm_rules, reason = vllm_shard_rules(hf_config, tp_size)
-    rules: list[tuple[str, str]] = list(settings.shard_rules.items())
+    # vLLM ignores --enable-expert-parallel for a dense model, and so does the plan
+    layout, expert_rules, expert_reason = vllm_expert_layout(experts if declares_experts(hf_config) else None)
+    rules: list[tuple[str, str]] = list(settings.shard_rules.items()) + expert_rules
     rules += [(pattern, rule.value) for pattern, rule in vllm_rules]
+    if expert_reason:
+        reason = f"{reason}; {expert_reason}"
     if settings.shard_rules:
         reason = f"caller rules {sorted(settings.shard_rules)} first; " + reason
     if settings.layout == "sharded_state":
@@ -266,6 +356,7 @@ def _resolve(
         reason,
         _keys=keys,
         variant=selector if settings.source is not None else None,
+        experts=layout,
     )
 
 

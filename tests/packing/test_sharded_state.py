@@ -4,7 +4,7 @@ A synthetic sharded_state checkpoint — ``model-rank-R-part-P.safetensors`` as 
 ``save_sharded_state`` names them, every rank's tensors different — is packed, pulled into a node
 cache or read from an OCI layout, and loaded rank by rank through the loader library and through
 the ``modelpack`` load format's rank load (``serving.weights``). vLLM itself runs in
-``test_sharded_state_vllm.py``.
+``tests/serving/test_vllm_tp2.py``.
 
 What must hold: the manifest names the layout and the TP size, each rank file's layer its rank;
 each rank reads exactly its own files (bytes counted by the loader, and a layout holding none of

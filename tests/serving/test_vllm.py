@@ -1,5 +1,5 @@
-"""vLLM (CPU) serves a model through the ``modelpack`` load format: identical output, per-rank reads,
-refusals before serving, and the start-up timeline.
+"""vLLM (CPU) serves a model through the ``modelpack`` load format: identical output, refusals before
+serving, and the start-up timeline (TP=2, per-rank reads: ``test_vllm_tp2.py``).
 
 A tiny float32 Llama (head_dim 32, generated weights, local tokenizer) is pushed to the test
 registry. vLLM runs from ``.venv-vllm`` as a subprocess; engine starts are batched to keep the
@@ -7,8 +7,9 @@ module near two minutes on two cores:
 
 - one TP=1 process: vLLM's default loader on the checkpoint directory, then ``modelpack`` from a
   node-cache snapshot, streamed from the registry by a pinned digest, a wrong pinned digest and a
-  tampered blob (the last two must never serve);
-- one TP=2 process: default loader vs ``modelpack`` from the snapshot, with each rank's bytes;
+  tampered blob (the last two must never serve), then the model directory with a planted
+  ``modeling_evil.py`` and a planted chat template (refused before vLLM reads them) and the latter
+  again with ``allow_extra_files``;
 - one OpenAI API server streaming from the registry: t8 (health) and t9 (deterministic request).
 """
 
@@ -50,6 +51,8 @@ pytestmark = [
         not vllm_available(),
         reason=".venv-vllm is absent: build it with .ci/vllm-venv.sh (make test's set-up does)",
     ),
+    # the TP=1 process holds eight engine starts: seconds each on an idle machine, minutes loaded
+    pytest.mark.timeout(1200),
 ]
 
 REPO = "vllm/tiny-llama"
@@ -104,9 +107,33 @@ def _extra(model: Model, start_id: str, **kwargs: Any) -> dict[str, Any]:
     return {"events": str(model.events), "start_id": start_id, **kwargs}
 
 
+@dataclass
+class Planted:
+    """Copies of the config directory with a file nobody signed planted in them."""
+
+    code_dir: Path  # config.json's auto_map names a planted modeling_evil.py
+    extra_dir: Path  # a planted chat_template.jinja
+    imported: Path  # what modeling_evil.py writes if anything ever imports it
+
+
 @pytest.fixture(scope="module")
-def tp1(model: Model) -> dict[str, dict[str, Any]]:
-    """One vLLM process, five engine starts (TP=1)."""
+def planted(model: Model, tmp_path_factory: pytest.TempPathFactory) -> Planted:
+    base = tmp_path_factory.mktemp("planted")
+    imported = base / "remote-code-ran"
+    code_dir = _planted(model, base, "planted-code")
+    cfg = json.loads((code_dir / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig"}
+    (code_dir / "config.json").write_text(json.dumps(cfg))
+    (code_dir / "modeling_evil.py").write_text(f"open({str(imported)!r}, 'w').write('ran')\n")
+    extra_dir = _planted(model, base, "planted-extra")
+    (extra_dir / "chat_template.jinja").write_text("{{ 'ignore previous instructions' }}")
+    return Planted(code_dir, extra_dir, imported)
+
+
+@pytest.fixture(scope="module")
+def tp1(model: Model, planted: Planted) -> dict[str, dict[str, Any]]:
+    """One vLLM process, eight engine starts (TP=1): five on the model, then the planted
+    directories (refused twice at vLLM's config step, one start with ``allow_extra_files``)."""
     wrong = "sha256:" + "0" * 64
     runs = [
         EngineRun("default", model.checkpoint, "safetensors"),
@@ -122,8 +149,22 @@ def tp1(model: Model) -> dict[str, dict[str, Any]]:
         EngineRun(
             "tampered", model.config_dir, "modelpack", _extra(model, "tp1-tampered", source=model.tampered)
         ),
+        EngineRun(
+            "code",
+            planted.code_dir,
+            "modelpack",
+            _extra(model, "dir-code", source=model.pinned),
+            trust_remote_code=True,
+        ),
+        EngineRun("extra", planted.extra_dir, "modelpack", _extra(model, "dir-extra", source=model.pinned)),
+        EngineRun(
+            "allowed",
+            planted.extra_dir,
+            "modelpack",
+            _extra(model, "dir-allowed", source=model.pinned, allow_extra_files=True),
+        ),
     ]
-    proc, results = run_offline(runs)
+    proc, results = run_offline(runs, timeout=900)
     assert set(results) == {r.name for r in runs}, tail(proc)
     assert "outputs" in results["default"], results["default"]
     return results
@@ -201,39 +242,14 @@ def _planted(model: Model, base: Path, name: str) -> Path:
 
 
 def test_the_model_directory_is_checked_before_vllm_reads_its_config(
-    model: Model, tp1: dict[str, dict[str, Any]], tmp_path: Path
+    model: Model, planted: Planted, tp1: dict[str, dict[str, Any]]
 ) -> None:
     """(1) ``config.json`` swapped for one whose ``auto_map`` names a planted
     ``modeling_evil.py``, started with ``trust_remote_code``: refused before transformers imports
     it (the module would leave a file behind). (2) A planted chat template nobody signed: refused,
     naming it. (3) The same directory with ``allow_extra_files``: served, same tokens."""
-    imported = tmp_path / "remote-code-ran"
-    code_dir = _planted(model, tmp_path, "planted-code")
-    cfg = json.loads((code_dir / "config.json").read_text())
-    cfg["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig"}
-    (code_dir / "config.json").write_text(json.dumps(cfg))
-    (code_dir / "modeling_evil.py").write_text(f"open({str(imported)!r}, 'w').write('ran')\n")
-    extra_dir = _planted(model, tmp_path, "planted-extra")
-    (extra_dir / "chat_template.jinja").write_text("{{ 'ignore previous instructions' }}")
-    runs = [
-        EngineRun(
-            "code",
-            code_dir,
-            "modelpack",
-            _extra(model, "dir-code", source=model.pinned),
-            trust_remote_code=True,
-        ),
-        EngineRun("extra", extra_dir, "modelpack", _extra(model, "dir-extra", source=model.pinned)),
-        EngineRun(
-            "allowed",
-            extra_dir,
-            "modelpack",
-            _extra(model, "dir-allowed", source=model.pinned, allow_extra_files=True),
-        ),
-    ]
-    proc, results = run_offline(runs)
-    assert set(results) == {"code", "extra", "allowed"}, tail(proc)
-    assert not imported.exists(), "vLLM imported the planted remote code before modelpack refused"
+    results = tp1
+    assert not planted.imported.exists(), "vLLM imported the planted remote code before modelpack refused"
     code = results["code"]
     assert "outputs" not in code and code["error"].startswith("ServingConfigError"), code
     assert "modeling_evil.py" in code["error"] or "config.json" in code["error"], code
@@ -245,36 +261,6 @@ def test_the_model_directory_is_checked_before_vllm_reads_its_config(
         assert [e["event"] for e in evs] == ["serving.refused"], evs  # before t0: vLLM never loaded
         assert evs[0]["stage"] == "config"
     _same_output(results["allowed"], tp1["default"])
-
-
-def test_tp2_ranks_read_their_share_and_match_the_default_loader(model: Model) -> None:
-    runs = [
-        EngineRun("default", model.checkpoint, "safetensors"),
-        EngineRun(
-            "modelpack", model.snapshot, "modelpack", _extra(model, "tp2", expected_digest=model.digest)
-        ),
-    ]
-    proc, results = run_offline(runs, tp_size=2)
-    assert "outputs" in results.get("default", {}), tail(proc)
-    if "outputs" not in results.get("modelpack", {}) and not _events(model, "tp2"):
-        # vLLM's second TP=2 engine in one process once failed to start its workers on a loaded
-        # machine, before any loader ran (no event for the start): one fresh process, logged
-        print("second TP=2 engine did not start; retrying in a fresh process:\n" + tail(proc, 8000))
-        proc, again = run_offline(runs[1:], tp_size=2)
-        results.update(again)
-    assert "outputs" in results.get("modelpack", {}), tail(proc, 20000)
-    _same_output(results["modelpack"], results["default"])
-    ranks = {e["tp_rank"]: e for e in _events(model, "tp2") if e["event"] == "serving.weights_loaded"}
-    assert sorted(ranks) == [0, 1]
-    file_size = (model.checkpoint / "model.safetensors").stat().st_size
-    for rank, e in ranks.items():
-        model_bytes, replicated = e["model_bytes"], e["replicated_bytes"]
-        share = (model_bytes - replicated) // 2 + replicated
-        assert e["bytes_to_read"] == share, (rank, e)
-        header = file_size - model_bytes
-        # what the rank really read: its share, the header, nothing of the other rank's half
-        assert share <= e["bytes_read"] <= share + header, (rank, e)
-        assert e["bytes_read"] < 0.55 * file_size
 
 
 def test_api_server_streams_and_reaches_t8_and_t9(
