@@ -59,6 +59,7 @@ class _Op:
     copy: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (dst, src, pinned src's crc32 or -1)
     waits_for: StandinEvent | None = None
     marks: StandinEvent | None = None
+    running: bool = False  # claimed by the worker or a waiting thread
     done: bool = False
 
 
@@ -228,15 +229,35 @@ class StandinDevice:
             self._cv.notify_all()
 
     def _wait(self, cond: Any) -> None:
+        """Block until ``cond()``; meanwhile the waiting thread runs ready work itself (the same
+        choice the worker would make: any stream's head, due or not), as a device would keep
+        working while the host waits: no thread hand-off per operation."""
         with self._cv:
             self._hurry += 1
             self._cv.notify_all()
-            try:
-                while not cond():
-                    self._cv.wait(timeout=0.5)
-            finally:
+        try:
+            while True:
+                with self._cv:
+                    if cond():
+                        break
+                    op = self._take(time.monotonic())
+                    if op is None:
+                        self._cv.wait(timeout=0.5)
+                        continue
+                self._execute(op)
+        finally:
+            with self._cv:
                 self._hurry -= 1
         self.check()
+
+    def _take(self, now: float) -> _Op | None:
+        """A ready operation, claimed (caller holds the lock); ``None`` when none is ready."""
+        ready, _ = self._runnable(now)
+        if not ready:
+            return None
+        op = self.rng.choice(ready)  # any stream's head: CUDA does not order streams
+        op.running = True
+        return op
 
     def _runnable(self, now: float) -> tuple[list[_Op], float]:
         ready: list[_Op] = []
@@ -245,7 +266,7 @@ class StandinDevice:
             if not s.ops:
                 continue
             op = s.ops[0]
-            if op.waits_for is not None and not op.waits_for.done:
+            if op.running or (op.waits_for is not None and not op.waits_for.done):
                 continue
             if op.copy is not None and op.due > now and not self._hurry:
                 soonest = min(soonest, op.due)
@@ -260,25 +281,29 @@ class StandinDevice:
                     if self._closed:
                         return
                     now = time.monotonic()
-                    ready, soonest = self._runnable(now)
-                    if ready:
-                        op = self.rng.choice(ready)  # any stream's head: CUDA does not order streams
+                    op = self._take(now)
+                    if op is not None:
                         break
+                    _, soonest = self._runnable(now)
                     self._cv.wait(timeout=max(0.0, soonest - now))
-            if op.copy is not None:
-                dst, src, queued = op.copy
-                if queued != -1 and _checksum(src) != queued:
-                    with self._cv:
-                        self._violate(
-                            f"the source of a pending copy ({src.nbytes} bytes) changed before the copy "
-                            "ran: a staging slot was reused before its copy completed"
-                        )
-                    dst.fill_(POISON if dst.dtype == torch.uint8 else 0)
-                else:
-                    dst.copy_(src)
-            with self._cv:
-                op.done = True
-                if op.marks is not None:
-                    op.marks.done = True
-                op.stream.ops.popleft()
-                self._cv.notify_all()
+            self._execute(op)
+
+    def _execute(self, op: _Op) -> None:
+        """Run a claimed operation (outside the lock), then retire it from its stream."""
+        if op.copy is not None:
+            dst, src, queued = op.copy
+            if queued != -1 and _checksum(src) != queued:
+                with self._cv:
+                    self._violate(
+                        f"the source of a pending copy ({src.nbytes} bytes) changed before the copy "
+                        "ran: a staging slot was reused before its copy completed"
+                    )
+                dst.fill_(POISON if dst.dtype == torch.uint8 else 0)
+            else:
+                dst.copy_(src)
+        with self._cv:
+            op.done = True
+            if op.marks is not None:
+                op.marks.done = True
+            op.stream.ops.popleft()
+            self._cv.notify_all()
