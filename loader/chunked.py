@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from modelpack.loader.blocks import SpanIndex
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.plan import FilePlan
 from modelpack.loader.readers import RangeReader, read_scatter
 from modelpack.loader.scatter import Segment, land, parts, scatter_plan, verify_chunk_parts
-from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import WeightFile
 
 
@@ -51,8 +51,7 @@ def read_chunked(
         for idx in load.verified.indexes(f.relpath) - needed:
             load.verified.take(f.relpath, idx)  # verified for the header, not needed by this rank
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
-    assert load.ring is not None
-    cap = load.ring.slot_bytes  # consecutive chunks fetched by one range read, up to a slot
+    cap = load.copier.slot_bytes  # consecutive chunks fetched by one range read, up to a slot
     groups: list[list[int]] = []
     held_bytes = 0
     for c in sorted(needed):

@@ -2,8 +2,9 @@
 
 The read paths (``trusted``, ``chunked``, ``whole_layer``) decide what to read and when its bytes
 may be used; this engine owns everything they share: destination tensors, the FIFO window of
-worker tasks, the staging ring and its CUDA events, byte accounting per tensor, the load's
-events, and an orderly abort that waits for every in-flight read and copy before returning.
+worker tasks, the staging slots and copies (through the device seam, ``device_copier``), byte
+accounting per tensor, the load's events, and an orderly abort that waits for every in-flight read
+and copy before returning.
 
 Every path is a generator of tensor ids: it yields each id once that tensor is complete and
 may be handed to the consumer, so tensors leave while later reads are still running.
@@ -18,14 +19,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from modelpack.loader import device_copier
 from modelpack.loader.accounting import bytes_by_split
 from modelpack.loader.blocks import span_block_copies
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.dtypes import torch_dtype
 from modelpack.loader.headers import VerifiedChunks
 from modelpack.loader.options import LoaderOptions, LoadStats
 from modelpack.loader.plan import FilePlan, ReadPlan, TensorRead
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.staging import Slot, StagingRing
 from modelpack.loader.weight_files import ResolvedSource
 
 from modelpack.errors import LoaderError, PlanError
@@ -54,7 +56,9 @@ class LoadEngine:
         self.src = src
         self.plan = plan
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.copier = device_copier.copier_for(device)
+        # destinations in device memory: every byte passes a staging slot and the device seam
+        self.staged = self.copier.staged
         self.opts = options
         self.stats = stats
         self.events = events
@@ -69,9 +73,6 @@ class LoadEngine:
         self.remaining: list[int] = []
         self.held: list[bool] = []  # whole-mode tensors wait for their layer digest
         self.ready: collections.deque[int] = collections.deque()
-        self.ring: StagingRing | None = None
-        self.free_slots: list[Slot] = []
-        self.side: Any = None
         self.tensor_events: dict[int, Any] = {}
         self.pool: ThreadPoolExecutor | None = None
         self.inflight: collections.deque[tuple[Future[Any], Callable[[Any], None]]] = collections.deque()
@@ -84,7 +85,7 @@ class LoadEngine:
 
     # ------------------------------------------------------------------ setup
     def _needs_ring(self) -> bool:
-        return self.cuda or self.opts.direct_io or any(f.mode != "trusted" for f in self.src.files)
+        return self.staged or self.opts.direct_io or any(f.mode != "trusted" for f in self.src.files)
 
     def setup(self) -> None:
         if self._needs_ring():
@@ -97,18 +98,15 @@ class LoadEngine:
             slots = self.opts.slots or (
                 (self.opts.remote_inflight if self.remote else self.opts.local_workers) + 2
             )
-            self.ring = StagingRing(slots, slot_bytes, self.device)
-            self.free_slots = self.ring.buffers
-            self.stats.ring_bytes = self.ring.nbytes
-        if self.cuda:
-            self.side = torch.cuda.Stream(device=self.device)
+            self.copier.open_slots(slots, slot_bytes)
+            self.stats.ring_bytes = self.copier.ring_bytes
         workers = self.opts.remote_inflight if self.remote else self.opts.local_workers
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="modelpack-load")
 
     @property
     def max_inflight(self) -> int:
-        if self.ring is not None:
-            return self.ring.slots
+        if self.copier.slots:
+            return self.copier.slots
         return 2 * (self.opts.remote_inflight if self.remote else self.opts.local_workers)
 
     def alloc(self, fp: FilePlan) -> list[int]:
@@ -131,7 +129,7 @@ class LoadEngine:
                         f"the plan needs contiguous {t.shape} {dt} on {self.device}"
                     )
             else:
-                d = torch.empty(t.shape, dtype=dt, device=self.device)
+                d = self.copier.empty(t.shape, dt)
             idx = len(self.tensors)
             self.tensors.append(t)
             self.dest.append(d)
@@ -141,10 +139,7 @@ class LoadEngine:
             ids.append(idx)
             if t.nbytes == 0 and not whole:
                 self.ready.append(idx)
-        if self.cuda:
-            # memory the consumer freed on its stream may be handed to these new tensors while its
-            # kernels still read it; our copies run on the side stream, so order them after that work
-            self.side.wait_stream(torch.cuda.current_stream(self.device))
+        self.copier.follow_consumer()
         return ids
 
     def received(self, n: int) -> None:
@@ -187,24 +182,13 @@ class LoadEngine:
 
     def next_slot(self) -> Generator[int, None, Slot]:
         """A free staging slot, finishing the oldest tasks until one comes back."""
-        while not self.free_slots:
+        while not self.copier.has_free:
             yield from self._finish_one()
-        return self._acquire()
-
-    def _acquire(self) -> Slot:
-        slot = self.free_slots.pop()
-        if slot.event is not None:
-            slot.event.synchronize()
-            slot.event = None
-        return slot
+        return self.copier.acquire()
 
     def release(self, slot: Slot) -> None:
-        """Return ``slot``; on CUDA it is reused only after the copies queued from it completed."""
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.side)
-            slot.event = ev
-        self.free_slots.append(slot)
+        """Return ``slot``; on a device it is reused only after the copies queued from it completed."""
+        self.copier.release(slot)
 
     def landed(self, idx: int, n: int) -> None:
         self.remaining[idx] -= n
@@ -222,32 +206,20 @@ class LoadEngine:
                 self._mark_ready(i)
 
     def _mark_ready(self, idx: int) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.side)
-            self.tensor_events[idx] = ev
+        if self.staged:
+            self.tensor_events[idx] = self.copier.record()
         self.ready.append(idx)
 
     def copy_out(self, slot: Slot, b0: int, b1: int, candidates: Sequence[int]) -> None:
         """Copy the verified block [b0, b1) (in ``slot``) into every tensor that needs part of it."""
-        src = slot.host
-        if self.cuda:
-            assert slot.device is not None
-            with torch.cuda.stream(self.side):
-                slot.device[: b1 - b0].copy_(slot.host[: b1 - b0], non_blocking=True)
-            src = slot.device
+        src = self.copier.to_device(slot, 0, b1 - b0)
         for idx in candidates:
             dbytes = self.dest_bytes[idx]
             assert dbytes is not None
             landed = 0
             for s, d, length, stride, rows in span_block_copies(self.tensors[idx].span, b0, b1):
-                view = src.as_strided((rows, length), (stride, 1), s - b0)
-                dst = dbytes[d : d + rows * length].view(rows, length)
-                if self.cuda:
-                    with torch.cuda.stream(self.side):
-                        dst.copy_(view, non_blocking=True)
-                else:
-                    dst.copy_(view)
+                view = src.as_strided((rows, length), (stride, 1), src.storage_offset() + s - b0)
+                self.copier.copy(dbytes[d : d + rows * length].view(rows, length), view)
                 landed += rows * length
             if landed:
                 self.stats.staged_bytes += landed
@@ -277,11 +249,9 @@ class LoadEngine:
 
     # ------------------------------------------------------------------ hand-over & cleanup
     def hand_over(self, idx: int) -> tuple[str, torch.Tensor]:
-        ev = self.tensor_events.pop(idx, None)
-        if ev is not None:
-            ev.synchronize()
         t = self.dest[idx]
         assert t is not None
+        t = self.copier.hand_out(t, self.tensor_events.pop(idx, None))
         self.dest[idx] = None  # the consumer owns it now; we keep no reference
         self.dest_bytes[idx] = None
         self.stats.tensors += 1
@@ -310,8 +280,7 @@ class LoadEngine:
             verification=self.stats.verification,
             duration_ms=round((self.stats.read_done - self.stats.read_start) * 1000, 3),
         )
-        if self.cuda:
-            self.side.synchronize()
+        self.copier.synchronize()
         self.stats.device_done = time.time()
         self.events.emit(
             "loader.device_done",
@@ -340,8 +309,8 @@ class LoadEngine:
             except BaseException:
                 pass
         self.inflight.clear()
-        if self.cuda and self.side is not None:
-            self.side.synchronize()
+        self.copier.synchronize()
+        self.tensor_events.clear()
         self.dest.clear()
         self.dest_bytes.clear()
         self.ready.clear()
@@ -361,7 +330,5 @@ class LoadEngine:
             self.pool.shutdown(wait=True, cancel_futures=True)
         for r in self.readers.values():
             r.close()
-        if self.ring is not None:
-            self.free_slots.clear()
-            self.ring.close()
+        self.copier.close()
         self.prog.close()

@@ -33,10 +33,10 @@ def run(load: LoadEngine) -> Iterator[int]:
     for rel, fp in load.plan.files.items():
         f = load.files[rel]
         reader = load.readers[rel]
-        if f.mappable and load.opts.views != "off" and not load.cuda and not load.opts.direct_io:
+        if f.mappable and load.opts.views != "off" and not load.staged and not load.opts.direct_io:
             assert isinstance(reader, FileReader)
             yield from read_mapped(load, reader, fp)
-        elif f.mode == "trusted" and not load.cuda and not load.opts.direct_io:
+        elif f.mode == "trusted" and not load.staged and not load.opts.direct_io:
             yield from read_trusted_direct(load, reader, load.alloc(fp))
         elif f.mode == "trusted":
             yield from read_trusted_staged(load, reader, load.alloc(fp))

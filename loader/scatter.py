@@ -46,9 +46,9 @@ def scatter_plan(
     load: LoadEngine, index: SpanIndex, b0: int, b1: int, gap: memoryview
 ) -> list[Segment] | None:
     """Segments covering file bytes ``[b0, b1)`` in order, or ``None`` when the block must be
-    staged (CUDA, a strided or overlapping span). ``gap`` is the block's slot (gap bytes land at
+    staged (device memory, a strided or overlapping span). ``gap`` is the block's slot (gap bytes land at
     their offset from ``b0``, as a staged read would put them)."""
-    if load.cuda:
+    if load.staged:
         return None
     segments: list[Segment] = []
     pos = b0

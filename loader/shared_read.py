@@ -49,12 +49,12 @@ from typing import Any
 import torch
 from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.chunked import needed_chunks, read_chunked
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.headers import ChunkFetcher, VerifiedChunks, read_header
 from modelpack.loader.nodes import node_size, nodes_of, totals_by_node
 from modelpack.loader.plan import FilePlan, ReadPlan
 from modelpack.loader.readers import RangeReader
-from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import ResolvedSource, WeightFile
 
 from modelpack import settings
@@ -288,8 +288,7 @@ def read_chunked_shared(
     own_private = {c for c in mine if c in local or (c not in shared_set and owner.get(c) == me)}
     yield from read_chunked(load, reader, f, fp, ids, only=own_private)
 
-    assert load.ring is not None
-    cap = load.ring.slot_bytes - 1  # the status byte follows the data
+    cap = load.copier.slot_bytes - 1  # the status byte follows the data
     blocks: list[list[int]] = []
     block_bytes = 0
     for c in shared:
@@ -302,7 +301,6 @@ def read_chunked_shared(
             blocks.append([c])
             block_bytes = clen
     index = SpanIndex({i: load.tensors[i].span for i in ids if load.tensors[i].span.nbytes})
-    nccl = dist.get_backend(group) == "nccl"
     for block in blocks:
         src_rank = owner[block[0]]
         g0, _ = table.chunk_range(layer, block[0])
@@ -340,9 +338,7 @@ def read_chunked_shared(
             src_rank: int = src_rank,
             failure: list[BaseException] = failure,
         ) -> None:
-            _exchange(
-                slot, glen + 1, dist.get_global_rank(group, src_rank), group, nccl, src_rank == me, f.relpath
-            )
+            _exchange(load, slot, glen + 1, dist.get_global_rank(group, src_rank), src_rank == me, f.relpath)
             if failure:
                 load.release(slot)
                 raise failure[0]
@@ -364,20 +360,13 @@ def read_chunked_shared(
         yield from load.submit(task, done)
 
 
-def _exchange(slot: Slot, n: int, src: int, group: Any, nccl: bool, owned: bool, what: str) -> None:
-    """Broadcast ``slot``'s first ``n`` bytes from global rank ``src`` (NCCL: via the device)."""
-    if not nccl:
-        _broadcast(slot.host[:n], src, group, f"the shared chunks of {what}")
-        return
-    assert slot.device is not None
-    dev = slot.device[:n]
-    stream = torch.cuda.current_stream(dev.device)
-    if owned:
-        dev.copy_(slot.host[:n], non_blocking=True)
-    _broadcast(dev, src, group, f"the shared chunks of {what}")
-    if not owned:
-        slot.host[:n].copy_(dev, non_blocking=True)
-    stream.synchronize()
+def _exchange(load: LoadEngine, slot: Slot, n: int, src: int, owned: bool, what: str) -> None:
+    """Broadcast ``slot``'s first ``n`` bytes from global rank ``src`` through the device seam
+    (gloo: host memory; NCCL: the slot's device buffer, on the current stream)."""
+    group = load.opts.group
+    load.copier.broadcast(
+        slot, n, owned, group, lambda t: _broadcast(t, src, group, f"the shared chunks of {what}")
+    )
 
 
 def read_by_node(group: Any, local_world_size: int, bytes_read: int) -> tuple[int, list[int]]:

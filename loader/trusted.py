@@ -5,9 +5,9 @@ A node-cache snapshot was hashed when it was filled; a plain directory is truste
 
 - CPU: worker threads ``preadv`` straight into the destination tensors (dim-1 shards gather their
   rows from a short mmap). No staging copy: this is the readinto ceiling.
-- CUDA (or ``direct_io``): pieces of ≤ ``slot_bytes`` are read into the pinned staging ring, then
-  copied host→device on a side stream while the next reads run; a slot is reused only after its
-  copy's event completed.
+- a device (or ``direct_io``): pieces of ≤ ``slot_bytes`` are read into the pinned staging slots,
+  then copied host→device through the device seam (``device_copier``: a side stream) while the next
+  reads run; a slot is reused only after its copy's event completed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.readers import FileReader, RangeReader
-from modelpack.loader.staging import Slot
 
 from modelpack.errors import LoaderError
 
@@ -73,9 +72,8 @@ def read_trusted_direct(load: LoadEngine, reader: RangeReader, ids: list[int]) -
 
 def read_trusted_staged(load: LoadEngine, reader: RangeReader, ids: list[int]) -> Iterator[int]:
     """Pinned ring → device (CUDA), or aligned ring → memcpy (O_DIRECT on CPU)."""
-    assert load.ring is not None
     # O_DIRECT widens each read to 4 KiB pages on both ends: keep that inside the slot
-    cap = load.ring.slot_bytes - (2 * 4096 if load.opts.direct_io else 0)
+    cap = load.copier.slot_bytes - (2 * 4096 if load.opts.direct_io else 0)
     for idx in ids:
         span = load.tensors[idx].span
         if span.nbytes == 0:
@@ -112,11 +110,7 @@ def _bind_stage_done(
         dbytes = load.dest_bytes[idx]
         assert dbytes is not None
         src = slot.host[delta : delta + nbytes]  # an O_DIRECT read starts at the page boundary
-        if load.cuda:
-            with torch.cuda.stream(load.side):
-                dbytes[dst_off : dst_off + nbytes].copy_(src, non_blocking=True)
-        else:
-            dbytes[dst_off : dst_off + nbytes].copy_(src)
+        load.copier.copy(dbytes[dst_off : dst_off + nbytes], src)  # pinned → device, on the seam
         load.release(slot)
         load.landed(idx, nbytes)
 

@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from modelpack.loader.blocks import SpanIndex
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.plan import FilePlan
 from modelpack.loader.readers import RangeReader, read_scatter
 from modelpack.loader.scatter import Segment, land, scatter_plan
-from modelpack.loader.staging import Slot
 from modelpack.loader.weight_files import WeightFile
 
 from modelpack.errors import DigestMismatchError, HeaderMismatchError
@@ -34,10 +34,10 @@ from modelpack.errors import DigestMismatchError, HeaderMismatchError
 def read_whole_layer(
     load: LoadEngine, reader: RangeReader, f: WeightFile, fp: FilePlan, ids: list[int]
 ) -> Iterator[int]:
-    assert load.ring is not None and f.descriptor is not None
+    assert load.copier.slot_bytes and f.descriptor is not None
     desc = f.descriptor
     size = desc.size
-    block = load.ring.slot_bytes
+    block = load.copier.slot_bytes
     hasher = hashlib.sha256()
     if f.relpath not in load.header_bytes:  # every header is read before any data: else a bug
         raise HeaderMismatchError(f.relpath, str(desc.digest), source=load.src.name)

@@ -13,7 +13,7 @@ import pytest
 
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
-pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3"]
+pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3", "tests.fixtures.device"]
 
 
 @pytest.fixture

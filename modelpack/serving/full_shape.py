@@ -38,7 +38,12 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
     full-shape tensor, allocated when the loader first asks for it (that is, per file); and the
     engine's own parameter memory for the tensors ``into`` placed there."""
 
-    def __init__(self, into: Callable[[ReadPlan], Mapping[str, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        into: Callable[[ReadPlan], Mapping[str, torch.Tensor]] | None = None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        self.device = device
         self._plan: ReadPlan | None = None
         self._reads: dict[str, TensorRead] = {}
         self._into = into
@@ -61,7 +66,8 @@ class RowSliceDestinations(Mapping[str, torch.Tensor]):
         t = self._reads[name]
         full = self.full.get(name)
         if full is None:
-            full = torch.empty(t.full_shape, dtype=torch_dtype(t.dtype, where=f"{t.file}: {name}"))
+            dt = torch_dtype(t.dtype, where=f"{t.file}: {name}")
+            full = torch.empty(t.full_shape, dtype=dt, device=self.device)
             self.full[name] = full
         return t.select(full)  # this rank's rows, as the plan computed them (scales: block rows)
 
@@ -84,17 +90,19 @@ def iter_full_shape(
     into: Callable[[ReadPlan], Mapping[str, torch.Tensor]] | None = None,
     **fields: Unpack[LoadFields],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``iter_tensors`` for the request's rank, yielding checkpoint-shaped CPU tensors.
+    """``iter_tensors`` for the request's rank, yielding checkpoint-shaped tensors on the request's
+    device (CPU by default; a GPU when the destinations ``into`` names are GPU parameters).
 
     Only the rank's slice of each sharded tensor holds data. The request (or its fields as
-    keywords) says what to load, as for ``iter_tensors``; ``out`` and the device are this
+    keywords) says what to load, as for ``iter_tensors``; ``out`` is this
     function's own, and a caller ``on_plan`` runs after the destinations learned the plan.
     ``into(plan)``, called before any data is read, names whole tensors to read straight into
     memory the caller owns (the engine's parameters, ``param_destinations.py``); they are yielded
     as those tensors.
     """
     req = LoadRequest.of(request, fields)
-    dests = RowSliceDestinations(into)
+    device = torch.device(req.device if req.device is not None else "cpu")
+    dests = RowSliceDestinations(into, device)
     caller_on_plan = req.on_plan
     reads: dict[str, TensorRead] = {}
 
@@ -104,7 +112,7 @@ def iter_full_shape(
         if caller_on_plan is not None:
             caller_on_plan(plan)
 
-    it = iter_tensors(source, req.replace(device="cpu", out=dests, on_plan=on_plan))
+    it = iter_tensors(source, req.replace(device=device, out=dests, on_plan=on_plan))
     try:
         for name, shard in it:
             full = dests.take(name)
@@ -117,7 +125,7 @@ def iter_full_shape(
                 yield name, shard
                 continue
             if t.rule is ShardRule.DIM1 and t.sharded:
-                full = torch.empty(t.full_shape, dtype=shard.dtype)
+                full = torch.empty(t.full_shape, dtype=shard.dtype, device=shard.device)
                 t.select(full).copy_(shard)
                 del shard
                 yield name, full

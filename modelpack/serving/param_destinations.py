@@ -8,7 +8,8 @@ renamed prefixes), so it is not restated here: the model's own ``load_weights`` 
 data-less ``meta`` tensors under a dispatch mode that records, in order, every write it makes
 and skips them all. A checkpoint tensor whose bytes it copies exactly once, whole and unchanged
 (same dtype, contiguous), into a parameter or buffer region that nothing else writes, is then read
-straight into that region; vLLM's real ``load_weights`` runs unchanged over the same names, and
+straight into that region (on a GPU: the load runs on the parameters' device and the loader's
+device seam copies each verified block from its pinned staging slot into the region, one pass); vLLM's real ``load_weights`` runs unchanged over the same names, and
 its ``copy_`` of that tensor onto itself returns at once (PyTorch skips a copy between two views
 of the same data). Every other tensor takes the copy path.
 
@@ -86,7 +87,6 @@ class _DryRun(TorchDispatchMode):
                 and dst.is_contiguous()
                 and src.dtype == dst.dtype
                 and tuple(src.shape) == tuple(dst.shape)
-                and dst.device.type == "cpu"
             )
             # a partial, strided or converting copy is still a write: it fences its region
             self.copies.setdefault(name if exact else f"\0{name}", []).append(dst)
@@ -116,6 +116,13 @@ class ParameterDestinations:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     reason: str = ""  # why not every tensor of the plan has one ("" when all do)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where every destination lies (the parameters' device; ``None`` when there is none):
+        the load runs on it, so a streamed chunk goes pinned slot → parameter region in one copy
+        through the loader's device seam (``loader/device_copier.py``)."""
+        return next(iter(self.tensors.values())).device if self.tensors else None
 
     @property
     def nbytes(self) -> int:
@@ -164,6 +171,11 @@ class ParameterDestinations:
                 skipped.append(name)
                 continue
             chosen[name] = dsts[0].view(meta.shape)
+        devices = {str(t.device) for t in chosen.values()}
+        if len(devices) > 1:  # one load runs on one device: parameters spread over several take the copy
+            return cls(
+                reason=f"the destinations lie on {len(devices)} devices ({', '.join(sorted(devices))})"
+            )
         reason = ""
         if skipped:
             reason = f"{len(skipped)} tensor(s) take the copy path (not one whole, exclusive copy): "

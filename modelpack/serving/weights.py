@@ -193,7 +193,10 @@ class RankLoad:
             return
         # a hit hands vLLM views of the mapped blobs (one copy, vLLM's): nothing to place
         direct = model is not None and self.state != "hit" and self.settings.into_parameters
-        yield from iter_full_shape(self.source, request, into=into if direct else None)
+        # straight into the parameters: the load runs on their device (a GPU: pinned slot →
+        # parameter region through the loader's device seam, one pass)
+        device = _parameter_device(model) if direct and model is not None else torch.device("cpu")
+        yield from iter_full_shape(self.source, request, into=into if direct else None, device=device)
 
     def summary(self) -> dict[str, Any]:
         """Per-rank bytes for the ``serving.weights_loaded`` event (and the TP test)."""
@@ -417,3 +420,9 @@ def _remote_source(
         )
     # a tag named beside the pin is handed on: the loader refuses it if it moved off the pin
     return (target, ref.tag if ref.tag and not ref.digest else pinned), "streamed"
+
+
+def _parameter_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's parameters (CPU when it has none, or they are on ``meta``)."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None and not p.is_meta else torch.device("cpu")

@@ -34,11 +34,13 @@ from modelpack.targets.layout import OCILayoutTarget
 from tests.loader_helpers import reference_tensors
 from tests.moe_checkpoints import expert_of, is_stacked, linear_experts
 
-ckpt, layout, digest, table_path, tp = sys.argv[1:6]
+ckpt, layout, digest, table_path, tp, copier = sys.argv[1:7]
 tp = int(tp)
 dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=int(os.environ["RANK"]),
                         world_size=int(os.environ["WORLD"]))
 rank, world = dist.get_rank(), dist.get_world_size()
+from tests.fixtures.device import device_problems, install_standin
+dev = install_standin(seed=rank) if copier == "standin" else None
 manifest, _ = api.fetch_manifest(OCILayoutTarget(layout), digest)
 table = ChunkTable.from_predicate(json.load(open(table_path)), manifest)
 stats = LoadStats()
@@ -62,7 +64,8 @@ for name, full in ref.items():
     if (want is None) != (name not in sd) or (want is not None and not torch.equal(sd[name], want)):
         bad.append(name)
 print("RESULT " + json.dumps({"rank": rank, "bad": bad, "read": stats.bytes_read, "received": stats.bytes_received,
-                              "needed": stats.bytes_to_read, "by_split": stats.bytes_by_split}), flush=True)
+                              "needed": stats.bytes_to_read, "by_split": stats.bytes_by_split,
+                              "device": device_problems(dev)}), flush=True)
 dist.destroy_process_group()
 """
 
@@ -116,12 +119,12 @@ def test_a_standalone_ep_rank_fetches_only_the_chunks_of_its_experts(model: dict
         assert stats.bytes_read < 0.5 * model["files"]
 
 
-def _run_ranks(model: dict[str, Any], world: int, tp: int) -> list[dict[str, Any]]:
+def _run_ranks(model: dict[str, Any], world: int, tp: int, copier: str) -> list[dict[str, Any]]:
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = []
     for r in range(world):
         env = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1", EXPERTS=str(E))
-        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [str(tp)]
+        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [str(tp), copier]
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", RANK, *args],
@@ -141,14 +144,19 @@ def _run_ranks(model: dict[str, Any], world: int, tp: int) -> list[dict[str, Any
     return sorted(results, key=lambda d: d["rank"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_ep_ranks_of_a_group_read_each_needed_byte_once_per_node(model: dict[str, Any], tp: int) -> None:
+@pytest.mark.host_copier  # the ranks run in child processes and pick their copier themselves
+@pytest.mark.parametrize(("tp", "rank_copier"), [(1, "host"), (2, "standin")])
+def test_ep_ranks_of_a_group_read_each_needed_byte_once_per_node(
+    model: dict[str, Any], tp: int, rank_copier: str
+) -> None:
     """EP=4 (TP=1, or TP=2 inside it): every rank equals safetensors; the node reads the model
-    once (≤ 1.05× + header chunks) and no rank reads another rank's experts."""
-    results = _run_ranks(model, EP, tp)
+    once (≤ 1.05× + header chunks) and no rank reads another rank's experts (TP=2: through the
+    stand-in device, which must end clean)."""
+    results = _run_ranks(model, EP, tp, rank_copier)
     files = model["files"]
     headers = model["nfiles"] * CHUNK
     for r in results:
+        assert r["device"] == [], (r["rank"], r["device"])
         assert r["bad"] == [], (r["rank"], r["bad"][:5])
         expert = r["by_split"]["expert"]
         # its experts' chunks (+ a partial chunk at each end of a run), and its part of the shared reads

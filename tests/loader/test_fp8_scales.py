@@ -132,6 +132,7 @@ def test_fnuz_float8_types_pack_and_load_byte_identical(tmp_path: Path) -> None:
     assert torch.equal(sd[q].view(torch.uint8), ref[q].chunk(2, 0)[1].view(torch.uint8))
 
 
+@pytest.mark.host_copier  # mapped views are a CPU load
 @pytest.mark.parametrize("expert_map", ["linear", "round_robin"])
 def test_views_of_a_cache_hit_are_the_same_shares(
     fp8: dict[str, Path], tmp_path: Path, expert_map: str

@@ -61,6 +61,7 @@ def _weight_bytes(ckpt: Path) -> int:
     return sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
 
 
+@pytest.mark.host_copier  # the CPU path that reads straight into the tensors
 @pytest.mark.parametrize("with_table", [True, False], ids=["chunks", "whole"])
 def test_tp1_stream_lands_in_the_tensors_without_staging(
     pushed: tuple[str, Any, Any], ckpt: Path, ref: dict[str, torch.Tensor], with_table: bool
@@ -107,6 +108,7 @@ def _straddling_chunk(path: Path) -> tuple[str, str, int]:
     raise AssertionError("no chunk is shared by two tensors")
 
 
+@pytest.mark.host_copier  # the CPU path that reads straight into the tensors
 def test_a_bad_chunk_from_the_registry_reaches_no_tensor_not_even_its_neighbour(
     registry: Any, pushed: tuple[str, Any, Any], ref: dict[str, torch.Tensor]
 ) -> None:
@@ -180,6 +182,7 @@ def manifest_digest(pinned: str) -> str:
     return pinned.rsplit("@", 1)[1]
 
 
+@pytest.mark.host_copier  # the CPU path that reads straight into the tensors
 def test_options_that_stage_still_verify(pushed: tuple[str, Any, Any], ref: dict[str, torch.Tensor]) -> None:
     """A slot smaller than a tensor (many blocks per tensor) still lands each byte once."""
     pinned, _, table = pushed

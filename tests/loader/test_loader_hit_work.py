@@ -29,6 +29,8 @@ from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import pack_layout
 from tests.paths import REPO_ROOT
 
+pytestmark = pytest.mark.host_copier  # the loads run in child processes
+
 ROOT = REPO_ROOT
 
 CHILD = textwrap.dedent(

@@ -20,7 +20,7 @@ import pytest
 from modelpack.packing.safetensors_format import build_header
 from tests.paths import REPO_ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.host_copier]  # host: the loads run in child processes
 
 GiB = 1024**3
 MiB = 1024**2

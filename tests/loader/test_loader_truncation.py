@@ -68,6 +68,7 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, Path, int]:
     return d, path, path.stat().st_size // 4  # the cut falls inside layer 2 of 8
 
 
+@pytest.mark.host_copier  # the load runs in a child process
 @pytest.mark.parametrize("copy", ["kernel", "preadv"])
 @pytest.mark.parametrize("when", ["plan", "load"])
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])

@@ -22,6 +22,8 @@ from modelpack.loader.plan import ShardRule
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.loader_helpers import expected_shard, pack_layout, reference_tensors
 
+pytestmark = pytest.mark.host_copier  # views of mapped store blobs and straight reads are the CPU load
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

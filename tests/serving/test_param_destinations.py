@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from modelpack.loader import LoadStats, ReadPlan
+from modelpack.loader.device_standin import StandinDevice
 from modelpack.signing.chunks import compute_chunk_table, push_chunk_table
 from modelpack.signing.keys import generate_key
 from torch import nn
@@ -174,9 +175,14 @@ def _assert_same(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(got[name], want), name
 
 
+@pytest.mark.parametrize("copier", ["host", "standin"], indirect=True)
 def test_a_signed_stream_lands_in_the_parameters_themselves(
-    signed: tuple[Layout, Any], expected: dict[str, torch.Tensor]
+    signed: tuple[Layout, Any], expected: dict[str, torch.Tensor], copier: StandinDevice | None
 ) -> None:
+    """Every whole tensor is read into the parameter region the dry run found. Through the
+    stand-in device (a GPU's semantics: the parameters are device memory) each verified block is
+    copied asynchronously from its pinned slot straight into that region, and a tensor reaches
+    ``load_weights`` only after its copies completed."""
     layout, key = signed
     model = VllmShapedLlama()
     dests, handed, stats = _load(model, layout.ref, trusted_keys=[key.public])
@@ -209,9 +215,10 @@ def test_the_dry_run_writes_nothing(signed: tuple[Layout, Any]) -> None:
     assert all(bool((p == 7.0).all()) for p in model.parameters())  # neither copy_ nor fill_ ran
 
 
+@pytest.mark.parametrize("copier", ["host", "standin"], indirect=True)
 @pytest.mark.parametrize("whole_layers", [False, True], ids=["chunk-table", "whole-layer-digest"])
 def test_a_corrupt_blob_read_into_parameters_still_refuses_the_load(
-    signed: tuple[Layout, Any], whole_layers: bool
+    signed: tuple[Layout, Any], whole_layers: bool, copier: StandinDevice | None
 ) -> None:
     layout, key = signed
     _, blob = layout.weight_blob("00001")
