@@ -13,7 +13,7 @@ copied from memory instead of fetched again.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpack.loader.blocks import SpanIndex
 from modelpack.loader.device_copier import Slot
@@ -23,8 +23,11 @@ from modelpack.loader.readers import RangeReader, read_scatter
 from modelpack.loader.scatter import Segment, land, parts, scatter_plan, verify_chunk_parts
 from modelpack.loader.weight_files import WeightFile
 
+if TYPE_CHECKING:
+    from modelpack.signing.chunks import ChunkTable
 
-def needed_chunks(fp: FilePlan, table: Any, layer: str) -> set[int]:
+
+def needed_chunks(fp: FilePlan, table: ChunkTable, layer: str) -> set[int]:
     """Indexes of the chunks (of ``table``'s ``layer``) holding any byte of the plan's (covering) ranges."""
     needed: set[int] = set()
     for s, e in fp.extents(covering=True):

@@ -27,12 +27,25 @@ memory CUDA's asynchronous semantics and catches what a CPU run otherwise cannot
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 
 ALIGN = 4096  # O_DIRECT needs page-aligned buffers, offsets and lengths
+
+
+class DeviceEvent(Protocol):
+    """A point in a stream's work (``torch.cuda.Event``, the test device's): wait for it."""
+
+    def synchronize(self) -> None: ...
+
+
+#: a stream is an opaque handle only its runtime interprets (``torch.cuda.Stream``, the test device's)
+DeviceStream = object
+#: runs one collective (a broadcast from the owner) on a tensor
+Collective = Callable[[torch.Tensor], None]
 
 
 @dataclass
@@ -41,7 +54,7 @@ class Slot:
     host: torch.Tensor  # uint8, slot_bytes long (pinned on a device)
     view: memoryview  # writable view of ``host`` for os.preadv
     device: torch.Tensor | None = None  # uint8 scratch on the device (device loads only)
-    done: Any = None  # completion event of the last copy out of ``host`` (device loads only)
+    done: DeviceEvent | None = None  # completion of the last copy out of ``host`` (device loads only)
 
 
 class DeviceRuntime(Protocol):
@@ -53,17 +66,22 @@ class DeviceRuntime(Protocol):
 
     def free_pinned(self, t: torch.Tensor) -> None: ...
 
-    def stream(self) -> Any: ...
+    def stream(self) -> DeviceStream: ...
 
-    def current_stream(self) -> Any: ...
+    def current_stream(self) -> DeviceStream: ...
 
-    def record(self, stream: Any) -> Any: ...
+    def record(self, stream: DeviceStream) -> DeviceEvent: ...
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeviceStream) -> None: ...
 
-    def device_collectives(self, group: Any) -> bool: ...
+    def wait(self, stream: DeviceStream, other: DeviceStream) -> None:
+        """Work queued on ``stream`` from now on runs after everything queued on ``other`` so far."""
 
-    def collective(self, run: Any, t: torch.Tensor) -> None: ...
+    def synchronize(self, stream: DeviceStream) -> None: ...
+
+    def device_collectives(self, group: object) -> bool: ...
+
+    def collective(self, run: Collective, t: torch.Tensor) -> None: ...
 
     def consumer_sees(self, t: torch.Tensor) -> None: ...
 
@@ -83,27 +101,33 @@ class CudaRuntime:
     def free_pinned(self, t: torch.Tensor) -> None:
         pass  # the caching host allocator takes it back when the last reference goes
 
-    def stream(self) -> Any:
+    def stream(self) -> DeviceStream:
         return torch.cuda.Stream(device=self.device)
 
-    def current_stream(self) -> Any:
+    def current_stream(self) -> DeviceStream:
         return torch.cuda.current_stream(self.device)
 
-    def record(self, stream: Any) -> Any:
+    def record(self, stream: DeviceStream) -> DeviceEvent:
         ev = torch.cuda.Event()
-        ev.record(stream)
+        ev.record(cast(torch.cuda.Stream, stream))
         return ev
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        with torch.cuda.stream(stream):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeviceStream) -> None:
+        with torch.cuda.stream(cast(torch.cuda.Stream, stream)):
             dst.copy_(src, non_blocking=True)
 
-    def device_collectives(self, group: Any) -> bool:
+    def wait(self, stream: DeviceStream, other: DeviceStream) -> None:
+        cast(torch.cuda.Stream, stream).wait_stream(cast(torch.cuda.Stream, other))
+
+    def synchronize(self, stream: DeviceStream) -> None:
+        cast(torch.cuda.Stream, stream).synchronize()
+
+    def device_collectives(self, group: object) -> bool:
         import torch.distributed as dist
 
-        return bool(dist.get_backend(group) == "nccl")
+        return bool(dist.get_backend(cast("dist.ProcessGroup | None", group)) == "nccl")
 
-    def collective(self, run: Any, t: torch.Tensor) -> None:
+    def collective(self, run: Collective, t: torch.Tensor) -> None:
         run(t)  # NCCL queues it after the current stream's work, and the current stream after it
 
     def consumer_sees(self, t: torch.Tensor) -> None:
@@ -188,11 +212,11 @@ class HostCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def record(self) -> Any:
+    def record(self) -> DeviceEvent | None:
         """An event that completes when every copy queued so far has (``None``: already done)."""
         return None
 
-    def hand_out(self, t: torch.Tensor, done: Any) -> torch.Tensor:
+    def hand_out(self, t: torch.Tensor, done: DeviceEvent | None) -> torch.Tensor:
         """``t`` for the consumer, once ``done`` (its last copy's event) completed."""
         if done is not None:
             done.synchronize()
@@ -201,7 +225,7 @@ class HostCopier:
     def synchronize(self) -> None:
         """Wait for every queued copy."""
 
-    def broadcast(self, slot: Slot, nbytes: int, owned: bool, group: Any, collective: Any) -> None:
+    def broadcast(self, slot: Slot, nbytes: int, owned: bool, group: object, collective: Collective) -> None:
         """Exchange ``slot``'s first ``nbytes`` within ``group``: ``collective(tensor)`` broadcasts
         from the owner; on return ``slot.host`` holds the owner's bytes on every rank."""
         collective(slot.host[:nbytes])
@@ -248,7 +272,7 @@ class StreamCopier(HostCopier):
     def follow_consumer(self) -> None:
         # memory the consumer freed on its stream may be handed to new tensors while its kernels
         # still read it; our copies run on the side stream, so order them after that work
-        self.side.wait_stream(self.rt.current_stream())
+        self.rt.wait(self.side, self.rt.current_stream())
 
     def to_device(self, slot: Slot, start: int, nbytes: int) -> torch.Tensor:
         assert slot.device is not None
@@ -258,19 +282,19 @@ class StreamCopier(HostCopier):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.rt.copy(dst, src, self.side)
 
-    def record(self) -> Any:
+    def record(self) -> DeviceEvent | None:
         return self.rt.record(self.side)
 
-    def hand_out(self, t: torch.Tensor, done: Any) -> torch.Tensor:
+    def hand_out(self, t: torch.Tensor, done: DeviceEvent | None) -> torch.Tensor:
         if done is not None:
             done.synchronize()
         self.rt.consumer_sees(t)
         return t
 
     def synchronize(self) -> None:
-        self.side.synchronize()
+        self.rt.synchronize(self.side)
 
-    def broadcast(self, slot: Slot, nbytes: int, owned: bool, group: Any, collective: Any) -> None:
+    def broadcast(self, slot: Slot, nbytes: int, owned: bool, group: object, collective: Collective) -> None:
         if not self.rt.device_collectives(group):
             collective(slot.host[:nbytes])  # gloo: host memory, synchronous
             return
@@ -284,7 +308,7 @@ class StreamCopier(HostCopier):
         self.rt.collective(collective, dev)
         if not owned:
             self.rt.copy(slot.host[:nbytes], dev, current)
-        current.synchronize()
+        self.rt.synchronize(current)
 
     def close(self) -> None:
         slots = list(self._all)

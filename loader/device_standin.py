@@ -29,10 +29,11 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from modelpack.loader.device_copier import Collective, DeviceStream
 
 POISON = 0xA5
 
@@ -88,6 +89,13 @@ class StandinStream:
 
     def synchronize(self) -> None:
         self.device.record(self).synchronize()
+
+
+def _own(stream: DeviceStream) -> StandinStream:
+    """The stand-in's stream behind a handle the seam passed back (only its own are valid)."""
+    if not isinstance(stream, StandinStream):
+        raise StandinViolation(f"stand-in device given a foreign stream {stream!r}")
+    return stream
 
 
 class StandinDevice:
@@ -147,12 +155,19 @@ class StandinDevice:
     def current_stream(self) -> StandinStream:
         return self.default
 
-    def record(self, stream: StandinStream) -> StandinEvent:
+    def record(self, stream: DeviceStream) -> StandinEvent:
         ev = StandinEvent(self)
-        self._queue(_Op(stream, 0.0, marks=ev))
+        self._queue(_Op(_own(stream), 0.0, marks=ev))
         return ev
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: StandinStream) -> None:
+    def wait(self, stream: DeviceStream, other: DeviceStream) -> None:
+        _own(stream).wait_stream(_own(other))
+
+    def synchronize(self, stream: DeviceStream) -> None:
+        _own(stream).synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: DeviceStream) -> None:
+        stream = _own(stream)
         if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
             raise RuntimeError(
                 f"stand-in copy: {tuple(src.shape)} {src.dtype} into {tuple(dst.shape)} {dst.dtype}"
@@ -166,10 +181,10 @@ class StandinDevice:
             pinned = any(p0 <= lo and hi <= p1 for p0, p1 in self._pinned)
         self._queue(_Op(stream, time.monotonic() + delay, copy=(dst, src, _checksum(src) if pinned else -1)))
 
-    def device_collectives(self, group: Any) -> bool:
+    def device_collectives(self, group: object) -> bool:
         return True  # stand-in device memory is host memory: gloo carries it, as NCCL would a GPU's
 
-    def collective(self, run: Any, t: torch.Tensor) -> None:
+    def collective(self, run: Collective, t: torch.Tensor) -> None:
         """As NCCL: the collective starts after the current (default) stream's work so far, and
         work queued there afterwards follows it (gloo here is synchronous)."""
         self.default.synchronize()
@@ -228,7 +243,7 @@ class StandinDevice:
             op.stream.ops.append(op)
             self._cv.notify_all()
 
-    def _wait(self, cond: Any) -> None:
+    def _wait(self, cond: Callable[[], bool]) -> None:
         """Block until ``cond()``; meanwhile the waiting thread runs ready work itself (the same
         choice the worker would make: any stream's head, due or not), as a device would keep
         working while the host waits: no thread hand-off per operation."""

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from modelpack.errors import LoaderError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["node_size", "nodes_of", "totals_by_node"]
 
@@ -35,13 +38,15 @@ def node_size(local_world_size: int, environ: Mapping[str, str] = os.environ) ->
     return value
 
 
-def nodes_of(group: Any, per_node: int) -> list[int]:
+def nodes_of(group: ProcessGroup | None, per_node: int) -> list[int]:
     """The node of each rank of ``group`` (by group rank): its global rank // ``per_node``."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
     if per_node <= 0:
         return [0] * size
+    if group is None:  # the default group: its ranks are the global ranks
+        return [r // per_node for r in range(size)]
     return [dist.get_global_rank(group, r) // per_node for r in range(size)]
 
 

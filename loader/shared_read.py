@@ -44,7 +44,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from modelpack.loader.blocks import SpanIndex
@@ -60,6 +60,10 @@ from modelpack.loader.weight_files import ResolvedSource, WeightFile
 from modelpack import settings
 from modelpack.errors import GroupStalledError, LoaderError
 from modelpack.packing.safetensors_format import SafetensorsHeader
+
+if TYPE_CHECKING:
+    from modelpack.signing.chunks import ChunkTable
+    from torch.distributed import ProcessGroup
 
 OK, FAILED = 1, 0
 #: how long a rank waits for the group's next step when MODELPACK_GROUP_PROGRESS_TIMEOUT is unset
@@ -233,7 +237,7 @@ def read_header_shared(
     return read_header(reader, name, reader.size, fetcher)  # from the verified chunks, no read
 
 
-def header_chunks(fp: FilePlan, table: Any, layer: str) -> set[int]:
+def header_chunks(fp: FilePlan, table: ChunkTable, layer: str) -> set[int]:
     """Chunks holding header bytes: every rank verified them already to plan the load."""
     return set(table.chunks_covering(layer, 0, fp.header.data_start)) or {0}
 
@@ -369,7 +373,7 @@ def _exchange(load: LoadEngine, slot: Slot, n: int, src: int, owned: bool, what:
     )
 
 
-def read_by_node(group: Any, local_world_size: int, bytes_read: int) -> tuple[int, list[int]]:
+def read_by_node(group: ProcessGroup | None, local_world_size: int, bytes_read: int) -> tuple[int, list[int]]:
     """(this rank's node, the bytes each node's ranks read): every rank's count all-gathered
     (``nodes.py``; ``local_world_size`` 0: torchrun's ``LOCAL_WORLD_SIZE``)."""
     import torch.distributed as dist

@@ -54,7 +54,9 @@ if TYPE_CHECKING:
     from modelpack.mount.cache import NodeCache, PullResult
     from modelpack.mount.store import Store
     from modelpack.mount.trust import PolicySource
+    from modelpack.signing.chunks import ChunkTable
 
+    from modelpack.oci.variant_selection import VariantSelector
     from modelpack.targets.base import ReadableTarget
     from modelpack.targets.options import TargetOptions
 
@@ -128,7 +130,11 @@ class _Fill:
     """``NodeCache.pull`` on a background thread: its outcome, and a way to wait for it."""
 
     def __init__(
-        self, stream: CacheStream, ref: Reference, policy: PolicySource | None, variant: Any
+        self,
+        stream: CacheStream,
+        ref: Reference,
+        policy: PolicySource | None,
+        variant: VariantSelector | None,
     ) -> None:
         self.result: PullResult | None = None
         self.error: BaseException | None = None
@@ -142,7 +148,13 @@ class _Fill:
         )
         self._thread.start()
 
-    def _run(self, stream: CacheStream, ref: Reference, policy: PolicySource | None, variant: Any) -> None:
+    def _run(
+        self,
+        stream: CacheStream,
+        ref: Reference,
+        policy: PolicySource | None,
+        variant: VariantSelector | None,
+    ) -> None:
         try:
             self.result = stream.cache.pull(
                 ref,
@@ -360,10 +372,10 @@ def open_cache_stream(
     share: bool,
     expected_digest: str | None,
     trusted_keys: Sequence[Any] | None,
-    chunk_table: Any,
+    chunk_table: ChunkTable | None,
     allow_missing_chunk_table: bool,
     direct: bool,
-    variant: Any,
+    variant: VariantSelector | None,
 ) -> ResolvedSource:
     """The source a ``CacheStream`` stands for (module docstring): the snapshot on a hit, else the
     registry's manifest with its blobs read from the filling cache (or, for a share left to a

@@ -23,7 +23,6 @@ of ``length`` bytes from ``start`` (docs/signing.md#formats-what-is-stored).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from modelpack.errors import ChunkTableError
 from modelpack.packing.safetensors_format import SafetensorsHeader
@@ -104,7 +103,7 @@ def runs_of(starts: Sequence[int], size: int) -> list[list[int]]:
     return runs
 
 
-def starts_from_runs(runs: Any, size: int, chunk_size: int, what: str) -> list[int]:
+def starts_from_runs(runs: object, size: int, chunk_size: int, what: str) -> list[int]:
     """The chunk starts a predicate's ``runs`` declare, refused (``ChunkTableError``) unless they
     tile ``[0, size)`` exactly — no overlap, no gap, nothing past the blob — in chunks of 1 to
     ``chunk_size`` bytes, and no more of them than ``max_chunks(size)``."""

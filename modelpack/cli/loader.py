@@ -5,7 +5,7 @@ The loader (and with it torch) is imported inside each command, never when this 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,6 +20,10 @@ from modelpack.cli.options import (
     target_options,
     variant_options,
 )
+
+if TYPE_CHECKING:
+    from modelpack.loader.stream_through import StreamReport
+    from modelpack.targets.options import TargetOptions
 
 
 @click.command("timeline")
@@ -74,7 +78,9 @@ def _streamed_source(source: str, opts: Any, events: str | None) -> tuple[Any, A
     return (target, str(ref.digest) if ref.digest else ref.tag), target
 
 
-def _cache_stream(source: str, cache_dir: str, opts: Any, events: str | None, fill: str) -> tuple[Any, Any]:
+def _cache_stream(
+    source: str, cache_dir: str, opts: TargetOptions, events: str | None, fill: str
+) -> tuple[Any, Any]:
     """``load REF@D --cache DIR``: the pinned reference streamed through the node cache
     (``loader.stream_through``); DIR is created as ``pull --cache`` creates it. Returns (source
     for the loader, the target both the cache and the load read)."""
@@ -103,7 +109,7 @@ def _cache_stream(source: str, cache_dir: str, opts: Any, events: str | None, fi
     ), target
 
 
-def _cache_line(report: Any) -> str:
+def _cache_line(report: StreamReport) -> str:
     if report.state == "share":
         return f"{report.root}: not published (this rank read its share; left to a full fill)"
     if report.published:

@@ -93,7 +93,7 @@ def vllm_expert_layout(
     return layout, [], f"expert parallel {experts.ep_size}, rank {experts.ep_rank}, {experts.placement}"
 
 
-def declares_experts(hf_config: Any) -> bool:
+def declares_experts(hf_config: object) -> bool:
     """Whether the model's config names a number of routed experts (a mixture-of-experts model)."""
     cfg = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "__dict__", {})
     for where in (cfg, cfg.get("text_config")):
