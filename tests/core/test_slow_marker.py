@@ -27,6 +27,8 @@ SLOW_MODULES = {
     "serving/test_vllm_tp2.py",
     "serving/test_adapters_vllm.py",
     "serving/test_origin_down_vllm.py",
+    # a benchmark end to end at its smoke size (8 gloo rank processes per row)
+    "loader/test_seed_shape_script.py",
     # a cold torch.compile per process
     "assets/test_assets.py",
     # whole systems: network namespaces, containerd, a built wheel in a fresh venv, real outages,

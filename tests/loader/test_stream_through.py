@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,14 @@ from modelpack.events import read_events
 from modelpack.targets.opener import TargetOptions
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.faultproxy import FaultProxy
-from tests.mount.test_cache_support import committed, finish, partial_bytes, pull_process, push_model
+from tests.mount.test_cache_support import (
+    committed,
+    finish,
+    kill_9_once_partial,
+    partial_bytes,
+    pull_process,
+    push_model,
+)
 from tests.paths import REPO_ROOT
 
 PLAIN = TargetOptions(plain_http=True)
@@ -140,17 +146,7 @@ def test_kill_9_mid_stream_leaves_resumable_partials_and_never_a_snapshot(
     ref = f"{proxy.host}/stream/kill@{digest}"
     proxy.rate = 512 * 1024  # per response: several seconds for the model
     proc = _load_process(cache_dir, ref)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if sum(partial_bytes(cache_dir).values() if (cache_dir / "ingest").exists() else [0]) > 300_000:
-                break
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    kill_9_once_partial(proc, cache_dir, 300_000)
     partials = partial_bytes(cache_dir)
     assert partials and sum(partials.values()) > 300_000
     before = committed(cache_dir)

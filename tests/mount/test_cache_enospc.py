@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from modelpack.cli import main
 from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.registry import RegistryServer
-from tests.mount.test_cache_support import push_model
+from tests.mount.test_cache_support import partial_bytes, push_model
 from tests.pull_dir_helpers import small_tmpfs, temp_entries
 
 pytestmark = pytest.mark.timeout(180)
@@ -102,7 +102,7 @@ def test_full_disk_mid_download_keeps_the_partial_and_names_it(
             env = {**os.environ, "CI": "1"}
             proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             deadline = time.monotonic() + 60
-            while not any(p.stat().st_size > 64 * 1024 for p in (cache / "ingest").glob("*.partial")):
+            while not any(n > 64 * 1024 for n in partial_bytes(cache).values()):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.02)
             _fill(fs)  # the racing writer

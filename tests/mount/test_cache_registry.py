@@ -8,7 +8,6 @@ the registry (``FaultProxy``) and, where it matters, by the registry's own acces
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tests.fixtures.faultproxy import FaultProxy
 from tests.mount.test_cache_support import (
     committed,
     finish,
+    kill_9_once_partial,
     partial_bytes,
     pull_process,
     push_model,
@@ -86,17 +86,7 @@ def test_kill_9_mid_blob_then_rerun_resumes_only_the_missing_part(registry, prox
     ref = f"{proxy.host}/cache/kill:v1"
     proxy.rate = 512 * 1024  # per response: several seconds for the model
     proc = pull_process(cache_dir, ref)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if sum(partial_bytes(cache_dir).values() if (cache_dir / "ingest").exists() else [0]) > 300_000:
-                break
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    kill_9_once_partial(proc, cache_dir, 300_000)
     partials = partial_bytes(cache_dir)
     assert partials and sum(partials.values()) > 300_000
     before = committed(cache_dir)

@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -78,10 +80,31 @@ def push_model(checkpoint: Path, registry_host: str, repo: str, tag: str = "v1")
 
 
 def partial_bytes(cache: Path) -> dict[str, int]:
-    out = {}
-    for p in (cache / "ingest").glob("*.partial"):
-        out["sha256:" + p.name.split(".")[0]] = p.stat().st_size
+    """Bytes of each partial blob in the cache's ingest, read while a pull may still be writing
+    (a partial it commits between the listing and the stat is gone: not counted)."""
+    out: dict[str, int] = {}
+    for p in (cache / "ingest").glob("*.partial") if (cache / "ingest").exists() else []:
+        try:
+            out["sha256:" + p.name.split(".")[0]] = p.stat().st_size
+        except FileNotFoundError:
+            continue
     return out
+
+
+def kill_9_once_partial(proc: subprocess.Popen[str], cache: Path, at_least: int) -> None:
+    """SIGKILL ``proc`` (a pull or a streamed load into ``cache``) once its partial blobs hold
+    ``at_least`` bytes, and reap it; fails if it ended first or never got there in 60 s."""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if sum(partial_bytes(cache).values()) > at_least:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
 
 
 def committed(cache: Path) -> set[str]:
