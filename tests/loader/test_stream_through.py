@@ -138,6 +138,7 @@ def _load_process(cache: Path, ref: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.host_copier  # the load runs in a process of its own, which the test device does not reach
 def test_kill_9_mid_stream_leaves_resumable_partials_and_never_a_snapshot(
     registry, proxy, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
