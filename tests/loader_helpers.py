@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from modelpack.loader.plan import ShardRule
@@ -13,6 +18,8 @@ from safetensors.torch import load_file
 from modelpack import api
 from modelpack.oci.descriptor import Descriptor, Manifest
 from modelpack.targets.layout import OCILayoutTarget
+from tests.fixtures.loopback import free_port
+from tests.paths import REPO_ROOT
 
 
 def reference_tensors(directory: Path | str) -> dict[str, torch.Tensor]:
@@ -76,3 +83,39 @@ def corrupt(path: Path, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def run_gloo_ranks(
+    script: str,
+    world: int,
+    args: Callable[[int], list[str]],
+    env: Mapping[str, str] | None = None,
+    rank_env: Callable[[int], Mapping[str, str]] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``script`` (``python -c``) as ``world`` processes of one gloo group over loopback
+    (``INIT``, ``RANK``, ``WORLD`` in their environment, plus ``env`` and ``rank_env(rank)``; argv
+    ``args(rank)``) and return each rank's ``RESULT {json}`` line, by rank. A rank that fails, or
+    is left waiting in a collective past 300 s, fails the test with its stderr."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = []
+    for r in range(world):
+        penv = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1")
+        penv.update(env or {})
+        penv.update(rank_env(r) if rank_env else {})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, *args(r)],
+                env=penv,
+                cwd=str(REPO_ROOT),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    return sorted(results, key=lambda d: d["rank"])

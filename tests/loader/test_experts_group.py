@@ -5,9 +5,6 @@ once per node and share the rest. Real processes, a real gloo group over loopbac
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +12,8 @@ import pytest
 import torch
 from modelpack.loader import LoadStats, load_state_dict
 
-from tests.fixtures.loopback import free_port
-from tests.loader_helpers import pack_layout, reference_tensors
+from tests.loader_helpers import pack_layout, reference_tensors, run_gloo_ranks
 from tests.moe_checkpoints import expert_of, linear_experts, write_moe
-from tests.paths import REPO_ROOT
 
 CHUNK = 64 * 1024
 EP = 4
@@ -120,28 +115,8 @@ def test_a_standalone_ep_rank_fetches_only_the_chunks_of_its_experts(model: dict
 
 
 def _run_ranks(model: dict[str, Any], world: int, tp: int, copier: str) -> list[dict[str, Any]]:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1", EXPERTS=str(E))
-        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [str(tp), copier]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", RANK, *args],
-                env=env,
-                cwd=str(REPO_ROOT),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-4000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
-    return sorted(results, key=lambda d: d["rank"])
+    args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [str(tp), copier]
+    return run_gloo_ranks(RANK, world, lambda r: args, env={"EXPERTS": str(E)})
 
 
 @pytest.mark.host_copier  # the ranks run in child processes and pick their copier themselves

@@ -6,18 +6,13 @@ replicated tensors (≤ 0.55× the model), and every rank reports what its node 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures.loopback import free_port
-from tests.loader_helpers import pack_layout
+from tests.loader_helpers import pack_layout, run_gloo_ranks
 from tests.moe_checkpoints import write_moe
-from tests.paths import REPO_ROOT
 
 CHUNK = 256 * 1024
 EP, E, LOCAL = 4, 8, 2
@@ -73,36 +68,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _run(model: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = []
-    for r in range(EP):
-        env = dict(
-            os.environ,
-            INIT=init,
-            RANK=str(r),
-            WORLD=str(EP),
-            LOCAL_WORLD_SIZE=str(LOCAL),
-            OMP_NUM_THREADS="1",
-            EXPERTS=str(E),
-        )
-        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [str(tmp / f"ev{r}.jsonl")]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", RANK, *args],
-                env=env,
-                cwd=str(REPO_ROOT),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-4000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
-    return sorted(results, key=lambda d: d["rank"])
+    common = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")]
+    return run_gloo_ranks(
+        RANK,
+        EP,
+        lambda r: [*common, str(tmp / f"ev{r}.jsonl")],
+        env={"LOCAL_WORLD_SIZE": str(LOCAL), "EXPERTS": str(E)},
+    )
 
 
 def test_over_nodes_a_shared_chunk_is_read_on_a_node_that_needs_it() -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 from tests.fixtures.loopback import free_port
-from tests.loader_helpers import pack_layout
+from tests.loader_helpers import pack_layout, run_gloo_ranks
 from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.host_copier  # the ranks run in child processes; they pick their copier themselves
@@ -62,7 +62,9 @@ try:
 except Exception as exc:
     print("RESULT " + json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc),
                                   "device": device_problems(dev)}), flush=True)
-    sys.exit(0)
+    # the group failed: its process group cannot be torn down in order (the other rank may be gone),
+    # and gloo's destructor at interpreter exit may abort with work pending; the result is out
+    os._exit(0)
 ref = reference_tensors(ckpt)
 rules = {t.name: t.rule for t in stats.plan.tensors}
 bad = [n for n in ref if n not in sd or not torch.equal(sd[n], expected_shard(ref[n], rules[n], world, rank))]
@@ -102,30 +104,10 @@ def _run_ranks(
 ) -> list[dict[str, Any]]:
     """Every rank's RESULT; ``copier``: "standin" runs each rank through the stand-in device
     (``device`` in a result: what it caught, [] when clean)."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    root = REPO_ROOT
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, INIT=init, RANK=str(r), WORLD=str(world), OMP_NUM_THREADS="1")
-        env["LAYOUT"] = str((layouts or {}).get(r, ""))
-        args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [mode, copier]
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", RANK, *args],
-                env=env,
-                cwd=str(root),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)  # a rank left waiting in a broadcast would hang here
-        assert p.returncode == 0, err[-4000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
-    return sorted(results, key=lambda d: d["rank"])
+    args = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")] + [mode, copier]
+    return run_gloo_ranks(
+        RANK, world, lambda r: args, rank_env=lambda r: {"LAYOUT": str((layouts or {}).get(r, ""))}
+    )
 
 
 def test_a_rank_that_stops_but_stays_alive_fails_the_group_within_its_progress_deadline(
