@@ -1,6 +1,6 @@
 """The seed's model shape, end to end: a DeepSeek-V3-shaped MoE FP8 checkpoint through pack → push
 → pull --cache → load at TP=8 and TP=8 + EP=8, beside safetensors, runai-model-streamer and
-fastsafetensors on the same files (issue 37 item 5).
+fastsafetensors on the same files.
 
     .venv/bin/python benchmarks/seed_shape.py                     # default 512MiB: a few minutes on 2 cores
     .venv/bin/python benchmarks/seed_shape.py --size 2GiB --repeat 3 --json-out seed_shape.json

@@ -1,4 +1,4 @@
-"""A streamed load through the node cache vs the same stream without it (issue 37 item 4).
+"""A streamed load through the node cache vs the same stream without it.
 
 A generated checkpoint (``SyntheticSpec.for_size``) is pushed to a loopback registry, signed
 (chunk table) and unsigned. Rounds, interleaved, each load a fresh process-local load of the
