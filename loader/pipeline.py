@@ -195,7 +195,7 @@ def prepare(
         )
         peers: list[ReadPlan] = []
         if opts.group is not None:
-            check_group(opts.group, plan, src)
+            check_group(opts.group, plan, src, opts.local_world_size)
             peers = peer_plans(plan, lambda r: build(r % tp_size, r) if ep.ep_size > 1 else build(r, 0))
         return PreparedLoad(src, headers, plan, fp, readers, header_bytes, verified, peers)
     except BaseException:

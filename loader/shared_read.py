@@ -171,12 +171,19 @@ def check_sources(group: Any, src: ResolvedSource, tp_size: int, tp_rank: int) -
     _agree(group, {"digest": src.digest, "files": files}, "a source")
 
 
-def check_group(group: Any, plan: ReadPlan, src: ResolvedSource) -> None:
-    """After planning: every rank planned with the same rules (so every rank's view of who needs
-    which chunk, and so the order of the broadcasts, is the same)."""
+def check_group(group: Any, plan: ReadPlan, src: ResolvedSource, local_world_size: int) -> None:
+    """After planning: every rank planned with the same rules and the same ranks per node (so
+    every rank's view of who needs which chunk, who reads it, and so the order and roots of the
+    broadcasts, is the same)."""
     _agree(
         group,
-        {"tp": plan.tp_size, "ep": plan.ep_size, "rules": plan.rules_digest, "uneven": plan.uneven},
+        {
+            "tp": plan.tp_size,
+            "ep": plan.ep_size,
+            "rules": plan.rules_digest,
+            "uneven": plan.uneven,
+            "ranks_per_node": node_size(local_world_size),
+        },
         "a plan",
     )
 

@@ -34,8 +34,12 @@ rank, world = dist.get_rank(), dist.get_world_size()
 manifest, _ = api.fetch_manifest(OCILayoutTarget(layout), digest)
 table = ChunkTable.from_predicate(json.load(open(table_path)), manifest)
 stats = LoadStats()
-sd = load_state_dict(f"oci:{layout}@{digest}", ep_size=world, ep_rank=rank, chunk_table=table,
-                     options=LoaderOptions(group=dist.group.WORLD), stats=stats, events=events)
+try:
+    sd = load_state_dict(f"oci:{layout}@{digest}", ep_size=world, ep_rank=rank, chunk_table=table,
+                         options=LoaderOptions(group=dist.group.WORLD), stats=stats, events=events)
+except Exception as exc:
+    print("RESULT " + json.dumps({"rank": rank, "error": type(exc).__name__, "message": str(exc)}), flush=True)
+    os._exit(0)  # the group failed: no orderly teardown (gloo may abort with work pending)
 ref = reference_tensors(ckpt)
 mine = linear_experts(int(os.environ["EXPERTS"]), world, rank)
 bad = [n for n, t in ref.items() if (expert_of(n) is None or expert_of(n) in mine) != (n in sd)
@@ -115,3 +119,20 @@ def test_each_node_reads_only_its_ranks_experts_and_reports_its_bytes(
         # half the experts and about half the replicated tensors: at most 0.55× the model
         assert got <= 0.55 * files, (n, got, files)
     assert sum(by_node) <= 1.05 * files
+
+
+def test_ranks_that_disagree_on_the_ranks_per_node_refuse_on_every_rank_before_reading(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """A launcher that gives one rank another LOCAL_WORLD_SIZE would make the ranks assign the
+    shared chunks to different owners (and broadcast from different roots): every rank refuses."""
+    common = [str(model[k]) for k in ("ckpt", "layout", "digest", "table")]
+    results = run_gloo_ranks(
+        RANK,
+        EP,
+        lambda r: [*common, str(tmp_path / f"ev{r}.jsonl")],
+        env={"EXPERTS": str(E)},
+        rank_env=lambda r: {"LOCAL_WORLD_SIZE": "1" if r == 3 else str(LOCAL)},
+    )
+    for r in results:
+        assert r.get("error") == "LoaderError" and "plan" in r["message"], r
