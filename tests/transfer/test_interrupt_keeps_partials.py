@@ -70,7 +70,7 @@ def test_a_signalled_pull_stops_at_once_and_its_rerun_resumes(
             env={**os.environ, "CI": "1"},
         )
         deadline = time.monotonic() + 60
-        while proxy.total_blob_bytes() < 2 * 1024 * 1024:
+        while proxy.blob_bytes_now() < 2 * 1024 * 1024:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         signalled = time.monotonic()
