@@ -1,9 +1,13 @@
 # The two front-door commands: `make demo` and `make test`. Both install what they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# one worker per core (pytest-xdist), each taking a whole test file at a time so a module's
-# fixtures (registries, engines) start once; PYTEST_ARGS="-p no:xdist" runs them in one process
-PYTEST_ARGS ?= -n auto --dist loadfile
+# one worker per core plus one (pytest-xdist), each taking a whole test file at a time so a
+# module's fixtures (registries, engines) start once, the longest files first
+# (tests/fixtures/schedule.py). A fifth of a worker's time is spent waiting on servers,
+# subprocesses and deadlines; the extra worker fills it. PYTEST_ARGS="-p no:xdist" runs them in
+# one process.
+WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+PYTEST_ARGS ?= -n $(WORKERS) --dist loadfile
 SOURCES := modelpack mediatypes signing mount loader tests benchmarks examples setup.py
 SHELL := /bin/bash
 

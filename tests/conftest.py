@@ -13,7 +13,12 @@ import pytest
 
 from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
 
-pytest_plugins = ["tests.fixtures.registry", "tests.fixtures.s3", "tests.fixtures.device"]
+pytest_plugins = [
+    "tests.fixtures.registry",
+    "tests.fixtures.s3",
+    "tests.fixtures.device",
+    "tests.fixtures.schedule",
+]
 
 
 @pytest.fixture
@@ -28,10 +33,3 @@ def checkpoint(tmp_path: Path) -> Path:
 def _no_ci_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     # keep progress bars out of captured output, as in CI
     monkeypatch.setenv("CI", os.environ.get("CI", "1"))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow modules first. ``make test`` runs one worker per core, each taking whole files
-    (``--dist loadfile``); a long file collected last (the vLLM starts live in tests/serving) left
-    the other worker idle for minutes at the end. The sort is stable: order within a file stays."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
