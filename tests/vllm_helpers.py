@@ -146,6 +146,21 @@ _OFFLINE = textwrap.dedent(
     spec = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    if spec["tp"] > 1:
+        # vLLM's CPU platform spawns its TP workers, each a fresh interpreter importing torch and
+        # vLLM again (~12 s of CPU per worker, per engine start). A forkserver that imported them
+        # once forks each worker from that state instead; the worker still loads modelpack's
+        # plugin and builds its model on its own, as a spawned one does.
+        import multiprocessing
+        import vllm.utils.system_utils as _su
+        import vllm.v1.executor.multiproc_executor as _mpe
+        multiprocessing.set_forkserver_preload(["torch", "vllm", "vllm.v1.worker.cpu_worker",
+                                                "vllm.v1.executor.multiproc_executor"])
+        _ctx = multiprocessing.get_context("forkserver")
+        def _mp_context():
+            _su._maybe_force_spawn()
+            return _ctx
+        _su.get_mp_context = _mpe.get_mp_context = _mp_context
     for run in spec["runs"]:
         kwargs = dict(model=run["model"], dtype="float32", tensor_parallel_size=spec["tp"],
                       max_model_len=256, enforce_eager=run.get("enforce_eager", True), seed=0,
