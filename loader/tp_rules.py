@@ -33,13 +33,21 @@ class ShardRule(str, Enum):
         return rule
 
 
-# Presets for Llama / Qwen / Mistral-style names (regexes, searched; first match wins). Only
-# ``.weight`` matrices are sharded; 1-D tensors (norms, biases) fall through to replicate.
-# Callers whose model shards biases with their columns (Qwen's q/k/v biases under vLLM) add a
-# rule such as ``{r"\.(q|k|v)_proj\.bias$": "dim0"}``.
+# Presets for Llama / Qwen / Mistral-style names, Mixtral's experts (``w1``/``w3`` column-, ``w2``
+# row-parallel) and DeepSeek-V2/V3's latent attention (``q_b_proj``/``kv_b_proj`` column-parallel by
+# heads; the low-rank ``q_a_proj``/``kv_a_proj_with_mqa`` match nothing and are replicated, as
+# vLLM's MLA layers hold them) (regexes, searched; first match wins). Only ``.weight`` matrices are
+# sharded; 1-D tensors (norms, biases) fall through to replicate. Callers whose model shards biases
+# with their columns (Qwen's q/k/v biases under vLLM) add a rule such as
+# ``{r"\.(q|k|v)_proj\.bias$": "dim0"}``.
 DEFAULT_RULES: tuple[tuple[str, ShardRule], ...] = (
-    (r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj)\.weight$", ShardRule.DIM0),
+    (
+        r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)\.weight$",
+        ShardRule.DIM0,
+    ),
     (r"(^|\.)(o_proj|down_proj)\.weight$", ShardRule.DIM1),
+    (r"(^|\.)experts\.\d+\.(w1|w3)\.weight$", ShardRule.DIM0),
+    (r"(^|\.)experts\.\d+\.w2\.weight$", ShardRule.DIM1),
     (r"(^|\.)(embed_tokens|lm_head)\.weight$", ShardRule.DIM0),
 )
 
