@@ -63,6 +63,7 @@ bench: deps
 	$(PY) benchmarks/gpu_load.py --device cpu --size 64MiB --workers 2 --json-out $(BENCH_OUT)/gpu_load.json
 	$(PY) benchmarks/seed_shape.py --json-out $(BENCH_OUT)/seed_shape.json
 	$(PY) benchmarks/storm.py --nodes 1,4 --size 16MiB --shards 4 --no-faults --out $(BENCH_OUT)/storm || [ $$? -eq 77 ]
+	$(PY) benchmarks/stream_cache.py --size-mib 256 --shards 2 --repeat 1 --links loopback,1000 || [ $$? -eq 77 ]
 	if [ -x .venv-vllm/bin/python ]; then $(PY) benchmarks/vllm_start.py --weights-only --weights-repeat 1; fi
 
 # The release files of modelpack/_version.py's version under $(DIST): wheel, sdist, SHA256SUMS, a
