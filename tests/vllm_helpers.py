@@ -49,6 +49,29 @@ QWEN2_MOE_CONFIG: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "norm_topk_prob": False,
 }
+# a tiny Qwen3-MoE: Qwen2-MoE's expert names, no shared expert, per-head q_norm / k_norm
+QWEN3_MOE_CONFIG: dict[str, Any] = {
+    **LLAMA_CONFIG,
+    "moe_intermediate_size": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+}
+# a tiny Mixtral: ``…block_sparse_moe.experts.{i}.{w1,w2,w3}``, sized by ``intermediate_size``
+MIXTRAL_CONFIG: dict[str, Any] = {
+    **LLAMA_CONFIG,
+    "intermediate_size": 64,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+# family → (transformers model class name, its config class name, the config)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", LLAMA_CONFIG),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", QWEN2_MOE_CONFIG),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE_CONFIG),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", MIXTRAL_CONFIG),
+}
 PROMPTS: list[list[int]] = [[1, 17, 42, 7, 99, 3, 250, 64], [1, 5, 6, 7, 8, 200, 201, 9, 10]]
 MAX_TOKENS = 8
 
@@ -58,28 +81,29 @@ def vllm_available() -> bool:
 
 
 def write_tiny_llama(
-    directory: Path, seed: int = 0, config: Mapping[str, Any] | None = None, *, moe: bool = False
+    directory: Path,
+    seed: int = 0,
+    config: Mapping[str, Any] | None = None,
+    *,
+    moe: bool = False,
+    family: str | None = None,
 ) -> Path:
     """A float32 Llama (head_dim 32) with its config and a local tokenizer, as a plain directory;
-    with ``moe``, a Qwen2-MoE of the same attention and size (``QWEN2_MOE_CONFIG``).
+    with ``family``, a model of that name in ``FAMILIES`` of the same attention and size (``moe``:
+    ``family="qwen2_moe"``, a Qwen2-MoE).
 
-    ``config`` overrides ``LLAMA_CONFIG`` keys (the benchmark builds a larger model); the tokenizer
-    always covers ``VOCAB`` words, which prompts given as token ids do not need more of.
+    ``config`` overrides the family's config keys (the benchmark builds a larger model); the
+    tokenizer always covers ``VOCAB`` words, which prompts given as token ids do not need more of.
     """
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    model_class, config_class, base = FAMILIES[family or ("qwen2_moe" if moe else "llama")]
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    if moe:
-        moe_config = transformers.Qwen2MoeConfig(
-            **{**QWEN2_MOE_CONFIG, **(config or {})}, torch_dtype="float32"
-        )
-        model = transformers.Qwen2MoeForCausalLM(moe_config).to(torch.float32).eval()
-    else:
-        llama_config = transformers.LlamaConfig(**{**LLAMA_CONFIG, **(config or {})}, torch_dtype="float32")
-        model = transformers.LlamaForCausalLM(llama_config).to(torch.float32).eval()
+    model_config = getattr(transformers, config_class)(**{**base, **(config or {})}, torch_dtype="float32")
+    model = getattr(transformers, model_class)(model_config).to(torch.float32).eval()
     # random init leaves logits nearly flat; sharper weights make greedy choices and logprobs distinct
     with torch.no_grad():
         for p in model.parameters():

