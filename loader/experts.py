@@ -123,15 +123,22 @@ def num_experts_from_config(raw: bytes | None) -> int | None:
 
 
 def weight_block_size(raw: bytes | None) -> tuple[int, int] | None:
-    """``quantization_config.weight_block_size`` (block-wise FP8: [rows, columns] per scale)."""
+    """``quantization_config.weight_block_size`` of a ``config.json`` (block-wise FP8: [rows,
+    columns] per scale)."""
     if not raw:
         return None
     try:
         doc = boundedjson.loads(raw, what="config.json", max_bytes=MAX_CONFIG_BYTES)
     except DocumentError:
         return None
-    qc = doc.get("quantization_config") if isinstance(doc, dict) else None
-    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    return weight_block_size_of(doc)
+
+
+def weight_block_size_of(config: object) -> tuple[int, int] | None:
+    """``quantization_config.weight_block_size`` of a parsed config: two positive integers, else
+    None (absent, or not a block size: a caller that must not guess checks whether it was declared)."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    block = qc.get("weight_block_size") if isinstance(qc, Mapping) else None
     if (
         isinstance(block, list)
         and len(block) == 2
@@ -226,4 +233,5 @@ __all__ = [
     "num_experts_from_config",
     "stacked_rows",
     "weight_block_size",
+    "weight_block_size_of",
 ]

@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any
 
 from modelpack.loader import ShardRule
+from modelpack.loader.experts import weight_block_size_of
 
 # vLLM pads vocabularies to a multiple of this (vllm.model_executor.layers.vocab_parallel_embedding)
 VLLM_VOCAB_PADDING = 64
@@ -94,11 +95,10 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
     notes = [arch]
     if arch in MOE_ARCHITECTURES:
         moe = _int(cfg, MOE_ARCHITECTURES[arch])
-        if not moe or moe % tp_size:
+        whole = _experts_read_whole(cfg, moe, tp_size)
+        if whole:
             rules.append((_ROUTED_EXPERT, ShardRule.REPLICATE))
-            notes.append(
-                f"expert intermediate size {moe} does not split over {tp_size} ranks: experts read whole"
-            )
+            notes.append(whole)
         elif arch == "MixtralForCausalLM":
             rules += [(_MIXTRAL_EXPERT_COLUMN, ShardRule.DIM0), (_MIXTRAL_EXPERT_ROW, ShardRule.DIM1)]
     rules += [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
@@ -114,6 +114,27 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
     else:
         notes.append(f"vocabulary {vocab} is padded by vLLM: embeddings read whole")
     return rules, "; ".join(notes)
+
+
+def _experts_read_whole(cfg: Mapping[str, Any], moe: int, tp_size: int) -> str:
+    """Why the routed experts must be read whole under vLLM's TP ("" when they split as vLLM
+    narrows them: ``rank * moe / tp_size``, evenly)."""
+    if not moe or moe % tp_size:
+        return f"expert intermediate size {moe} does not split over {tp_size} ranks: experts read whole"
+    qc = cfg.get("quantization_config")
+    declared = isinstance(qc, Mapping) and qc.get("weight_block_size") is not None
+    block = weight_block_size_of(cfg)
+    if declared and block is None:
+        return "quantization_config.weight_block_size is not two positive integers: experts read whole"
+    if block is not None and (moe // tp_size) % block[0]:
+        # vLLM 0.32 refines the block or pads each rank's share to whole blocks
+        # (fused_moe/oracle/fp8.py, pad_tp_shard_to_weight_blocks) and narrows at
+        # rank * round_up(moe / tp_size, block), not at rank * moe / tp_size
+        return (
+            f"expert intermediate size {moe} splits into {moe // tp_size} rows per rank, not whole "
+            f"FP8 blocks of {block[0]} (vLLM pads or refines them): experts read whole"
+        )
+    return ""
 
 
 def _as_mapping(hf_config: Any) -> Mapping[str, Any]:

@@ -196,6 +196,45 @@ def test_an_expert_intermediate_size_the_ranks_do_not_split_reads_the_experts_wh
     assert _rule_of(rules, experts.format(i=1, p=names[2])) is ShardRule.DIM1  # down
 
 
+@pytest.mark.parametrize(
+    ("config", "key", "experts"),
+    [
+        (CONFIG, "moe_intermediate_size", "model.layers.0.mlp.experts.{i}.{p}_proj.weight"),
+        (MIXTRAL_CONFIG, "intermediate_size", "model.layers.0.block_sparse_moe.experts.{i}.{p}.weight"),
+    ],
+    ids=["qwen2_moe", "mixtral"],
+)
+def test_fp8_block_experts_whose_rank_share_is_not_whole_blocks_are_read_whole(
+    config: dict[str, object], key: str, experts: str
+) -> None:
+    """FP8 block-quantized experts whose per-rank intermediate size is not a whole number of
+    blocks: vLLM 0.32 refines the block or pads each rank's share to whole blocks
+    (``fused_moe/oracle/fp8.py``, ``pad_tp_shard_to_weight_blocks``), and then narrows at
+    ``rank * round_up(I / tp, block)``, not at ``rank * I / tp``. A ``dim0``/``dim1`` rule would
+    read rows vLLM does not narrow: the experts (weights and scales) are read whole."""
+    names = ("w1", "w3", "w2") if "block_sparse_moe" in experts else ("gate", "up", "down")
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    # 1536 / 8 = 192 rows per rank: 1.5 blocks of 128 (vLLM pads each share to 256)
+    rules, why = vllm_shard_rules({**config, key: 1536, "quantization_config": fp8}, 8)
+    assert "192" in why and "128" in why and "experts read whole" in why, why
+    for p in names:
+        assert _rule_of(rules, experts.format(i=2, p=p)) is ShardRule.REPLICATE, p
+        scale = experts.format(i=2, p=p).replace(".weight", ".weight_scale_inv")
+        assert _rule_of(rules, scale) is ShardRule.REPLICATE, scale
+    assert _rule_of(rules, "model.layers.0.self_attn.o_proj.weight") is ShardRule.DIM1
+    # whole blocks per rank (1536 / 4 = 384 = 3 blocks): split as vLLM narrows them
+    rules, why = vllm_shard_rules({**config, key: 1536, "quantization_config": fp8}, 4)
+    assert "experts read whole" not in why, why
+    assert _rule_of(rules, experts.format(i=2, p=names[0])) is ShardRule.DIM0
+    assert _rule_of(rules, experts.format(i=2, p=names[2])) is ShardRule.DIM1
+    # a hostile block size (not a positive integer pair) reads the experts whole too
+    for bad in ([0, 128], ["128", "128"], [128], "128", None):
+        qc = {**fp8, "weight_block_size": bad}
+        rules, _ = vllm_shard_rules({**config, key: 1536, "quantization_config": qc}, 8)
+        expect = ShardRule.DIM0 if bad is None else ShardRule.REPLICATE
+        assert _rule_of(rules, experts.format(i=0, p=names[0])) is expect, bad
+
+
 def test_the_mixtral_rules_key_on_intermediate_size_not_moe_intermediate_size() -> None:
     """A Mixtral config carrying a stray ``moe_intermediate_size`` (not a key vLLM's Mixtral
     reads) still sizes its experts by ``intermediate_size``."""
