@@ -96,7 +96,7 @@ RUNAI_CONCURRENCY = 16  # docs/src/env-vars.md of runai-model-streamer: 16 for a
 EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
 # the TP presets (loader/plan.py DEFAULT_RULES): the share a TP rank holds, cut here independently
 DIM0_RE = re.compile(
-    r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|embed_tokens|lm_head)$"
+    r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj|embed_tokens|lm_head)$"
 )
 DIM1_RE = re.compile(r"(^|\.)(o_proj|down_proj)$")
 
