@@ -40,14 +40,18 @@ class ShardRule(str, Enum):
 # sharded; 1-D tensors (norms, biases) fall through to replicate. Callers whose model shards biases
 # with their columns (Qwen's q/k/v biases under vLLM) add a rule such as
 # ``{r"\.(q|k|v)_proj\.bias$": "dim0"}``.
+#: Mixtral's routed experts, named ``experts.{i}.w1`` (gate) / ``w3`` (up) / ``w2`` (down)
+MIXTRAL_EXPERT_COLUMN = r"(^|\.)experts\.\d+\.(w1|w3)\.weight$"
+MIXTRAL_EXPERT_ROW = r"(^|\.)experts\.\d+\.w2\.weight$"
+
 DEFAULT_RULES: tuple[tuple[str, ShardRule], ...] = (
     (
         r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|gate_up_proj|q_b_proj|kv_b_proj)\.weight$",
         ShardRule.DIM0,
     ),
     (r"(^|\.)(o_proj|down_proj)\.weight$", ShardRule.DIM1),
-    (r"(^|\.)experts\.\d+\.(w1|w3)\.weight$", ShardRule.DIM0),
-    (r"(^|\.)experts\.\d+\.w2\.weight$", ShardRule.DIM1),
+    (MIXTRAL_EXPERT_COLUMN, ShardRule.DIM0),
+    (MIXTRAL_EXPERT_ROW, ShardRule.DIM1),
     (r"(^|\.)(embed_tokens|lm_head)\.weight$", ShardRule.DIM0),
 )
 
@@ -111,6 +115,8 @@ def shard_bounds(n: int, tp_size: int, tp_rank: int, *, uneven: str, what: str) 
 
 __all__ = [
     "DEFAULT_RULES",
+    "MIXTRAL_EXPERT_COLUMN",
+    "MIXTRAL_EXPERT_ROW",
     "RulesLike",
     "ShardRule",
     "compile_rules",

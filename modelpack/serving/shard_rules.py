@@ -34,6 +34,7 @@ from typing import Any
 
 from modelpack.loader import ShardRule
 from modelpack.loader.experts import weight_block_size_of
+from modelpack.loader.tp_rules import MIXTRAL_EXPERT_COLUMN, MIXTRAL_EXPERT_ROW
 
 # vLLM pads vocabularies to a multiple of this (vllm.model_executor.layers.vocab_parallel_embedding)
 VLLM_VOCAB_PADDING = 64
@@ -70,9 +71,6 @@ _KV = r"(^|\.)(k_proj|v_proj)\.weight$"
 _ROW = r"(^|\.)(o_proj|down_proj)\.weight$"
 _VOCAB = r"(^|\.)(embed_tokens|lm_head)\.weight$"
 _ROUTED_EXPERT = r"(^|\.)experts\.\d+\."
-# Mixtral's expert names (vLLM's MixtralMoE passes ckpt_names=("w1", "w2", "w3") to FusedMoE)
-_MIXTRAL_EXPERT_COLUMN = r"(^|\.)experts\.\d+\.(w1|w3)\.weight$"
-_MIXTRAL_EXPERT_ROW = r"(^|\.)experts\.\d+\.w2\.weight$"
 
 
 def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, ShardRule]], str]:
@@ -99,8 +97,8 @@ def vllm_shard_rules(hf_config: Any, tp_size: int) -> tuple[list[tuple[str, Shar
         if whole:
             rules.append((_ROUTED_EXPERT, ShardRule.REPLICATE))
             notes.append(whole)
-        elif arch == "MixtralForCausalLM":
-            rules += [(_MIXTRAL_EXPERT_COLUMN, ShardRule.DIM0), (_MIXTRAL_EXPERT_ROW, ShardRule.DIM1)]
+        elif arch == "MixtralForCausalLM":  # vLLM's MixtralMoE: ckpt_names=("w1", "w2", "w3")
+            rules += [(MIXTRAL_EXPERT_COLUMN, ShardRule.DIM0), (MIXTRAL_EXPERT_ROW, ShardRule.DIM1)]
     rules += [(_COLUMN, ShardRule.DIM0), (_ROW, ShardRule.DIM1)]
     heads = _int(cfg, "num_attention_heads")
     kv_heads = _int(cfg, "num_key_value_heads") or heads
