@@ -10,11 +10,12 @@ are in ``tests/serving/test_vllm_tp2.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from modelpack.loader import LoadStats, ShardRule
+from modelpack.loader import LoadStats, ReadPlan, ShardRule
 from safetensors.torch import load_file, save_file
 
 from modelpack import api
@@ -39,20 +40,28 @@ CONFIG = {
 }
 
 
-def _qwen2_moe_tensors() -> dict[str, torch.Tensor]:
-    """A one-layer Qwen2-MoE checkpoint's names and shapes (as transformers saves them)."""
-    g = torch.Generator().manual_seed(0)
+def _random(seed: int) -> Callable[..., torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=g)
 
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
 
-    p = "model.layers.0."
-    t = {
+def _dense_part(r: Callable[..., torch.Tensor], p: str) -> dict[str, torch.Tensor]:
+    """What every family's one-layer checkpoint has around its attention and experts."""
+    return {
         "model.embed_tokens.weight": r(VOCAB, HIDDEN),
         "lm_head.weight": r(VOCAB, HIDDEN),
         "model.norm.weight": r(HIDDEN),
         p + "input_layernorm.weight": r(HIDDEN),
         p + "post_attention_layernorm.weight": r(HIDDEN),
+    }
+
+
+def _qwen2_moe_tensors() -> dict[str, torch.Tensor]:
+    """A one-layer Qwen2-MoE checkpoint's names and shapes (as transformers saves them)."""
+    r = _random(0)
+    p = "model.layers.0."
+    t = {
+        **_dense_part(r, p),
         p + "mlp.gate.weight": r(EXPERTS, HIDDEN),  # the router
         p + "mlp.shared_expert_gate.weight": r(1, HIDDEN),
         p + "mlp.shared_expert.gate_proj.weight": r(SHARED_INTER, HIDDEN),
@@ -248,20 +257,9 @@ def test_the_mixtral_rules_key_on_intermediate_size_not_moe_intermediate_size() 
 
 def _mixtral_tensors() -> dict[str, torch.Tensor]:
     """A one-layer Mixtral checkpoint's names and shapes (as transformers saves them)."""
-    g = torch.Generator().manual_seed(1)
-
-    def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
-
+    r = _random(1)
     p = "model.layers.0."
-    t = {
-        "model.embed_tokens.weight": r(VOCAB, HIDDEN),
-        "lm_head.weight": r(VOCAB, HIDDEN),
-        "model.norm.weight": r(HIDDEN),
-        p + "input_layernorm.weight": r(HIDDEN),
-        p + "post_attention_layernorm.weight": r(HIDDEN),
-        p + "block_sparse_moe.gate.weight": r(EXPERTS, HIDDEN),  # the router
-    }
+    t = {**_dense_part(r, p), p + "block_sparse_moe.gate.weight": r(EXPERTS, HIDDEN)}  # the router
     for proj in ("q", "k", "v", "o"):
         t[p + f"self_attn.{proj}_proj.weight"] = r(HIDDEN, HIDDEN)
     for e in range(EXPERTS):
@@ -271,17 +269,15 @@ def _mixtral_tensors() -> dict[str, torch.Tensor]:
     return t
 
 
-@pytest.mark.parametrize("tp_rank", [0, 1])
-def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_rank: int) -> None:
-    """What a rank reads of each w1/w3 (its rows) and w2 (its columns) is exactly the slice
-    ``FusedMoE``'s ``_load_w13`` / ``_load_w2`` narrow at ``tp_rank * size // tp``; the router whole."""
-    ref = _mixtral_tensors()
-    save_file(ref, str(tmp_path / "model.safetensors"))
-    rules, _ = vllm_shard_rules(MIXTRAL_CONFIG, 2)
+def _tp2_rank_reads(
+    directory: Path, config: dict[str, object], tp_rank: int
+) -> tuple[dict[str, torch.Tensor], ReadPlan]:
+    """What the load format hands vLLM at TP=2 under ``config``'s rules, and the rank's plan."""
+    rules, _ = vllm_shard_rules(config, 2)
     stats = LoadStats()
     got = dict(
         iter_full_shape(
-            str(tmp_path),
+            str(directory),
             tp_size=2,
             tp_rank=tp_rank,
             rules=rules,
@@ -290,6 +286,17 @@ def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_ra
             stats=stats,
         )
     )
+    assert stats.plan is not None
+    return got, stats.plan
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_rank: int) -> None:
+    """What a rank reads of each w1/w3 (its rows) and w2 (its columns) is exactly the slice
+    ``FusedMoE``'s ``_load_w13`` / ``_load_w2`` narrow at ``tp_rank * size // tp``; the router whole."""
+    ref = _mixtral_tensors()
+    save_file(ref, str(tmp_path / "model.safetensors"))
+    got, plan = _tp2_rank_reads(tmp_path, MIXTRAL_CONFIG, tp_rank)
     assert set(got) == set(ref)
     half = slice(tp_rank * MOE_INTER // 2, (tp_rank + 1) * MOE_INTER // 2)
     for e in range(EXPERTS):
@@ -300,8 +307,6 @@ def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_ra
         assert torch.equal(got[name][:, half], ref[name][:, half]), name
     router = "model.layers.0.block_sparse_moe.gate.weight"
     assert torch.equal(got[router], ref[router])
-    plan = stats.plan
-    assert plan is not None
     assert plan.replicated_bytes < 0.05 * plan.total_bytes  # norms and the router only
     assert plan.bytes_to_read == (plan.total_bytes - plan.replicated_bytes) // 2 + plan.replicated_bytes
 
@@ -309,19 +314,7 @@ def test_a_tp_rank_of_a_mixtral_reads_half_of_every_expert(tmp_path: Path, tp_ra
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_a_tp_rank_of_a_moe_model_reads_half_of_every_expert(moe_dir: Path, tp_rank: int) -> None:
     ref = load_file(str(moe_dir / "model.safetensors"))
-    rules, _ = vllm_shard_rules(CONFIG, 2)
-    stats = LoadStats()
-    got = dict(
-        iter_full_shape(
-            str(moe_dir),
-            tp_size=2,
-            tp_rank=tp_rank,
-            rules=rules,
-            presets=False,
-            allow_unverified=True,
-            stats=stats,
-        )
-    )
+    got, plan = _tp2_rank_reads(moe_dir, CONFIG, tp_rank)
     assert set(got) == set(ref)
     for e in range(EXPERTS):
         name = f"model.layers.0.mlp.experts.{e}.gate_proj.weight"
@@ -331,8 +324,6 @@ def test_a_tp_rank_of_a_moe_model_reads_half_of_every_expert(moe_dir: Path, tp_r
         cols = slice(tp_rank * MOE_INTER // 2, (tp_rank + 1) * MOE_INTER // 2)
         assert torch.equal(got[name][:, cols], ref[name][:, cols]), name
     assert torch.equal(got["model.layers.0.mlp.gate.weight"], ref["model.layers.0.mlp.gate.weight"])
-    plan = stats.plan
-    assert plan is not None
     assert plan.bytes_to_read == (plan.total_bytes - plan.replicated_bytes) // 2 + plan.replicated_bytes
     assert plan.bytes_to_read < 0.55 * plan.total_bytes
 
