@@ -7,6 +7,7 @@ token and TLS variants; moto in server mode for S3) and are registered here as p
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ pytest_plugins = [
     "tests.fixtures.device",
     "tests.fixtures.schedule",
 ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background by a non-interactive shell (``make test &``) inherits
+    SIGINT ignored, and every process a test starts would inherit that ignore, so the tests that
+    interrupt a pull with SIGINT would see it run on (a program keeps an inherited ignore, as
+    modelpack does). The test process takes SIGINT back; its children then start with the
+    default, as under a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
