@@ -212,6 +212,9 @@ from modelpack.errors.targets import (
     PermissionDeniedError as PermissionDeniedError,
 )
 from modelpack.errors.targets import (
+    RangeListError as RangeListError,
+)
+from modelpack.errors.targets import (
     RegistryConnectionError as RegistryConnectionError,
 )
 from modelpack.errors.targets import (

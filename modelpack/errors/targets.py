@@ -37,6 +37,11 @@ class RegistryError(ModelpackError):
         self.target = target
 
 
+class RangeListError(ModelpackError, ValueError):
+    """Blob ranges a caller asked for that cannot be served as asked: out of order, overlapping,
+    negative, or with destination views of another length (a bug in the caller, not the source)."""
+
+
 class ListingCutError(RegistryError):
     """A tag or catalog listing stopped at its page bound: the registry kept linking to more
     pages (``Link: rel=next``) than any real listing needs. ``listed`` items came before it."""

@@ -227,6 +227,26 @@ class RangeIntoFetcher(Protocol):
 
 
 @runtime_checkable
+class MultiRangeFetcher(Protocol):
+    """A target that fills many disjoint ranges of one blob in few requests (a column-split share's rows)."""
+
+    @property
+    def multi_range(self) -> bool:
+        """Whether ``fetch_ranges_into`` reads the ranges from the one source it names (False where reads go
+        through mirrors or peers, whose wrong bytes must be refetched from the next source, which only the
+        contiguous chunk-checked path does)."""
+        ...
+
+    def fetch_ranges_into(
+        self, descriptor: Descriptor, ranges: Sequence[tuple[int, int]], views: Sequence[memoryview]
+    ) -> int:
+        """Fill ``views[i]`` with the ``ranges[i] = (offset, length)`` bytes of the blob (ascending,
+        non-overlapping, ``len(views[i]) == length``). Returns the bytes fetched from the source: the sum of
+        the lengths, or more where the source ignored a multi-range request and covering ranges were read."""
+        ...
+
+
+@runtime_checkable
 class Catalog(Protocol):
     """Lists the repositories of a whole registry (``/v2/_catalog``; go-containerregistry's
     ``remote.Catalog``)."""

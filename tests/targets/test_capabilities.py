@@ -25,6 +25,7 @@ from modelpack.targets.base import (
     CheckedRangeFetcher,
     Closable,
     LocalBlobSource,
+    MultiRangeFetcher,
     RangeIntoFetcher,
     ReadableTarget,
     SourceAccounting,
@@ -45,6 +46,7 @@ CAPABILITIES: dict[str, type] = {
     "SourceAccounting": SourceAccounting,
     "CheckedRangeFetcher": CheckedRangeFetcher,
     "RangeIntoFetcher": RangeIntoFetcher,
+    "MultiRangeFetcher": MultiRangeFetcher,
     "Catalog": Catalog,
     "Closable": Closable,
     "VerifiedSpooler": VerifiedSpooler,
@@ -65,7 +67,8 @@ def test_a_registry_repository_mounts_lists_the_catalog_and_receives_ranges_in_p
     registry: RegistryServer,
 ) -> None:
     """A registry target can mount, list the catalog, account bytes per source, fetch checked
-    ranges and receive ranges into caller memory; it keeps no blob as a local file."""
+    ranges, receive ranges into caller memory and many ranges per request; it keeps no blob as a
+    local file."""
     ref = parse_reference(registry.ref("capabilities/registry", "v1"))
     opts = TargetOptions(plain_http=True)
     for target in (open_readable(ref, opts), open_target(ref, opts)):
@@ -76,21 +79,29 @@ def test_a_registry_repository_mounts_lists_the_catalog_and_receives_ranges_in_p
             "SourceAccounting",
             "CheckedRangeFetcher",
             "RangeIntoFetcher",
+            "MultiRangeFetcher",
             "Catalog",
             "Closable",
             "VerifiedSpooler",
         }
         assert isinstance(target, BlobMounter) and target.registry_host == registry.host
         assert isinstance(target, SourceAccounting) and target.bytes_by_source() == {}
+        assert isinstance(target, MultiRangeFetcher) and target.multi_range  # no mirrors
         assert isinstance(target, Closable)
         target.close()
 
 
 def test_an_oci_layout_offers_its_blob_files_and_nothing_a_registry_does(tmp_path: Path) -> None:
-    """An OCI layout directory hands out local blob sources and blob paths; it cannot mount,
-    list a catalog or account sources."""
+    """An OCI layout directory hands out local blob sources and blob paths and reads many ranges
+    of a blob file at once; it cannot mount, list a catalog or account sources."""
     target = open_target(parse_reference(f"oci:{tmp_path / 'layout'}:v1"), for_write=True)
-    assert _capabilities(target) == {"ReadableTarget", "Target", "LocalBlobSource", "BlobFiles"}
+    assert _capabilities(target) == {
+        "ReadableTarget",
+        "Target",
+        "LocalBlobSource",
+        "BlobFiles",
+        "MultiRangeFetcher",
+    }
     assert isinstance(target, BlobFiles)
     digest = "sha256:" + "0" * 64
     assert target.blob_path(digest) == str(tmp_path / "layout" / "blobs" / "sha256" / ("0" * 64))

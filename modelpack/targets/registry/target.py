@@ -34,8 +34,9 @@ from modelpack.oci.descriptor import Descriptor
 from modelpack.oci.reference import Reference
 from modelpack.targets.base import BlobSource, ChunkBounds, ChunkTableLike, RangeCheck
 from modelpack.targets.options import TargetOptions
+from modelpack.targets.ranges import bands, fill_views, plan_runs
 from modelpack.targets.registry.auth import resolve_credentials
-from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
+from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into, read_ranges_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
@@ -260,6 +261,32 @@ class RegistryTarget:
                 pos += len(v)
             return
         read_range_into(self._repo, descriptor, offset, views)
+
+    @property
+    def multi_range(self) -> bool:
+        """Whether ``fetch_ranges_into`` asks the origin for many ranges per request: only
+        without mirrors (``MultiRangeFetcher``)."""
+        return self.mirrors is None
+
+    def fetch_ranges_into(
+        self, descriptor: Descriptor, ranges: Sequence[tuple[int, int]], views: Sequence[memoryview]
+    ) -> int:
+        """Fill ``views[i]`` with the ``ranges[i]`` bytes of the blob: multi-range requests to the
+        origin (``blob_reads.read_ranges_into``), or, through mirrors, covering bands read from the
+        first source that serves them and copied out (a mirror's wrong bytes are for the caller's
+        check to find; ``multi_range`` is False). Returns the bytes fetched."""
+        if self.mirrors is None:
+            return read_ranges_into(self._repo, descriptor, ranges, views)
+        fetched = 0
+        for band in bands(plan_runs(descriptor, ranges, views, source=self.name)):
+            data = self.mirrors.read_range(descriptor, band.offset, band.length)
+            if len(data) != band.length:
+                raise SizeMismatchError(
+                    descriptor.digest, band.length, len(data), source=f"{self.name} range {band.offset}"
+                )
+            fill_views(band.views, data)
+            fetched += band.length
+        return fetched
 
     def bytes_by_source(self) -> dict[str, int]:
         """Blob bytes delivered per source host (mirrors and origin; empty without mirrors)."""
