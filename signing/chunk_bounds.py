@@ -13,6 +13,15 @@ shares a rank reads begin and end, read from the layer's safetensors header:
   whole parts; each part is then cut every ``chunkSize`` bytes;
 - runs of smaller tensors (norms, biases, scales) share chunks of up to ``SMALL`` bytes.
 
+A dim-1 (column-split) share is strided over every row of its tensor, so no contiguous chunk is one
+rank's. Aligned tables therefore also sign **column blocks** (``column_blocks``): every 2-D tensor
+of ``2·SMALL`` bytes or more is cut along its second dimension into ``K`` equal blocks (``K`` the
+largest power of two up to ``COLUMN_GRID`` dividing the columns, halves of ``SMALL`` bytes or more,
+finer blocks of half a chunk or more), and block ``j``'s digest is over the concatenation of every
+row's ``j``-th slice. A rank whose dim-1 share at TP ∈ {2, 4, 8} is whole blocks reads just its
+columns (one range per row) and checks them against these digests. The contiguous chunks still
+tile the blob, so every other reader (a group, a mirror's spool, a whole-layer check) is unchanged.
+
 So every chunk holds ``SMALL`` bytes or more except at most two per tensor (its tail and the
 small run before it) and the header's: a layer of ``size`` bytes has at most
 ``max_chunks(size)`` chunks, which is what a verifier allows (a table with more is refused as
@@ -29,8 +38,25 @@ from modelpack.packing.safetensors_format import SafetensorsHeader
 
 SMALL = 64 * 1024  # tensors below this share chunks; every aligned part is at least this long
 GRID = 64  # a tensor's first dimension is cut into up to this many parts (TP/EP up to 64)
+COLUMN_GRID = 8  # a 2-D tensor's columns are signed in up to this many blocks (dim-1 shares at TP ≤ 8)
 
-__all__ = ["GRID", "SMALL", "aligned_starts", "fixed_starts", "max_chunks", "runs_of", "starts_from_runs"]
+__all__ = [
+    "COLUMN_GRID",
+    "GRID",
+    "SMALL",
+    "ColumnSpec",
+    "aligned_starts",
+    "column_blocks",
+    "column_specs_from",
+    "fixed_starts",
+    "max_chunks",
+    "runs_of",
+    "starts_from_runs",
+]
+
+# (start, rows, row bytes, blocks): a 2-D tensor at ``[start, start + rows·row_bytes)`` of the
+# blob, its columns signed in ``blocks`` equal blocks (the wire form of one ``columns`` entry)
+ColumnSpec = tuple[int, int, int, int]
 
 
 def max_chunks(size: int) -> int:
@@ -88,6 +114,79 @@ def aligned_starts(header: SafetensorsHeader, size: int, chunk_size: int) -> lis
             b = e if k == p - 1 else a + step
             starts.extend(range(a, b, chunk_size))
     return starts
+
+
+def _tiled(header: SafetensorsHeader, size: int) -> bool:
+    """Whether the header's tensors lie in the blob without overlapping (a layout to align to)."""
+    pos = header.data_start
+    for t in sorted(header.tensors, key=lambda t: (t.begin, t.end)):
+        s, e = header.data_start + t.begin, header.data_start + t.end
+        if s < pos or e > size:
+            return False
+        pos = e
+    return True
+
+
+def column_blocks(header: SafetensorsHeader, size: int, chunk_size: int) -> list[ColumnSpec]:
+    """The column blocks an aligned table signs for a safetensors blob (module doc), in file order;
+    none where the header's tensors overlap or leave the blob."""
+    if not _tiled(header, size):
+        return []
+    out: list[ColumnSpec] = []
+    for t in sorted(header.tensors, key=lambda t: t.begin):
+        nbytes = t.end - t.begin
+        if len(t.shape) != 2 or nbytes < 2 * SMALL or t.shape[0] < 1 or nbytes % t.shape[0]:
+            continue
+        cols = t.shape[1]
+        k = COLUMN_GRID
+        while k > 2 and (cols % k or nbytes // k < max(SMALL, chunk_size // 2)):
+            k //= 2
+        if k == 2 and (cols % 2 or nbytes // 2 < SMALL):
+            continue
+        out.append((header.data_start + t.begin, t.shape[0], nbytes // t.shape[0], k))
+    return out
+
+
+def column_specs_from(columns: object, size: int, what: str) -> list[ColumnSpec]:
+    """The column blocks a predicate's ``columns`` declare, refused (``ChunkTableError``) unless
+    each is ``[start, rows, rowBytes, blocks]`` integers with ``blocks`` a power of two from 2 to
+    ``COLUMN_GRID`` dividing ``rowBytes``, in ascending, non-overlapping order inside the blob, and
+    no more blocks in all than ``max_chunks(size)``."""
+    if not isinstance(columns, list) or len(columns) > max_chunks(size):
+        raise ChunkTableError(f"{what}: columns must be a list of at most {max_chunks(size)} entries")
+    out: list[ColumnSpec] = []
+    pos = total = 0
+    for entry in columns:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 4
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in entry)
+        ):
+            raise ChunkTableError(
+                f"{what}: column entry {entry!r} is not [start, rows, rowBytes, blocks] integers"
+            )
+        start, rows, row_bytes, blocks = entry
+        if (
+            blocks not in {2**i for i in range(1, COLUMN_GRID.bit_length())}
+            or row_bytes < blocks
+            or row_bytes % blocks
+        ):
+            raise ChunkTableError(
+                f"{what}: column entry {entry}: blocks must be a power of two from 2 to {COLUMN_GRID} dividing rowBytes"
+            )
+        if start < pos or rows < 1 or start + rows * row_bytes > size:
+            raise ChunkTableError(
+                f"{what}: column entry {entry} overlaps the one before it (ends at {pos}) or leaves the "
+                f"blob's {size} bytes"
+            )
+        total += blocks
+        if total > max_chunks(size):
+            raise ChunkTableError(
+                f"{what}: more than {max_chunks(size)} column blocks for {size} bytes (refused)"
+            )
+        pos = start + rows * row_bytes
+        out.append((start, rows, row_bytes, blocks))
+    return out
 
 
 def runs_of(starts: Sequence[int], size: int) -> list[list[int]]:

@@ -15,7 +15,11 @@ Predicate::
 A layer entry with ``"runs": [[start, length, count], …]`` has chunks aligned to its tensors
 (``chunk_bounds``; ``chunkSize`` is then the longest chunk): what ``compute_chunk_table(...,
 aligned=True)`` and ``modelpack sign`` write. A layer without ``runs`` is cut every ``chunkSize``
-bytes, as every table published before; both verify the same way.
+bytes, as every table published before; both verify the same way. Aligned entries also carry
+``"columns": [[start, rows, rowBytes, blocks], …]`` and ``"columnChunks": ["<hex>", …]``: the
+digests of the column blocks of its 2-D tensors (``chunk_bounds.column_blocks``), which let a
+column-split share be read and checked without the other ranks' columns. A verifier that does not
+know them ignores them (the contiguous chunks still tile the blob).
 """
 
 from __future__ import annotations
@@ -32,7 +36,16 @@ from typing import Any
 from modelpack.mediatypes import LayerKind, layer_filepath, parse_layer_media_type
 from modelpack.mediatypes.annotations import safe_relative_path
 from modelpack.signing.bundle import sign_statement
-from modelpack.signing.chunk_bounds import aligned_starts, fixed_starts, runs_of, starts_from_runs
+from modelpack.signing.chunk_bounds import (
+    ColumnSpec,
+    aligned_starts,
+    column_blocks,
+    column_specs_from,
+    fixed_starts,
+    runs_of,
+    starts_from_runs,
+)
+from modelpack.signing.column_digests import ColumnDigester
 from modelpack.signing.keys import PrivateKey, PublicKey
 from modelpack.signing.referrers import (
     ARTIFACT_TYPE_CHUNK_DIGESTS,
@@ -66,6 +79,7 @@ __all__ = [
     "ChunkDigestMismatch",
     "ChunkTable",
     "ChunkTableError",
+    "ColumnBlocks",
     "LayerChunks",
     "chunk_table_from_directory",
     "compute_chunk_table",
@@ -76,11 +90,35 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class ColumnBlocks:
+    """A 2-D tensor's columns signed in ``len(digests)`` equal blocks: block ``j`` is every row's
+    ``j``-th slice of ``block_bytes``, rows in order (``chunk_bounds.column_blocks``)."""
+
+    start: int
+    rows: int
+    row_bytes: int
+    digests: tuple[bytes, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.row_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.row_bytes // len(self.digests)
+
+    @property
+    def spec(self) -> ColumnSpec:
+        return (self.start, self.rows, self.row_bytes, len(self.digests))
+
+
+@dataclass(frozen=True)
 class LayerChunks:
     size: int
     digests: list[bytes]  # raw 32-byte sha256 per chunk; the last chunk may be short
     # aligned tables: where each chunk begins (ascending, from 0); None: every chunk_size bytes
     starts: tuple[int, ...] | None = None
+    columns: tuple[ColumnBlocks, ...] = ()  # aligned tables: the 2-D tensors' column blocks
 
 
 @dataclass(frozen=True)
@@ -124,6 +162,16 @@ class ChunkTable:
     def chunk_at(self, layer_digest: str, offset: int) -> tuple[int, int]:
         """(offset, length) of the chunk holding byte ``offset`` of the layer."""
         return self.chunk_range(layer_digest, self.chunk_index(layer_digest, offset))
+
+    def column_blocks(self, layer_digest: str, start: int, end: int) -> ColumnBlocks | None:
+        """The signed column blocks of the tensor at ``[start, end)`` of the layer, if any."""
+        layer = self.layers.get(str(layer_digest))
+        if layer is None or not layer.columns:
+            return None
+        i = bisect.bisect_left([c.start for c in layer.columns], start)
+        if i < len(layer.columns) and layer.columns[i].start == start and layer.columns[i].end == end:
+            return layer.columns[i]
+        return None
 
     def _layer(self, layer_digest: str) -> LayerChunks:
         try:
@@ -182,6 +230,9 @@ class ChunkTable:
         doc: dict[str, Any] = {"size": lc.size, "chunks": [c.hex() for c in lc.digests]}
         if lc.starts is not None:
             doc["runs"] = runs_of(lc.starts, lc.size)
+        if lc.columns:
+            doc["columns"] = [list(c.spec) for c in lc.columns]
+            doc["columnChunks"] = [d.hex() for c in lc.columns for d in c.digests]
         return doc
 
     @classmethod
@@ -231,16 +282,38 @@ class ChunkTable:
                 expected_n = -(-size // chunk_size)
             if not isinstance(chunks, list) or len(chunks) != expected_n:
                 raise ChunkTableError(f"chunk table layer {digest}: expected {expected_n} chunk digests")
-            raw: list[bytes] = []
-            for c in chunks:
-                if not isinstance(c, str) or len(c) != 64:
-                    raise ChunkTableError(f"chunk table layer {digest}: bad chunk digest {c!r}")
-                try:
-                    raw.append(bytes.fromhex(c))
-                except ValueError as exc:
-                    raise ChunkTableError(f"chunk table layer {digest}: bad chunk digest {c!r}") from exc
-            layers[digest] = LayerChunks(size, raw, starts)
+            raw = _hex_digests(chunks, f"chunk table layer {digest}")
+            columns: tuple[ColumnBlocks, ...] = ()
+            if "columns" in entry:
+                what = f"chunk table layer {digest}"
+                specs = column_specs_from(entry["columns"], size, what)
+                blocks = entry.get("columnChunks")
+                if not isinstance(blocks, list) or len(blocks) != sum(k for *_, k in specs):
+                    raise ChunkTableError(
+                        f"{what}: expected {sum(k for *_, k in specs)} column chunk digests"
+                    )
+                col_raw = _hex_digests(blocks, what)
+                pos = 0
+                out = []
+                for start, rows, row_bytes, k in specs:
+                    out.append(ColumnBlocks(start, rows, row_bytes, tuple(col_raw[pos : pos + k])))
+                    pos += k
+                columns = tuple(out)
+            layers[digest] = LayerChunks(size, raw, starts, columns)
         return cls(str(manifest_digest), chunk_size, layers)
+
+
+def _hex_digests(items: list[Any], what: str) -> list[bytes]:
+    """Raw sha256 digests from a list of 64-digit hex strings (``ChunkTableError`` otherwise)."""
+    raw: list[bytes] = []
+    for c in items:
+        if not isinstance(c, str) or len(c) != 64:
+            raise ChunkTableError(f"{what}: bad chunk digest {c!r}")
+        try:
+            raw.append(bytes.fromhex(c))
+        except ValueError as exc:
+            raise ChunkTableError(f"{what}: bad chunk digest {c!r}") from exc
+    return raw
 
 
 def weight_layers(manifest: Manifest) -> list[Descriptor]:
@@ -270,28 +343,61 @@ def _read_full(stream: Any, view: memoryview) -> int:
     return n
 
 
-def _layer_starts(target: ReadableTarget, layer: Descriptor, chunk_size: int, aligned: bool) -> list[int]:
-    """Where the layer's chunks begin: aligned to its tensors when asked and it is a safetensors
-    blob (its header read first), else every ``chunk_size`` bytes."""
+def _layer_bounds(
+    target: ReadableTarget, layer: Descriptor, chunk_size: int, aligned: bool
+) -> tuple[list[int], list[ColumnSpec]]:
+    """Where the layer's chunks begin, and its column blocks: aligned to its tensors when asked and
+    it is a safetensors blob (its header read first), else every ``chunk_size`` bytes and none."""
     if not aligned or layer.size < 8:
-        return fixed_starts(layer.size, chunk_size)
+        return fixed_starts(layer.size, chunk_size), []
     stream = target.fetch_blob(layer)
     try:
         header = read_header_from(stream, str(layer.digest), layer.size)
     except SafetensorsError:
-        return fixed_starts(layer.size, chunk_size)  # not safetensors (GGUF, .bin): nothing to align to
+        return fixed_starts(layer.size, chunk_size), []  # not safetensors (GGUF, .bin): nothing to align to
     finally:
         stream.close()
-    return aligned_starts(header, layer.size, chunk_size)
+    return aligned_starts(header, layer.size, chunk_size), column_blocks(header, layer.size, chunk_size)
+
+
+class _ColumnFeed:
+    """The column blocks' digesters of one layer, fed the blob's bytes in order."""
+
+    def __init__(self, specs: Sequence[ColumnSpec]) -> None:
+        self.specs = list(specs)
+        self.digesters = [ColumnDigester(rows, rb, k) for _, rows, rb, k in self.specs]
+        self._next = 0  # the first spec not yet complete
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        i = self._next
+        while i < len(self.specs):
+            start, rows, rb, _ = self.specs[i]
+            if start >= end:
+                break
+            a, b = max(start, offset), min(start + rows * rb, end)
+            if b > a:
+                self.digesters[i].update(data[a - offset : b - offset])
+            if self.digesters[i].complete:
+                self._next = i + 1
+            i += 1
+
+    def blocks(self) -> tuple[ColumnBlocks, ...]:
+        return tuple(
+            ColumnBlocks(start, rows, rb, tuple(d.digests()))
+            for (start, rows, rb, _), d in zip(self.specs, self.digesters, strict=True)
+        )
 
 
 def _hash_layer(
     target: ReadableTarget, layer: Descriptor, chunk_size: int, aligned: bool = False
 ) -> LayerChunks:
-    """Chunk digests and the whole-blob digest in one read. The two sha256 runs of each chunk go
-    on two threads (hashlib releases the GIL), so checking the blob costs no extra wall time when a
-    second core is free."""
-    starts = _layer_starts(target, layer, chunk_size, aligned)
+    """Chunk digests, column-block digests and the whole-blob digest in one read. The two sha256
+    runs of each chunk go on two threads (hashlib releases the GIL), so checking the blob costs no
+    extra wall time when a second core is free; the column blocks hash each 2-D tensor once more
+    (about twice the signing time on 2 cores: docs/signing.md)."""
+    starts, specs = _layer_bounds(target, layer, chunk_size, aligned)
+    columns = _ColumnFeed(specs)
     bounds = [*starts[1:], layer.size]
     digests: list[bytes] = []
     whole = hashlib.sha256()
@@ -306,6 +412,7 @@ def _hash_layer(
                 chunk = view[:n]
                 pending = helper.submit(lambda v: hashlib.sha256(v).digest(), chunk)
                 whole.update(chunk)
+                columns.feed(start, chunk)
                 digests.append(pending.result())  # before the buffer is refilled
                 if n < end - start:
                     break
@@ -318,7 +425,7 @@ def _hash_layer(
     actual = "sha256:" + whole.hexdigest()
     if actual != layer.digest:
         raise DigestMismatchError(layer.digest, actual, what="blob", source=target.name)
-    return LayerChunks(layer.size, digests, tuple(starts) if aligned else None)
+    return LayerChunks(layer.size, digests, tuple(starts) if aligned else None, columns.blocks())
 
 
 def compute_chunk_table(

@@ -93,8 +93,9 @@ def keygen_cmd(prefix: str, passphrase_stdin: bool, as_json: bool) -> None:
     type=click.Choice(["aligned", "fixed"]),
     default="aligned",
     show_default=True,
-    help="aligned: chunks begin and end on tensors and their dim-0 parts (a rank reads its share); "
-    "fixed: every --chunk-size bytes (the form verifiers before 'aligned' accept).",
+    help="aligned: chunks begin and end on tensors and their dim-0 parts, and 2-D tensors' column "
+    "blocks are signed too (a rank reads its share, rows or columns); fixed: every --chunk-size bytes "
+    "(the form verifiers before 'aligned' accept).",
 )
 @target_options
 @json_option
