@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from modelpack.loader.blocks import SpanIndex
+from modelpack.loader.column_reads import column_shares, read_column_shares
 from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
-from modelpack.loader.plan import FilePlan
+from modelpack.loader.plan import FilePlan, coalesce
 from modelpack.loader.readers import RangeReader, read_scatter
 from modelpack.loader.scatter import Segment, land, parts, scatter_plan, verify_chunk_parts
 from modelpack.loader.weight_files import WeightFile
@@ -27,10 +28,14 @@ if TYPE_CHECKING:
     from modelpack.signing.chunks import ChunkTable
 
 
-def needed_chunks(fp: FilePlan, table: ChunkTable, layer: str) -> set[int]:
-    """Indexes of the chunks (of ``table``'s ``layer``) holding any byte of the plan's (covering) ranges."""
+def needed_chunks(
+    fp: FilePlan, table: ChunkTable, layer: str, skip: frozenset[str] = frozenset()
+) -> set[int]:
+    """Indexes of the chunks (of ``table``'s ``layer``) holding any byte of the plan's (covering)
+    ranges; ``skip``: tensors read another way (their columns, ``column_reads``)."""
     needed: set[int] = set()
-    for s, e in fp.extents(covering=True):
+    spans = [(t.span.offset, t.span.end) for t in fp.tensors if t.span.nbytes and t.name not in skip]
+    for s, e in coalesce(spans):
         needed.update(table.chunks_covering(layer, s, e))
     return needed
 
@@ -46,9 +51,12 @@ def read_chunked(
     """Read, verify and copy out the chunks this rank needs (``only``: just those of them)."""
     table = f.chunks
     layer = str(f.descriptor.digest) if f.descriptor else ""
-    needed = needed_chunks(fp, table, layer)
+    columns = column_shares(load, reader, table, layer, fp, ids) if only is None else []
+    by_columns = {load.tensors[c.tensor].name for c in columns}
+    needed = needed_chunks(fp, table, layer, frozenset(by_columns))
     if only is not None:
         needed &= only
+    ids = [i for i in ids if load.tensors[i].name not in by_columns]
     kept = load.verified.indexes(f.relpath) & needed if load.verified is not None else set()
     if load.verified is not None:
         for idx in load.verified.indexes(f.relpath) - needed:
@@ -117,3 +125,4 @@ def read_chunked(
             load.release(slot)
 
         yield from load.submit(task, done)
+    yield from read_column_shares(load, reader, layer, columns)

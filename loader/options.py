@@ -29,6 +29,12 @@ class LoaderOptions:
     slots: int = 0  # staging buffers; 0 = workers + 2 (local) or remote_inflight + 2 (remote)
     direct_io: bool = False  # O_DIRECT reads through the aligned ring (cold NVMe)
     uneven: str = "refuse"  # or "chunk" (torch.chunk-compatible split), see plan.py
+    # a standalone rank's column-split shares under a table with column blocks (column_reads.py):
+    # "local" reads just the rank's columns from local files and OCI layouts (a range per row costs
+    # microseconds there), "always" from a registry too (one multipart range per row: ~0.4 ms of
+    # registry time each, so it saves bytes and costs wall time unless the link is slow), "never"
+    # reads the covering chunks
+    column_reads: str = "local"
     # With trusted keys, a weight layer no signed chunk table covers is refused (UnsignedSourceError):
     # True accepts whole-layer digest checks for it instead, and says so in a loader.downgraded event.
     allow_missing_chunk_table: bool = False
@@ -75,6 +81,10 @@ class LoaderOptions:
                 )
         if self.views not in ("off", "shard", "full"):
             raise LoaderError(f"LoaderOptions.views must be 'off', 'shard' or 'full', got {self.views!r}")
+        if self.column_reads not in ("local", "always", "never"):
+            raise LoaderError(
+                f"LoaderOptions.column_reads must be 'local', 'always' or 'never', got {self.column_reads!r}"
+            )
         if self.uneven not in ("refuse", "chunk"):
             raise LoaderError(f"LoaderOptions.uneven must be 'refuse' or 'chunk', got {self.uneven!r}")
 

@@ -35,6 +35,7 @@ from modelpack.errors import SourceError, TruncatedSourceError
 from modelpack.oci.descriptor import Descriptor
 from modelpack.targets.base import (
     CheckedRangeFetcher,
+    MultiRangeFetcher,
     RangeCheck,
     RangeIntoFetcher,
     ReadableTarget,
@@ -67,6 +68,20 @@ class ScatterReader(Protocol):
     """A reader that fills several buffers from one range in one request (both readers here)."""
 
     def read_scatter(self, offset: int, views: Sequence[memoryview]) -> None: ...
+
+
+@runtime_checkable
+class RowsReader(Protocol):
+    """A reader that fetches a strided run of rows (a column-split share) without the bytes between
+    them, where ``reads_rows`` (``column_reads``)."""
+
+    @property
+    def reads_rows(self) -> bool: ...
+
+    def read_rows(self, offset: int, length: int, stride: int, rows: int, dest: memoryview) -> None:
+        """Fill ``dest`` (``rows × length`` bytes) with ``rows`` runs of ``length`` bytes,
+        ``stride`` apart from ``offset``, or raise ``TruncatedSourceError``."""
+        ...
 
 
 def read_scatter(reader: RangeReader, offset: int, views: Sequence[memoryview]) -> None:
@@ -220,6 +235,13 @@ class FileReader:
         gather_rows(self._fd, self.path, offset, length, stride, rows, dest)
         self._count.add(rows * length, offset, end)
 
+    reads_rows = True
+
+    def read_rows(self, offset: int, length: int, stride: int, rows: int, dest: memoryview) -> None:
+        self.gather_rows(
+            offset, length, stride, rows, np.frombuffer(dest, dtype=np.uint8).reshape(rows, length)
+        )
+
     def close(self) -> None:
         for fd in (self._fd, self._direct_fd):
             if fd is not None:
@@ -287,6 +309,24 @@ class TargetReader:
                 v[:] = src[pos : pos + len(v)]
                 pos += len(v)
         self._count.add(want, offset)
+
+    @property
+    def reads_rows(self) -> bool:
+        """Only where the target reads the rows from the one source it names (no mirrors)."""
+        return isinstance(self.target, MultiRangeFetcher) and self.target.multi_range
+
+    def read_rows(self, offset: int, length: int, stride: int, rows: int, dest: memoryview) -> None:
+        end = offset + (rows - 1) * stride + length if rows and length else offset
+        if end > self.size:
+            raise TruncatedSourceError(self.name, offset, end - offset, max(0, self.size - offset))
+        if not rows or not length:
+            return
+        if not isinstance(self.target, MultiRangeFetcher):
+            raise SourceError(f"{self.name}: the target cannot read ranges of rows")
+        ranges = [(offset + k * stride, length) for k in range(rows)]
+        views = [dest[k * length : (k + 1) * length] for k in range(rows)]
+        fetched = self.target.fetch_ranges_into(self.descriptor, ranges, views)
+        self._count.add(fetched, offset, end)
 
     def close(self) -> None:
         pass

@@ -190,6 +190,16 @@ def _expert_map(value: str) -> str | list[int]:
 )
 @click.option("--direct-io", is_flag=True, help="Read local files with O_DIRECT (cold NVMe).")
 @click.option(
+    "--column-reads",
+    type=click.Choice(["local", "always", "never"]),
+    default="local",
+    show_default=True,
+    help="A rank without a process group, column-split tensors, a chunk table with column blocks: "
+    "read only this rank's columns (one range per row) from local files and OCI layouts (local), "
+    "from a registry too (always: fewer bytes, but each range costs the registry ~0.4 ms, so slower "
+    "unless the link is slow or metered), or read the covering chunks (never).",
+)
+@click.option(
     "--cache",
     "cache_dir",
     default=None,
@@ -239,6 +249,7 @@ def load_cmd(
     allow_missing_chunk_table: bool,
     uneven: str,
     direct_io: bool,
+    column_reads: str,
     cache_dir: str | None,
     cache_fill: str,
     layout: str,
@@ -305,6 +316,7 @@ def load_cmd(
         expert_map=placement,
         options=LoaderOptions(
             direct_io=direct_io,
+            column_reads=column_reads,
             uneven=uneven,
             allow_missing_chunk_table=allow_missing_chunk_table,
             variant=selector,
