@@ -7,8 +7,9 @@ Two generated checkpoints, packed into an OCI layout and chunk-signed:
 - ``moe``: a DeepSeek-shaped model (16 routed experts per layer, shared experts, router), loaded
   as EP rank 0 of 8.
 
-For each, the table is built twice: fixed-size chunks (``--chunk-size``, the published v1 form)
-and tensor-aligned chunks (``aligned=True``). Prints one JSON line per case: bytes read by the
+For each, the table is built three ways: fixed-size chunks (``--chunk-size``, the published v1
+form), tensor-aligned chunks without column blocks (``aligned-rows``: what aligned tables were
+before them) and as ``modelpack sign`` writes it (``aligned=True``, with column blocks). Prints one JSON line per case: bytes read by the
 rank, what it needs (``bytesToRead``), the model's tensor bytes and the ratios.
 
     .venv/bin/python benchmarks/share_reads.py [--chunk-size 4194304]
@@ -17,6 +18,7 @@ rank, what it needs (``bytesToRead``), the model's tensor bytes and the ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -54,7 +56,7 @@ def seed_table_size(chunk_size: int, shards: int = 141, layers: int = 72) -> dic
     """The signed predicate's size for a GLM-shaped FP8 model of ``shards`` files (~700 GB):
     256 routed + 1 shared expert per layer (2048×6144 F8 projections, F32 128×128 block scales),
     BF16 attention and embeddings; headers only, no bytes hashed."""
-    from modelpack.signing.chunk_bounds import aligned_starts, fixed_starts, runs_of
+    from modelpack.signing.chunk_bounds import aligned_starts, column_blocks, fixed_starts, runs_of
 
     from modelpack.packing.safetensors_format import SafetensorsHeader, TensorInfo
 
@@ -88,7 +90,7 @@ def seed_table_size(chunk_size: int, shards: int = 141, layers: int = 72) -> dic
             pos = 0
         files[-1].append(TensorInfo(name, dtype, shape, pos, pos + n))
         pos += n
-    fixed = aligned = 0
+    fixed = aligned = columns = 0
     fixed_json = aligned_json = 0
     for infos in files:
         hdr_len = 100 * len(infos)  # ~100 header bytes per tensor
@@ -97,10 +99,16 @@ def seed_table_size(chunk_size: int, shards: int = 141, layers: int = 72) -> dic
         digest = ["0" * 64]
         f = fixed_starts(size, chunk_size)
         a = aligned_starts(hdr, size, chunk_size)
+        c = column_blocks(hdr, size, chunk_size)
+        blocks = sum(k for *_, k in c)
         fixed += len(f)
         aligned += len(a)
+        columns += blocks
         fixed_json += len(json.dumps({"size": size, "chunks": digest * len(f)}))
-        aligned_json += len(json.dumps({"size": size, "chunks": digest * len(a), "runs": runs_of(a, size)}))
+        entry = {"size": size, "chunks": digest * len(a), "runs": runs_of(a, size)}
+        aligned_json += len(
+            json.dumps({**entry, "columns": [list(x) for x in c], "columnChunks": digest * blocks})
+        )
     return {
         "model": "glm-shaped",
         "files": len(files),
@@ -108,6 +116,7 @@ def seed_table_size(chunk_size: int, shards: int = 141, layers: int = 72) -> dic
         "fixedChunks": fixed,
         "fixedPredicateBytes": fixed_json,
         "alignedChunks": aligned,
+        "alignedColumnBlocks": columns,
         "alignedPredicateBytes": aligned_json,
     }
 
@@ -126,9 +135,12 @@ def main() -> None:
         cases = {"bar": {"tp_size": 2, "tp_rank": 0}, "moe": {"ep_size": 8, "ep_rank": 0}}
         for name, rank in cases.items():
             lay = pack_layout(root / name, root / f"{name}-layout")
-            for form in ("fixed", "aligned") if aligned_ok else ("fixed",):
-                kw: dict[str, Any] = {"aligned": True} if form == "aligned" else {}
+            for form in ("fixed", "aligned-rows", "aligned") if aligned_ok else ("fixed",):
+                kw: dict[str, Any] = {"aligned": True} if form.startswith("aligned") else {}
                 table = compute_chunk_table(lay.target, lay.manifest, args.chunk_size, **kw)
+                if form == "aligned-rows":  # the aligned table without its column blocks
+                    layers = {k: dataclasses.replace(v, columns=()) for k, v in table.layers.items()}
+                    table = dataclasses.replace(table, layers=layers)
                 row = _case(lay, table, **rank)
                 chunks = sum(len(x.digests) for x in table.layers.values())
                 print(json.dumps({"model": name, "table": form, "chunks": chunks, **row}))
