@@ -11,8 +11,7 @@ row — and hashes each block there (``ColumnDigester``) against the table befor
 counts a byte (``LoadEngine.landed``), as the scattered chunk path does.
 
 Used only where it saves bytes and keeps every guarantee: a standalone load (a group shares the
-covering chunks instead), CPU destinations (a device destination is fed from staging slots),
-a reader that can read rows without the rest of the tensor (``RowsReader.reads_rows``: not
+covering chunks instead), a reader that can read rows without the rest of the tensor (``RowsReader.reads_rows``: not
 through mirrors or peers, whose wrong bytes only the contiguous chunk path refetches from the
 next source), and a share of whole signed blocks (TP ∈ {2, 4, 8} for a tensor cut in 8 blocks).
 By default only from local files and OCI layouts (``LoaderOptions.column_reads="local"``): a
@@ -29,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.plan import FilePlan, Span, TensorRead
 from modelpack.loader.readers import RangeReader, RowsReader
@@ -77,7 +77,7 @@ def column_shares(
 ) -> list[ColumnShare]:
     """The tensors of ``fp`` (ids ``ids``, in plan order) this load reads by their columns."""
     mode = load.opts.column_reads
-    if mode == "never" or load.staged or not (isinstance(reader, RowsReader) and reader.reads_rows):
+    if mode == "never" or not (isinstance(reader, RowsReader) and reader.reads_rows):
         return []
     if mode == "local" and not (reader.local or isinstance(getattr(reader, "target", None), BlobFiles)):
         return []  # a registry: a range per row costs more wall time than the bytes it saves
@@ -86,15 +86,18 @@ def column_shares(
         if load.dest_bytes[idx] is None:
             continue
         share = _share_of(t, table, layer, fp)
-        if share is not None:
-            out.append(ColumnShare(idx, *share))
+        if share is not None and not (load.staged and t.span.length > load.copier.slot_bytes):
+            out.append(ColumnShare(idx, *share))  # (staged: a row must fit a slot)
     return out
 
 
-def verify_share(layer: str, share: ColumnShare, rows: int, data: memoryview) -> None:
-    """Raise ``ChunkDigestMismatch`` unless ``data`` (the share, row-major) hashes to its blocks."""
-    digester = ColumnDigester(rows, share.count * share.blocks.block_bytes, share.count)
-    digester.update(data)
+def _digester(share: ColumnShare, rows: int) -> ColumnDigester:
+    """Hashes the share (row-major: its blocks interleaved row by row) into its blocks."""
+    return ColumnDigester(rows, share.count * share.blocks.block_bytes, share.count)
+
+
+def _check(layer: str, share: ColumnShare, digester: ColumnDigester) -> None:
+    """Raise ``ChunkDigestMismatch`` unless the share fed to ``digester`` hashes to its blocks."""
     for k, actual in enumerate(digester.digests()):
         j = share.first + k
         expected = share.blocks.digests[j]
@@ -106,21 +109,61 @@ def verify_share(layer: str, share: ColumnShare, rows: int, data: memoryview) ->
 def read_column_shares(
     load: LoadEngine, reader: RangeReader, layer: str, shares: list[ColumnShare]
 ) -> Iterator[int]:
-    """Read each share's rows straight into its destination, check its blocks, then count it."""
+    """Read each share's rows, check its blocks, then count it: on the CPU straight into the
+    destination and hashed there by the worker; on a device through staging slots, a band of rows
+    each, hashed in order as each band is copied on (the tensor counts its bytes only after its
+    last band matched, as the scattered chunk path holds unverified bytes only until its check)."""
     if not shares:
         return
     assert isinstance(reader, RowsReader)
     for share in shares:
         span = load.tensors[share.tensor].span
+        if load.staged:
+            yield from _read_staged(load, reader, layer, share, span)
+            continue
         dest = load.dest_bytes[share.tensor]
         assert dest is not None
         view = dest.numpy().data.cast("B")
 
         def task(share: ColumnShare = share, view: memoryview = view, span: Span = span) -> None:
             reader.read_rows(span.offset, span.length, span.stride, span.rows, view)
-            verify_share(layer, share, span.rows, view)
+            digester = _digester(share, span.rows)
+            digester.update(view)
+            _check(layer, share, digester)
 
         def done(_: Any, share: ColumnShare = share, n: int = span.nbytes) -> None:
             load.landed(share.tensor, n)
+
+        yield from load.submit(task, done)
+
+
+def _read_staged(
+    load: LoadEngine, reader: RowsReader, layer: str, share: ColumnShare, span: Span
+) -> Iterator[int]:
+    """One share through the staging slots: each band of rows is read into a slot by a worker; its
+    ``done`` (run in submission order) feeds the band to the share's digester and copies it on."""
+    digester = _digester(share, span.rows)
+    per = max(1, load.copier.slot_bytes // span.length)
+    for r0 in range(0, span.rows, per):
+        rows = min(per, span.rows - r0)
+        n = rows * span.length
+        slot = yield from load.next_slot()
+
+        def task(slot: Slot = slot, r0: int = r0, rows: int = rows, n: int = n) -> None:
+            reader.read_rows(span.offset + r0 * span.stride, span.length, span.stride, rows, slot.view[:n])
+
+        def done(
+            _: Any, slot: Slot = slot, r0: int = r0, n: int = n, last: bool = r0 + rows == span.rows
+        ) -> None:
+            digester.update(slot.view[:n])
+            dbytes = load.dest_bytes[share.tensor]
+            assert dbytes is not None
+            d0 = r0 * span.length
+            load.copier.copy(dbytes[d0 : d0 + n], slot.host[:n])
+            load.stats.staged_bytes += n
+            load.release(slot)
+            if last:
+                _check(layer, share, digester)
+                load.landed(share.tensor, span.nbytes)
 
         yield from load.submit(task, done)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
-from modelpack.loader.device_standin import StandinDevice
 from modelpack.signing.keys import load_public_key
 
 from modelpack.cli import main
@@ -44,15 +43,14 @@ def signed(registry: RegistryServer, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.parametrize("policy", ["local", "always"])
 def test_a_standalone_rank_reads_its_columns_from_a_registry_only_when_asked(
-    signed: tuple[Path, str, Path], policy: str, copier: StandinDevice | None
+    signed: tuple[Path, str, Path], policy: str
 ) -> None:
-    """(On a device, the stand-in, every policy reads the covering chunks: staged destinations.)"""
     ckpt, pinned, pub = signed
     common = ["--plain-http", "--trusted-key", str(pub), "--tp-size", "2", "--tp-rank", "1"]
     doc = json.loads(_cli("load", pinned, *common, "--column-reads", policy, "--json"))
     d1 = doc["bytesBySplit"]["dim1"]
     assert d1["tensorBytes"] > 0 and d1["planned"] == d1["tensorBytes"] // 2, d1
-    if policy == "always" and copier is None:
+    if policy == "always":
         assert d1["read"] == d1["planned"], d1
         assert doc["bytesRead"] <= 0.55 * doc["modelBytes"], doc["bytesRead"]
     else:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from modelpack.loader import LoadStats, load_state_dict
-from modelpack.loader.device_standin import StandinDevice
+from modelpack.loader import LoaderOptions, LoadStats, load_state_dict
 from modelpack.loader.plan import ShardRule
 from modelpack.signing.chunks import ChunkTable, compute_chunk_table
 
@@ -84,27 +83,23 @@ def test_a_tp_rank_reads_exactly_its_dim0_rows(dense: tuple[Path, Layout], tp: i
 
 
 @pytest.mark.parametrize(("tp", "chunk"), [(2, CHUNK), (4, CHUNK // 4), (8, CHUNK // 16)])
-def test_a_tp_rank_reads_exactly_its_dim1_columns(
-    dense: tuple[Path, Layout], tp: int, chunk: int, copier: StandinDevice | None
-) -> None:
+def test_a_tp_rank_reads_exactly_its_dim1_columns(dense: tuple[Path, Layout], tp: int, chunk: int) -> None:
     """Column-split tensors: the rank reads its columns only (one range per row), checked against
     the table's column blocks, and nothing of the other ranks' columns (TP=8: eighths of 64 KiB
-    or more are signed where the chunk size is 64 KiB). Device destinations (the stand-in) are fed
-    from staging slots and still read the covering chunks (docs/loader.md)."""
+    or more are signed where the chunk size is 64 KiB). A device destination (the stand-in) takes
+    the rows through staging slots, a band at a time; with small slots, many bands."""
     ckpt, lay = dense
     ref = reference_tensors(ckpt)
     table = compute_chunk_table(lay.target, lay.manifest, chunk, aligned=True)
     for rank in sorted({0, tp - 1}):
         stats = LoadStats()
-        sd = load_state_dict(lay.ref, tp_size=tp, tp_rank=rank, chunk_table=table, stats=stats)
+        opts = LoaderOptions(slot_bytes=chunk)  # staged: shares of several bands at TP=8
+        sd = load_state_dict(lay.ref, tp_size=tp, tp_rank=rank, chunk_table=table, stats=stats, options=opts)
         assert stats.plan is not None
         for t in stats.plan.tensors:
             assert torch.equal(sd[t.name], expected_shard(ref[t.name], t.rule, tp, rank)), t.name
         d1 = stats.bytes_by_split["dim1"]
         assert d1["tensorBytes"] > 0 and d1["planned"] == d1["tensorBytes"] // tp, d1
-        if copier is not None:
-            assert d1["read"] == d1["tensorBytes"], d1
-            continue
         assert d1["read"] == d1["planned"], d1
         assert stats.bytes_read <= stats.bytes_to_read + _headers(stats) + 64 * 1024, stats.bytes_read
 
@@ -139,27 +134,29 @@ def own_dense(tmp_path: Path) -> tuple[Path, Layout]:
     return tmp_path / "ckpt", pack_layout(tmp_path / "ckpt", tmp_path / "layout")
 
 
-def test_a_changed_byte_in_a_ranks_columns_fails_that_rank_only(
-    own_dense: tuple[Path, Layout], copier: StandinDevice | None
-) -> None:
+def test_a_changed_byte_in_a_ranks_columns_fails_that_rank_only(own_dense: tuple[Path, Layout]) -> None:
     """The attack: a byte of a column-split tensor changed in storage. The rank whose columns hold
     it refuses the load (its column block's digest), never hands out the tensor; the other rank,
-    which never reads those bytes, loads (on a device, which reads the covering chunks, it refuses
-    too)."""
+    which never reads those bytes, loads."""
     ckpt, lay = own_dense
     table = compute_chunk_table(lay.target, lay.manifest, CHUNK, aligned=True)
+    small = compute_chunk_table(lay.target, lay.manifest, 1 << 16, aligned=True)
     _, blob = lay.weight_blob()
     hdr = read_header(next(ckpt.glob("*.safetensors")))
     t = next(x for x in hdr.tensors if x.name.endswith("down_proj.weight"))
     start, _ = hdr.absolute(t)
     row_bytes = t.nbytes // t.shape[0]
     corrupt(blob, start + 5 * row_bytes + row_bytes - 1)  # row 5, the last column: rank 1's
-    with pytest.raises(ChunkDigestMismatch, match="column block" if copier is None else "chunk"):
+    with pytest.raises(ChunkDigestMismatch, match="column block"):
         load_state_dict(lay.ref, tp_size=2, tp_rank=1, chunk_table=table)
-    if copier is not None:
-        with pytest.raises(ChunkDigestMismatch):
-            load_state_dict(lay.ref, tp_size=2, tp_rank=0, chunk_table=table)
-        return
-    sd = load_state_dict(lay.ref, tp_size=2, tp_rank=0, chunk_table=table)
+    # a table of 64 KiB chunks (slots of 64 KiB when staged: 12 bands), row 5 restored and a
+    # byte in row 300's last column changed: the band that holds it is not the first
+    corrupt(blob, start + 5 * row_bytes + row_bytes - 1)
+    corrupt(blob, start + 300 * row_bytes + row_bytes - 1)
+    with pytest.raises(ChunkDigestMismatch, match="column block"):
+        load_state_dict(
+            lay.ref, tp_size=2, tp_rank=1, chunk_table=small, options=LoaderOptions(slot_bytes=1 << 16)
+        )
+    sd = load_state_dict(lay.ref, tp_size=2, tp_rank=0, chunk_table=small)
     ref = reference_tensors(ckpt)  # the checkpoint itself is untouched (the layout holds a copy)
     assert torch.equal(sd[t.name], expected_shard(ref[t.name], ShardRule.DIM1, 2, 0))
