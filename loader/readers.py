@@ -19,6 +19,11 @@ Readers count the bytes they deliver (``bytes_read``) and log where they came fr
 
 Both readers also fill a list of buffers from one range (``read_scatter``): the verified paths
 read a block straight into the destination tensors it feeds, gaps into a staging slot.
+
+``RowsReader`` (``read_rows``): a strided run of rows without the bytes between them, for a
+column-split share checked against signed column blocks (``column_reads``): ``gather_rows`` for a
+file, ``fetch_ranges_into`` (a multipart range request, or ``preadv`` per row in a layout) for a
+target that reads from the one source it names (``MultiRangeFetcher.multi_range``).
 """
 
 from __future__ import annotations

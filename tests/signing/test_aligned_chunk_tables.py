@@ -14,18 +14,9 @@ from modelpack.signing.chunks import ChunkTable, compute_chunk_table
 
 from modelpack.errors import ChunkDigestMismatch, ChunkTableError
 from modelpack.packing.safetensors_format import read_header
-from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
-from tests.loader_helpers import Layout, pack_layout
+from tests.loader_helpers import Layout
 
 CHUNK = 256 * 1024
-
-
-@pytest.fixture(scope="module")
-def lay(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Layout]:
-    d = tmp_path_factory.mktemp("aligned")
-    spec = SyntheticSpec(hidden=512, intermediate=1408, layers=2, heads=8, kv_heads=4, vocab=2048)
-    write_checkpoint(str(d / "ckpt"), spec)
-    return d / "ckpt", pack_layout(d / "ckpt", d / "layout")
 
 
 def _file(ckpt: Path) -> Path:

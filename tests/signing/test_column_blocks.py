@@ -17,18 +17,9 @@ from modelpack.signing.column_digests import ColumnDigester
 
 from modelpack.errors import ChunkTableError
 from modelpack.packing.safetensors_format import read_header
-from modelpack.testdata.synthetic import SyntheticSpec, write_checkpoint
-from tests.loader_helpers import Layout, pack_layout, reference_tensors
+from tests.loader_helpers import Layout, reference_tensors
 
 CHUNK = 256 * 1024
-
-
-@pytest.fixture(scope="module")
-def lay(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Layout]:
-    d = tmp_path_factory.mktemp("columns")
-    spec = SyntheticSpec(hidden=512, intermediate=1408, layers=2, heads=8, kv_heads=4, vocab=2048)
-    write_checkpoint(str(d / "ckpt"), spec)
-    return d / "ckpt", pack_layout(d / "ckpt", d / "layout")
 
 
 def test_every_large_2d_tensor_has_column_blocks_over_its_column_slices(lay: tuple[Path, Layout]) -> None:
