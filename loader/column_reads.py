@@ -26,7 +26,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from modelpack.loader.device_copier import Slot
 from modelpack.loader.engine import LoadEngine
@@ -131,7 +131,7 @@ def read_column_shares(
             digester.update(view)
             _check(layer, share, digester)
 
-        def done(_: Any, share: ColumnShare = share, n: int = span.nbytes) -> None:
+        def done(_: object, share: ColumnShare = share, n: int = span.nbytes) -> None:
             load.landed(share.tensor, n)
 
         yield from load.submit(task, done)
@@ -153,7 +153,7 @@ def _read_staged(
             reader.read_rows(span.offset + r0 * span.stride, span.length, span.stride, rows, slot.view[:n])
 
         def done(
-            _: Any, slot: Slot = slot, r0: int = r0, n: int = n, last: bool = r0 + rows == span.rows
+            _: object, slot: Slot = slot, r0: int = r0, n: int = n, last: bool = r0 + rows == span.rows
         ) -> None:
             digester.update(slot.view[:n])
             dbytes = load.dest_bytes[share.tensor]
