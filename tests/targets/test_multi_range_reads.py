@@ -20,7 +20,7 @@ from modelpack.oci.digest import Digest
 from modelpack.targets.base import MultiRangeFetcher, bytes_blob_source
 from modelpack.targets.layout import OCILayoutTarget
 from modelpack.targets.opener import TargetOptions, open_readable, open_target
-from modelpack.targets.registry import blob_reads
+from modelpack.targets.registry import multi_range_reads
 from modelpack.targets.registry.target import RegistryTarget
 from tests.fixtures.faultproxy import FaultProxy
 from tests.fixtures.registry import RegistryServer
@@ -179,8 +179,8 @@ def test_the_batch_limits_hold_the_range_header_under_a_proxys_line_limit() -> N
     runs = [Run(10**12 + i * 1000, 10) for i in range(5000)]
     pending = list(runs)
     while pending:
-        batch, header = blob_reads._next_batch(pending)
-        assert batch and len(header) <= blob_reads.MAX_RANGE_HEADER_BYTES
-        assert len(batch) <= blob_reads.MAX_RANGES_PER_REQUEST
+        batch, header = multi_range_reads._next_batch(pending)
+        assert batch and len(header) <= multi_range_reads.MAX_RANGE_HEADER_BYTES
+        assert len(batch) <= multi_range_reads.MAX_RANGES_PER_REQUEST
         assert header.count(",") == len(batch) - 1
         pending = pending[len(batch) :]

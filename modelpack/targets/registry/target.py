@@ -36,10 +36,11 @@ from modelpack.targets.base import BlobSource, ChunkBounds, ChunkTableLike, Rang
 from modelpack.targets.options import TargetOptions
 from modelpack.targets.ranges import bands, fill_views, plan_runs
 from modelpack.targets.registry.auth import resolve_credentials
-from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into, read_ranges_into
+from modelpack.targets.registry.blob_reads import open_blob, read_range, read_range_into
 from modelpack.targets.registry.client import BodyTooLarge, RegistryClient
 from modelpack.targets.registry.manifests import MANIFEST_ACCEPT, MANIFEST_TYPES, ManifestStore
 from modelpack.targets.registry.mirrors import MirroredBlobs, configured_mirrors, mirror_limits
+from modelpack.targets.registry.multi_range_reads import read_ranges_into
 from modelpack.targets.registry.peer_referrers import ListingClock, mirror_referrers
 from modelpack.targets.registry.repository import RepositoryAPI
 from modelpack.targets.registry.source_events import emit, origin_url
@@ -272,7 +273,7 @@ class RegistryTarget:
         self, descriptor: Descriptor, ranges: Sequence[tuple[int, int]], views: Sequence[memoryview]
     ) -> int:
         """Fill ``views[i]`` with the ``ranges[i]`` bytes of the blob: multi-range requests to the
-        origin (``blob_reads.read_ranges_into``), or, through mirrors, covering bands read from the
+        origin (``multi_range_reads.read_ranges_into``), or, through mirrors, covering bands read from the
         first source that serves them and copied out (a mirror's wrong bytes are for the caller's
         check to find; ``multi_range`` is False). Returns the bytes fetched."""
         if self.mirrors is None:
