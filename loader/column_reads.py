@@ -24,7 +24,7 @@ else the tensor's chunks are read as before.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ from modelpack.loader.readers import RangeReader, RowsReader
 from modelpack.signing.column_digests import ColumnDigester
 
 from modelpack.errors import ChunkDigestMismatch
+from modelpack.packing.safetensors_format import TensorInfo
 from modelpack.targets.base import BlobFiles
 
 if TYPE_CHECKING:
@@ -54,16 +55,16 @@ class ColumnShare:
 
 
 def _share_of(
-    t: TensorRead, table: ChunkTable, layer: str, fp: FilePlan
+    t: TensorRead, table: ChunkTable, layer: str, fp: FilePlan, infos: Mapping[str, TensorInfo]
 ) -> tuple[ColumnBlocks, int, int] | None:
     span = t.span
     if span.contiguous or not span.nbytes or t.part is None or t.part[0] != 1 or t.part[3] != 1:
         return None
-    info = next((i for i in fp.header.tensors if i.name == t.name), None)
+    info = infos.get(t.name)
     if info is None:
         return None
-    start = fp.header.data_start + info.begin
-    cb = table.column_blocks(layer, start, fp.header.data_start + info.end)
+    start, end = fp.header.absolute(info)
+    cb = table.column_blocks(layer, start, end)
     if cb is None or cb.rows != span.rows or cb.row_bytes != span.stride:
         return None
     skip, width = span.offset - start, cb.block_bytes
@@ -81,11 +82,12 @@ def column_shares(
         return []
     if mode == "local" and not (reader.local or isinstance(getattr(reader, "target", None), BlobFiles)):
         return []  # a registry: a range per row costs more wall time than the bytes it saves
+    infos = fp.header.by_name()
     out = []
     for t, idx in zip(fp.tensors, ids, strict=True):
         if load.dest_bytes[idx] is None:
             continue
-        share = _share_of(t, table, layer, fp)
+        share = _share_of(t, table, layer, fp, infos)
         if share is not None and not (load.staged and t.span.length > load.copier.slot_bytes):
             out.append(ColumnShare(idx, *share))  # (staged: a row must fit a slot)
     return out

@@ -20,6 +20,7 @@ know them ignores them (the contiguous chunks still tile the blob).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import hmac
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ class LayerChunks:
     starts: tuple[int, ...] | None = None
     columns: tuple[ColumnBlocks, ...] = ()  # aligned tables: the 2-D tensors' column blocks
 
+    @functools.cached_property
+    def column_at(self) -> dict[int, ColumnBlocks]:
+        """The column blocks by the byte their tensor starts at (one lookup per tensor)."""
+        return {c.start: c for c in self.columns}
+
 
 @dataclass(frozen=True)
 class ChunkTable:
@@ -115,12 +121,8 @@ class ChunkTable:
     def column_blocks(self, layer_digest: str, start: int, end: int) -> ColumnBlocks | None:
         """The signed column blocks of the tensor at ``[start, end)`` of the layer, if any."""
         layer = self.layers.get(str(layer_digest))
-        if layer is None or not layer.columns:
-            return None
-        i = bisect.bisect_left([c.start for c in layer.columns], start)
-        if i < len(layer.columns) and layer.columns[i].start == start and layer.columns[i].end == end:
-            return layer.columns[i]
-        return None
+        found = layer.column_at.get(start) if layer is not None and layer.columns else None
+        return found if found is not None and found.end == end else None
 
     def _layer(self, layer_digest: str) -> LayerChunks:
         try:
