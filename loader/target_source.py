@@ -150,17 +150,20 @@ def open_target_source(
     quant = "none"
     data: bytes | None = None
     cfg = config_json_layer(manifest)
-    if cfg is not None and blob_reader is not None:
-        buf = bytearray(cfg.size)
-        cfg_reader = blob_reader(cfg, f"{pinned_ref} config.json ({cfg.digest})")
-        try:
-            cfg_reader.read_into(0, memoryview(buf))
-        finally:
-            cfg_reader.close()
-        data = bytes(buf)
-    elif cfg is not None:
-        with target.fetch_blob(cfg) as f:
-            data = f.read(cfg.size + 1)
+    if cfg is not None:
+        # from the filling node cache (a stream-through load: unverified ingest bytes) or the
+        # target; either way checked against its digest before it is parsed or planned from
+        if blob_reader is not None:
+            buf = bytearray(cfg.size)
+            cfg_reader = blob_reader(cfg, f"{pinned_ref} config.json ({cfg.digest})")
+            try:
+                cfg_reader.read_into(0, memoryview(buf))
+            finally:
+                cfg_reader.close()
+            data = bytes(buf)
+        else:
+            with target.fetch_blob(cfg) as f:
+                data = f.read(cfg.size + 1)
         verify_bytes(data, cfg.digest, cfg.size, what="config.json", source=pinned_ref)
         quant = quantization_from_hf_config(data)
     return ResolvedSource(

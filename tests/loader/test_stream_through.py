@@ -386,3 +386,43 @@ def test_a_fill_that_makes_no_progress_stops_the_load_within_its_bound(
     finally:
         os.close(held)
     assert src.report.published and cache.snapshots.ready(digest) is not None
+
+
+def test_the_config_a_cache_stream_reads_is_verified_and_names_the_quantization(
+    registry, proxy, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """config.json read from the filling cache is the same document a plain stream reads: checked
+    against its digest before it is parsed, and its quantization reaches the fingerprint (which
+    keys the compile caches: a stream through the cache must not fingerprint an FP8 model as
+    unquantized). A registry that forges it is refused before any plan is made from it."""
+    from modelpack.loader import LoadStats
+    from modelpack.loader.weight_files import config_json_layer
+
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+    from tests.fixtures.faultproxy import Fault, blob_get
+
+    ckpt = _model(tmp_path, seed=48)
+    (ckpt / "config.json").write_text(
+        json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "fp8", "bits": 8}})
+    )
+    digest = push_model(ckpt, registry.host, "stream/quant")
+    ref = f"{proxy.host}/stream/quant@{digest}"
+    plain = LoadStats()
+    load_state_dict(ref, target_options=PLAIN, stats=plain)
+    assert plain.fingerprint is not None and plain.fingerprint.quantization == "fp8-8bit"
+    streamed = LoadStats()
+    load_state_dict(CacheStream(NodeCache(str(tmp_path / "cache")), ref, target_options=PLAIN), stats=streamed)
+    assert streamed.fingerprint is not None
+    assert streamed.fingerprint.quantization == plain.fingerprint.quantization
+
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/quant", "v1")), PLAIN)
+    cfg = config_json_layer(Manifest.parse(target.fetch_manifest(digest)[0]))
+    assert cfg is not None
+    proxy.add(Fault(blob_get(str(cfg.digest)), times=None, corrupt_at=2))
+    forged = CacheStream(NodeCache(str(tmp_path / "cache-forged")), ref, target_options=PLAIN)
+    with pytest.raises(DigestMismatchError) as exc:
+        load_state_dict(forged)
+    # refused by the load's own check of config.json or by the fill's, whichever sees it first
+    assert str(cfg.digest) in str(exc.value)
