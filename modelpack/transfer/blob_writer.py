@@ -7,6 +7,12 @@ disk content after a crash is not to be trusted blindly) → ``write`` the rest 
 with a Range request) → ``commit`` (size and sha256 checked, fsync, mode set, atomic rename, the
 directory fsynced or handed to a ``DirSyncs``). Nothing unverified is ever at a final path.
 
+Bytes once written to a partial never change: a writer that throws bytes away (a resumed prefix
+that failed the check, a partial longer than the blob) starts a new file instead of rewriting the
+old one. A stream-through load (``loader.stream_through``) reads a partial while it grows and
+trusts what it read once the cache verified the blob, telling the verified file apart by inode
+(``WriteHooks.on_verified``); a rewrite in place would pass bytes it never checked.
+
 Every way out of an uncommitted writer either keeps a resumable partial (the disk filled up, the
 source went away or dropped the connection) or leaves nothing (a size or digest mismatch, a
 cancel or signal, an output that refused the write). Liveness of a partial comes from the lock
@@ -116,6 +122,13 @@ class WriteHooks:
     on_bytes: Callable[[int], None] | None = None  # bytes fetched and written (progress, heartbeat)
     on_resume: Callable[[int], None] | None = None  # a kept prefix of this many bytes is reused
     on_discard: Callable[[int], None] | None = None  # the reused prefix failed the check: refetched
+    # the bytes written match the digest and size (before the fsync and rename): the stat of the
+    # file holding them, whose inode the committed blob keeps
+    on_verified: Callable[[os.stat_result], None] | None = None
+    # start the partial's disk writes as it grows, so the fsync before the rename has only the
+    # tail left; False leaves them to the kernel, so bytes a follower waits for (a stream-through
+    # load) land at the network's pace, not the disk's, and the commit's fsync writes them all
+    writeback: bool = True
 
 
 def keeps_partial(exc: BaseException) -> bool:
@@ -139,15 +152,17 @@ class BlobWriter:
     """An open writer of one blob (containerd's ``content.Writer``); a context manager whose exit
     commits nothing and keeps or removes the partial as ``keeps_partial`` says."""
 
-    def __init__(self, slot: PartialSlot, desc: Descriptor) -> None:
+    def __init__(self, slot: PartialSlot, desc: Descriptor, *, writeback: bool = True) -> None:
         self.desc = desc
+        self._slot = slot
+        self._eager = writeback
         partial = slot.open()
         self.fd = partial.fd
         self.path = partial.path
         self.resumable = partial.resumable
         self.offset = 0
         self._hash = hashlib.sha256()
-        self._writeback = Writeback(self.fd, 0)
+        self._writeback = Writeback(self.fd, 0) if writeback else None
         self._committed = False
 
     # ------------------------------------------------------------------ writing
@@ -164,19 +179,34 @@ class BlobWriter:
                     break
                 self._hash.update(chunk)
                 n += len(chunk)
+        if n != have:  # longer than the blob, or unreadable: nothing is reused
+            self.restart()
+            return 0
         self._seek(n)
         return n
 
     def restart(self) -> None:
-        """Throw away what was written and start from zero."""
+        """Throw away what was written and start from zero, in a new file (module docstring: the
+        old bytes are never rewritten in place)."""
+        self._new_file()
         self._hash = hashlib.sha256()
         self._seek(0)
+
+    def _new_file(self) -> None:
+        """Unlink this writer's partial and open a fresh one from the slot (the caller's lock on
+        the digest, or the temp file's own, stays what guards it)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = -1
+        partial = self._slot.open()
+        self.fd, self.path, self.resumable = partial.fd, partial.path, partial.resumable
 
     def _seek(self, offset: int) -> None:
         os.ftruncate(self.fd, offset)
         os.lseek(self.fd, offset, os.SEEK_SET)
         self.offset = offset
-        self._writeback = Writeback(self.fd, offset)
+        self._writeback = Writeback(self.fd, offset) if self._eager else None
 
     def write(self, data: bytes | memoryview, landing: Landing) -> None:
         """Append ``data``; a refused write (a full disk) names the path ``landing`` asks for and
@@ -194,7 +224,8 @@ class BlobWriter:
                     f"to resume; {landing.full_disk_hint}"
                 )
             raise write_error(self.path if landing.name_partial else landing.final, exc, kept=kept) from exc
-        self._writeback.wrote(len(data))
+        if self._writeback is not None:
+            self._writeback.wrote(len(data))
         self._hash.update(data)
         self.offset += len(data)
 
@@ -246,9 +277,9 @@ class BlobWriter:
         self.close(exc)
 
 
-def open_writer(slot: PartialSlot, desc: Descriptor) -> BlobWriter:
+def open_writer(slot: PartialSlot, desc: Descriptor, *, writeback: bool = True) -> BlobWriter:
     """A writer for ``desc`` on the partial ``slot`` opens and locks."""
-    return BlobWriter(slot, desc)
+    return BlobWriter(slot, desc, writeback=writeback)
 
 
 def fetch_verified(
@@ -265,7 +296,7 @@ def fetch_verified(
     docstring for what every failure leaves."""
     hooks = hooks or WriteHooks()
     got = Downloaded()
-    with open_writer(slot, desc) as w:
+    with open_writer(slot, desc, writeback=hooks.writeback) as w:
         offset = w.resume()
         if offset and hooks.on_resume is not None:
             hooks.on_resume(offset)
@@ -278,6 +309,8 @@ def fetch_verified(
             got.resumed = 0
             w.restart()
             _fetch_rest(source, w, landing, hooks, got, chunk)
+        if hooks.on_verified is not None and w.verified():
+            hooks.on_verified(os.fstat(w.fd))
         w.commit(desc.size, desc.digest, landing, source=source.name)
     return got
 

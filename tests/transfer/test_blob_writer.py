@@ -181,6 +181,55 @@ def test_a_corrupt_resumed_prefix_is_thrown_away_and_refetched(strategy: Strateg
     assert strategy.leftovers() == []
 
 
+def test_bytes_written_to_a_partial_never_change_a_discarding_writer_starts_a_new_file(
+    strategy: Strategy, source: Source
+) -> None:
+    """A stream-through load reads a partial while it grows and trusts those bytes once the cache
+    verified the blob, telling the verified file apart by inode. So a writer that throws bytes away
+    (a resumed prefix that fails the check) must not rewrite them in place: it starts a new file,
+    and a reader holding the old one still sees exactly what it read, while the committed blob and
+    the ``on_verified`` stat name the new inode."""
+    cut = SIZE // 2
+    _cut(strategy, source, cut)
+    with open(strategy.partial, "r+b") as f:
+        f.seek(10)
+        f.write(b"garbage!")
+    follower = os.open(strategy.partial, os.O_RDONLY)  # a stream-through reader of the partial
+    try:
+        before = os.fstat(follower)
+        seen = os.pread(follower, cut, 0)
+        verified: list[os.stat_result] = []
+        strategy.fetch(FaultySource(source.target), source.desc, WriteHooks(on_verified=verified.append))
+        # the old file: what was read is still there, the first try appended, nothing truncated
+        assert os.pread(follower, cut, 0) == seen and os.fstat(follower).st_size == SIZE
+        committed = strategy.final.stat()
+        assert (committed.st_dev, committed.st_ino) != (before.st_dev, before.st_ino)
+        assert len(verified) == 1
+        assert (verified[0].st_dev, verified[0].st_ino) == (committed.st_dev, committed.st_ino)
+        assert strategy.final.read_bytes() == source.data
+        assert strategy.leftovers() == []
+    finally:
+        os.close(follower)
+
+
+def test_on_verified_names_the_file_holding_the_checked_bytes_and_is_not_called_for_wrong_ones(
+    strategy: Strategy, source: Source
+) -> None:
+    verified: list[os.stat_result] = []
+    strategy.fetch(source.target, source.desc, WriteHooks(on_verified=verified.append))
+    st = strategy.final.stat()
+    assert [(v.st_dev, v.st_ino, v.st_size) for v in verified] == [(st.st_dev, st.st_ino, SIZE)]
+    wrong = bytearray(source.data)
+    wrong[SIZE // 2] ^= 1
+    source.serve(bytes(wrong))
+    strategy.final.chmod(0o600)
+    strategy.final.unlink()
+    verified.clear()
+    with pytest.raises(DigestMismatchError):
+        strategy.fetch(source.target, source.desc, WriteHooks(on_verified=verified.append))
+    assert verified == []
+
+
 @pytest.mark.parametrize("sent", ["longer", "shorter"])
 def test_a_source_that_lies_about_the_size_leaves_nothing(
     strategy: Strategy, source: Source, sent: str
