@@ -71,11 +71,14 @@ class LoadEngine:
         self.dest: list[torch.Tensor | None] = []
         self.dest_bytes: list[torch.Tensor | None] = []
         self.remaining: list[int] = []
-        self.held: list[bool] = []  # whole-mode tensors wait for their layer digest
+        self.held: list[bool] = []  # tensors waiting for a verdict: a layer digest, a cache's check
         self.ready: collections.deque[int] = collections.deque()
         self.tensor_events: dict[int, Any] = {}
         self.pool: ThreadPoolExecutor | None = None
         self.inflight: collections.deque[tuple[Future[Any], Callable[[Any], None]]] = collections.deque()
+        # while not None, every task ``submit`` queues is also put here (a caller that must wait
+        # for a group of its own tasks: settled.py)
+        self.collecting: list[Future[Any]] | None = None
         self.prog = Progress(plan.bytes_to_read, "load", progress)
         self.remote = src.remote
         self.peers: list[ReadPlan] = []  # every rank's plan when the ranks share reads (options.group)
@@ -109,10 +112,11 @@ class LoadEngine:
             return self.copier.slots
         return 2 * (self.opts.remote_inflight if self.remote else self.opts.local_workers)
 
-    def alloc(self, fp: FilePlan) -> list[int]:
-        """Destinations for one file's tensors (caller-owned ``out`` entries are checked, not copied)."""
+    def alloc(self, fp: FilePlan, *, hold: bool = False) -> list[int]:
+        """Destinations for one file's tensors (caller-owned ``out`` entries are checked, not copied);
+        held until ``release_held`` for a whole layer, or with ``hold``."""
         ids = []
-        whole = self.files[fp.file].mode == "whole"
+        whole = hold or self.files[fp.file].mode == "whole"
         for t in fp.tensors:
             where = f"{fp.file}: tensor {t.name!r}"
             dt = torch_dtype(t.dtype, where=where)
@@ -168,7 +172,10 @@ class LoadEngine:
         assert self.pool is not None
         if self.stats.read_start == 0.0:
             self._read_started()
-        self.inflight.append((self.pool.submit(fn), done))
+        fut = self.pool.submit(fn)
+        if self.collecting is not None:
+            self.collecting.append(fut)
+        self.inflight.append((fut, done))
 
     def _finish_one(self) -> Iterator[int]:
         fut, done = self.inflight.popleft()

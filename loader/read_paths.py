@@ -9,7 +9,10 @@
 - ``chunks`` (a signed chunk table covers the layer): ``chunked.read_chunked``; with a process
   group (``LoaderOptions.group``) the ranks split the reads and broadcast what several need
   (``shared_read.read_chunked_shared``);
-- ``whole`` (only the manifest's layer digest): ``whole_layer.read_whole_layer``.
+- ``whole`` (only the manifest's layer digest): ``whole_layer.read_whole_layer``;
+- either of the last two, read from the node cache's ingest as it fills (``WeightFile.settled``,
+  a stream-through load) into host tensors: ``settled.read_settled`` (unhashed here, held until
+  the cache's own whole-blob check vouched for the blob).
 
 Files are loaded in plan order; tensors are yielded as they complete, and the window is drained
 at the end so the load finishes only when every read and copy has.
@@ -18,11 +21,13 @@ at the end so the load finishes only when every read and copy has.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 from modelpack.loader.chunked import read_chunked
 from modelpack.loader.engine import LoadEngine
 from modelpack.loader.mapped import read_mapped
 from modelpack.loader.readers import FileReader
+from modelpack.loader.settled import SettlingReader, read_settled, settles
 from modelpack.loader.shared_read import read_chunked_shared
 from modelpack.loader.trusted import read_trusted_direct, read_trusted_staged
 from modelpack.loader.whole_layer import read_whole_layer
@@ -36,6 +41,8 @@ def run(load: LoadEngine) -> Iterator[int]:
         if f.mappable and load.opts.views != "off" and not load.staged and not load.opts.direct_io:
             assert isinstance(reader, FileReader)
             yield from read_mapped(load, reader, fp)
+        elif settles(load, f):
+            yield from read_settled(load, cast(SettlingReader, reader), f, fp, load.alloc(fp, hold=True))
         elif f.mode == "trusted" and not load.staged and not load.opts.direct_io:
             yield from read_trusted_direct(load, reader, load.alloc(fp))
         elif f.mode == "trusted":

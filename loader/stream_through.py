@@ -32,9 +32,9 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from modelpack.loader.readers import _Counter
 from modelpack.loader.weight_files import ResolvedSource
@@ -42,6 +42,7 @@ from modelpack.loader.weight_files import ResolvedSource
 from modelpack.errors import (
     CacheFillStalledError,
     ExpectedDigestError,
+    HeaderMismatchError,
     SourceError,
     TruncatedSourceError,
     UnpinnedReferenceError,
@@ -60,8 +61,14 @@ if TYPE_CHECKING:
     from modelpack.targets.base import ReadableTarget
     from modelpack.targets.options import TargetOptions
 
+_T = TypeVar("_T")
+
 #: ``CacheStream.fill``: what a rank reading only its share does about the rest of the model
 FILL_MODES = ("leave", "background")
+#: ``CacheStream.publish``: whether the load returns after the snapshot is published (``wait``: a
+#: process that exits next, the CLI) or once its tensors are verified (``background``: a process
+#: that keeps running, a serving engine; ``CacheStream.wait`` joins the fill)
+PUBLISH_MODES = ("wait", "background")
 #: a reader waits at most this long for a blob's bytes while nothing moves (no byte lands in its
 #: partial, no blob is committed) before it gives up (``CacheFillStalledError``)
 DEFAULT_STALL_S = 180.0
@@ -76,7 +83,7 @@ class StreamReport:
     ``cache`` object)."""
 
     root: str
-    state: str = ""  # hit | filled | share | failed
+    state: str = ""  # hit | filled | share | failed | publishing (publish="background", not yet)
     published: bool = False
     path: str = ""  # the snapshot, once published
     left_to: str = ""  # a share: "fill" (left to a pull --cache / pre-warm) or "background"
@@ -84,6 +91,9 @@ class StreamReport:
     bytes_reused: int = 0  # blob bytes already in the cache (or fetched by a concurrent pull)
     error: str = ""
     wait_s: float = 0.0  # seconds the load waited for the fill to publish after its last tensor
+    # bytes the load read from a partial the cache then threw away (a writer that started over),
+    # read again from the verified blob before any tensor of it was handed out
+    bytes_reread: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +106,7 @@ class StreamReport:
             "bytesReused": self.bytes_reused,
             "error": self.error or None,
             "publishWaitMs": round(self.wait_s * 1000, 3),
+            "bytesReread": self.bytes_reread,
         }
 
 
@@ -108,6 +119,11 @@ class CacheStream:
     table and for the snapshot's trust record). ``jobs`` blobs are fetched at once. ``target``
     overrides the one the reference names (a mirrored or counting target), for the pull and the
     load alike.
+
+    ``publish="background"`` takes the cache's durable commit (each blob's fsync and rename, the
+    snapshot's publish) off the start: the load returns once every tensor is verified, and the
+    fill finishes on its daemon thread; ``wait()`` joins it. A process that exits first leaves the
+    fill's resumable partials and no snapshot (the next pull or start resumes them).
     """
 
     cache: NodeCache
@@ -118,12 +134,23 @@ class CacheStream:
     jobs: int = 8
     fill: str = "leave"
     stall_s: float = DEFAULT_STALL_S
+    publish: str = "wait"
     report: StreamReport = field(init=False)
+    _fill: _Fill | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.fill not in FILL_MODES:
             raise ValueError(f"fill={self.fill!r}: use one of {', '.join(FILL_MODES)}")
+        if self.publish not in PUBLISH_MODES:
+            raise ValueError(f"publish={self.publish!r}: use one of {', '.join(PUBLISH_MODES)}")
         self.report = StreamReport(self.cache.root)
+
+    def wait(self, timeout: float | None = None) -> StreamReport:
+        """Wait (at most ``timeout`` seconds) for this stream's fill to publish or fail, and
+        return the report (at once when there is no fill: a hit, a share left to a fill)."""
+        if self._fill is not None:
+            self._fill.wait(timeout)
+        return self.report
 
 
 class _Fill:
@@ -139,9 +166,17 @@ class _Fill:
         self.result: PullResult | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
-        # bumped whenever this process's pull lands bytes (or ends): readers wait on it instead of
-        # spinning; another process's writes are seen by the readers' bounded poll
-        self.landed = 0
+        # bumped whenever this process's pull lands bytes, verifies a blob (or ends): readers wait
+        # on it instead of spinning; another process's writes are seen by the readers' bounded poll
+        self.seq = 0
+        # hex digest → (st_dev, st_ino) of the file whose bytes this pull verified (the committed
+        # blob keeps that inode): the loader's reads of that file need no hash of their own
+        self.verified_files: dict[str, tuple[int, int]] = {}
+        self.reread_bytes = 0  # bytes readers took from a file the cache then threw away
+        # mount.ingest.IngestWatch: with the publish awaited, the disk writes start as the bytes
+        # land; in the background, the landing is not held to the disk's pace
+        self.writeback = stream.publish == "wait"
+        self._stream = stream
         self._cond = threading.Condition()
         self._thread = threading.Thread(
             target=self._run, args=(stream, ref, policy, variant), name="mp-stream-fill", daemon=True
@@ -163,37 +198,79 @@ class _Fill:
                 jobs=stream.jobs,
                 variant=variant,
                 source=stream.target,
-                on_bytes=self._landed,
+                watch=self,
             )
         except BaseException as exc:  # handed to the readers and the report
             self.error = exc
         finally:
-            self.done.set()
-            self._landed(0)
+            with self._cond:
+                self._record()
+                self.done.set()
+                self.seq += 1
+                self._cond.notify_all()
 
-    def _landed(self, n: int) -> None:
+    def _record(self) -> None:
+        """The fill's outcome into the stream's report (before ``done``: a waiter sees it whole)."""
+        report = self._stream.report
+        if self.result is not None:
+            report.state = "filled"
+            report.published = True
+            report.path = self.result.path
+            report.bytes_downloaded = self.result.bytes_downloaded
+            report.bytes_reused = self.result.bytes_reused
+            return
+        report.state = "failed"
+        report.error = (
+            f"{type(self.error).__name__}: {self.error}" if self.error else "the fill did not finish"
+        )
+
+    def publishing(self) -> None:
+        """The load returned before the fill ended (``publish="background"``): say so, unless the
+        fill already recorded its outcome."""
         with self._cond:
-            self.landed += 1
+            if not self.done.is_set():
+                self._stream.report.state = "publishing"
+
+    # mount.ingest.IngestWatch
+    def landed(self, n: int) -> None:
+        with self._cond:
+            self.seq += 1
             self._cond.notify_all()
 
-    def wait_landed(self, seen: int, timeout: float) -> None:
-        """Until bytes land after ``seen`` (``self.landed`` then), the pull ends, or ``timeout``."""
+    def verified(self, desc: Descriptor, st: os.stat_result) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self.landed != seen, timeout)
+            self.verified_files[Digest(desc.digest).hex] = (st.st_dev, st.st_ino)
+            self.seq += 1
+            self._cond.notify_all()
+
+    def reread(self, n: int) -> None:
+        if n:
+            with self._cond:
+                self.reread_bytes += n
+                self._stream.report.bytes_reread = self.reread_bytes
+
+    def wait_landed(self, seen: int, timeout: float) -> None:
+        """Until something lands after ``seen`` (``self.seq`` then), the pull ends, or ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.seq != seen, timeout)
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
 
-    def wait(self) -> None:
-        self._thread.join()
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
 
 class CacheFollowReader:
     """A blob read by ranges from the node cache's ingest while it is being filled: the committed
     blob once it is there, else the growing ``ingest/<hex>.partial``; a range not landed yet is
     waited for (the fill's failure is raised; no progress for ``stall_s`` is
-    ``CacheFillStalledError``). Nothing read here is trusted: the loader verifies every byte."""
+    ``CacheFillStalledError``). Nothing read here is trusted by itself: either the loader checks
+    every byte (chunks, layer digest), or the load calls ``settle`` before handing a tensor out.
+
+    Every partial this reader read from stays open until ``close``, so its inode cannot be reused
+    while ``settle`` compares it with the file the cache verified."""
 
     local = True
 
@@ -211,6 +288,7 @@ class CacheFollowReader:
         self.descriptor = desc
         self.size = desc.size
         self.name = name
+        self._hex = Digest(desc.digest).hex
         self._fill = fill
         self._stall_s = stall_s
         # (inode, bytes) of the partial that was there before this fill started: a crash's
@@ -220,6 +298,9 @@ class CacheFollowReader:
         self._fd = -1
         self._lock = threading.Lock()
         self._count = _Counter()
+        self._held: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) → fd of a partial read from
+        # with ``keep_reads``: (partial file, offset, views) of every read taken from a partial
+        self._kept: list[tuple[tuple[int, int], int, Sequence[memoryview]]] | None = None
 
     @property
     def bytes_read(self) -> int:
@@ -244,18 +325,19 @@ class CacheFollowReader:
             self._fd = fd
             return fd
 
-    def _partial(self, offset: int, end: int) -> tuple[int, int]:
-        """An open partial holding ``[offset, end)`` as its writer fetched it (fd, -1 otherwise)
-        and its size. Of a leftover partial (there before the fill), the bytes it held then are
-        not read until the writer started it over (it shrank): a resumed prefix is only re-hashed
-        at the commit."""
+    def _partial(self, offset: int, end: int) -> tuple[int, int, tuple[int, int]]:
+        """A partial holding ``[offset, end)`` as its writer fetched it (a held fd, -1 otherwise),
+        its size and its file. Of a leftover partial (there before the fill), the bytes it held then
+        are not read until the writer started it over (it shrank): a resumed prefix is only
+        re-hashed at the commit."""
         try:
             fd = os.open(
                 self.store.partial_path(self.descriptor.digest), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
             )
         except OSError:
-            return -1, -1
+            return -1, -1, (0, 0)
         st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
         fresh_from = 0
         if self._leftover is not None and self._leftover[0] == st.st_ino:
             if st.st_size < self._leftover[1]:  # started over from zero: all it holds now is fetched
@@ -263,9 +345,13 @@ class CacheFollowReader:
             else:
                 fresh_from = self._leftover[1]
         if offset >= fresh_from and st.st_size >= end and self.store.trusted(st):
-            return fd, st.st_size
+            with self._lock:
+                held = self._held.setdefault(key, fd)
+            if held != fd:
+                os.close(fd)
+            return held, st.st_size, key
         os.close(fd)
-        return -1, st.st_size
+        return -1, st.st_size, key
 
     def read_into(self, offset: int, buf: memoryview) -> None:
         self.read_scatter(offset, [buf])
@@ -279,17 +365,17 @@ class CacheFollowReader:
         moved = time.monotonic()
         pause = _POLL_S[0]
         while True:
-            landed = self._fill.landed
+            seq = self._fill.seq
             fd = self._committed()
             if fd >= 0 and _preadv_all(fd, views, offset):
                 break
-            pfd, have = self._partial(offset, end)
-            if pfd >= 0:
-                try:
-                    if _preadv_all(pfd, views, offset):  # short: truncated under us, wait again
-                        break
-                finally:
-                    os.close(pfd)
+            pfd, have, key = self._partial(offset, end)
+            if pfd >= 0 and _preadv_all(pfd, views, offset):
+                with self._lock:
+                    if self._kept is not None:
+                        self._kept.append((key, offset, views))
+                break
+            # short: truncated under us, wait again
             if self._fill.done.is_set():
                 self._fill.raise_if_failed()
                 if self._committed() < 0:
@@ -307,15 +393,92 @@ class CacheFollowReader:
                     f"{self.store.root} for {self._stall_s:.0f}s (the fill holding its lock made no "
                     "progress); refusing the load"
                 )
-            self._fill.wait_landed(landed, pause)
+            self._fill.wait_landed(seq, pause)
             pause = min(pause * 2, _POLL_S[1])
         self._count.add(want, offset)
+
+    # ------------------------------------------------------------------ settling (no hash of our own)
+    def keep_reads(self) -> None:
+        """From now on remember where each read from a partial went, for ``settle``."""
+        with self._lock:
+            self._kept = []
+
+    def settle(self, header: bytes) -> int:
+        """Vouch for every byte this reader returned since ``keep_reads``, with the node cache's
+        own whole-blob check instead of a hash here: wait until the cache verified the blob (size
+        and sha256, told by the fill before its fsync, or a blob some writer committed), read
+        again from the verified file whatever came from another partial (one the cache threw
+        away: a failed resume, a writer that started over), and compare ``header`` (the bytes the
+        plan was parsed from) with the verified file's. Returns the bytes read again."""
+        verified = self._wait(self._verified_file, "verified")
+        with self._lock:
+            kept, self._kept = self._kept or [], None
+            fd = self._held.get(verified, -1)
+        stale = [(off, views) for key, off, views in kept if key != verified]
+        if fd < 0 and (stale or header):  # nothing read from the verified partial: the blob then
+            fd = self._wait(lambda: self._committed() if self._committed() >= 0 else None, "committed")
+        n = 0
+        for off, views in stale:
+            if not _preadv_all(fd, views, off):
+                raise TruncatedSourceError(self.name, off, sum(len(v) for v in views), 0)
+            n += sum(len(v) for v in views)
+        if header and os.pread(fd, len(header), 0) != header:
+            raise HeaderMismatchError(self.name, str(self.descriptor.digest), source=self.store.root)
+        self._fill.reread(n)
+        return n
+
+    def _verified_file(self) -> tuple[int, int] | None:
+        """The file (st_dev, st_ino) whose bytes the cache verified: this process's fill says so
+        before its fsync; another writer's blob counts once committed. None: not yet."""
+        key = self._fill.verified_files.get(self._hex)
+        if key is not None:
+            return key
+        fd = self._committed()
+        if fd < 0:
+            return None
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+
+    def _wait(self, look: Callable[[], _T | None], what: str) -> _T:
+        """``look()`` until it returns something; the fill's failure is raised, and a fill that
+        ended without it, or made no progress for ``stall_s``, refuses the load."""
+        moved = time.monotonic()
+        pause = _POLL_S[0]
+        last = -1
+        while True:
+            seq = self._fill.seq
+            got = look()
+            if got is not None:
+                return got
+            if self._fill.done.is_set():
+                self._fill.raise_if_failed()
+                got = look()
+                if got is not None:
+                    return got
+                raise SourceError(
+                    f"{self.name}: the node cache fill of {self.store.root} ended without a "
+                    f"{what} blob {self.descriptor.digest}; refusing the load"
+                )
+            now = time.monotonic()
+            if seq != last:
+                last, moved = seq, now
+            elif now - moved > self._stall_s:
+                raise CacheFillStalledError(
+                    f"{self.name}: blob {self.descriptor.digest} was not {what} in the node cache "
+                    f"{self.store.root} within {self._stall_s:.0f}s of its last progress; refusing the load"
+                )
+            self._fill.wait_landed(seq, pause)
+            pause = min(pause * 2, _POLL_S[1])
 
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            for fd in self._held.values():
+                os.close(fd)
+            self._held.clear()
+            self._kept = None
 
 
 def _partials(store: Store) -> dict[str, tuple[int, int]]:
@@ -427,7 +590,7 @@ def open_cache_stream(
         )
         return src
     leftovers = _partials(cache.store)  # before the fill starts: what a crash may have left
-    fill = _Fill(stream, ref, policy, variant)
+    fill = stream._fill = _Fill(stream, ref, policy, variant)
 
     def follow(desc: Descriptor, name: str) -> CacheFollowReader:
         return CacheFollowReader(
@@ -441,11 +604,14 @@ def open_cache_stream(
 
     try:
         src = open_target_source(target, str(ref.digest), blob_reader=follow, **common)
-    except BaseException as exc:
-        _finish(stream, fill, failed=exc)
+    except BaseException:
+        _finish(stream, fill)
         raise
     if share:
         report.left_to = "background"
+    else:  # a full load: the cache's whole-blob check vouches for what it reads (loader.settled)
+        for f in src.files:
+            f.settled = True
     src.notices.append(
         (
             "loader.cache_stream",
@@ -453,27 +619,26 @@ def open_cache_stream(
         )
     )
     src.state = "streamed"
-    src._cleanup.insert(0, lambda: _finish(stream, fill))
+    src._cleanup.insert(
+        0, fill.publishing if stream.publish == "background" else lambda: _finish(stream, fill)
+    )
     return src
 
 
-def _finish(stream: CacheStream, fill: _Fill, failed: BaseException | None = None) -> None:
-    """After the load: wait for the fill to publish (or fail) and report it. A load that failed
-    on its own lets the fill finish: the verified model is cached for the next start."""
+def _finish(stream: CacheStream, fill: _Fill) -> None:
+    """After the load (``publish="wait"``): wait for the fill to publish or fail (its outcome is
+    in the report). A load that failed on its own lets the fill finish: the verified model is
+    cached for the next start."""
     t = time.monotonic()
     fill.wait()
-    report = stream.report
-    report.wait_s = time.monotonic() - t
-    if fill.result is not None:
-        report.state = "filled"
-        report.published = True
-        report.path = fill.result.path
-        report.bytes_downloaded = fill.result.bytes_downloaded
-        report.bytes_reused = fill.result.bytes_reused
-        return
-    report.state = "failed"
-    err = fill.error or failed
-    report.error = f"{type(err).__name__}: {err}" if err is not None else "the fill did not finish"
+    stream.report.wait_s = time.monotonic() - t
 
 
-__all__ = ["FILL_MODES", "CacheFollowReader", "CacheStream", "StreamReport", "open_cache_stream"]
+__all__ = [
+    "FILL_MODES",
+    "PUBLISH_MODES",
+    "CacheFollowReader",
+    "CacheStream",
+    "StreamReport",
+    "open_cache_stream",
+]

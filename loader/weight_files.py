@@ -56,6 +56,9 @@ class WeightFile:
     verification: str = ""  # what vouches for the bytes (LoadStats.verification); defaults to mode
     # a node-cache store blob trusted by inode (snapshot_binding): its views may be handed out
     mappable: bool = False
+    # read from the node cache's ingest as it fills (stream_through): on the CPU the cache's own
+    # whole-blob check vouches for the bytes instead of a hash here (settled.py)
+    settled: bool = False
 
 
 @dataclass

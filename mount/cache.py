@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.gc import DEFAULT_FOREIGN_LEASE_S, DEFAULT_MIN_AGE_S, GarbageCollector
-from modelpack.mount.ingest import BlobIngest
+from modelpack.mount.ingest import BlobIngest, IngestWatch
 from modelpack.mount.integrity import verify_snapshots
 from modelpack.mount.leases import PullLeases
 from modelpack.mount.listing import list_entries, usage
@@ -171,7 +171,7 @@ class NodeCache:
         hold: float | None = None,
         allow_rollback: bool = False,
         variant: VariantSelector | None = None,
-        on_bytes: Callable[[int], None] | None = None,
+        watch: IngestWatch | None = None,
     ) -> PullResult:
         """Make ``reference`` available as a verified snapshot; returns where and what it cost.
 
@@ -184,8 +184,9 @@ class NodeCache:
         (``RollbackRefused``) unless ``allow_rollback`` (``mount.rollback``). A reference to an
         index of variants is resolved to the entry ``variant`` selects (``mount.variants``; no
         selector: one that knows no node facts), which is then pulled as any manifest.
-        ``on_bytes(n)`` hears each write of ``n`` downloaded bytes into an ingest partial (a
-        streamed load reading the ingest as it lands, ``loader.stream_through``).
+        ``watch`` hears each write of downloaded bytes into an ingest partial and each blob whose
+        bytes matched their digest (a streamed load reading the ingest as it lands,
+        ``loader.stream_through``).
         """
         log = self.events if events is None else self._event_log(events)
         puller = Puller(
@@ -203,7 +204,7 @@ class NodeCache:
             hold=hold,
             rollback=RollbackGuard(self.tags, allow_rollback) if policy is not None else None,
             variants=VariantResolver(self.indexes, self.store, self.trust, variant),
-            on_bytes=on_bytes,
+            watch=watch,
         )
         return puller.pull(
             reference, target_options, policy=policy, jobs=jobs, log=log, source=source, start_id=start_id

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from modelpack.mount.locks import HeldLock, SingleFlight, acquire
 from modelpack.mount.modes import READ_ONLY_FILE_MODE
@@ -38,6 +38,22 @@ from modelpack.oci.digest import Digest
 from modelpack.targets.base import ReadableTarget
 from modelpack.transfer.blob_writer import Landing, Partial, WriteHooks, fetch_verified
 from modelpack.transfer.staging import private_file
+
+
+class IngestWatch(Protocol):
+    """A follower of the ingest as it lands: a streamed load reading the partials
+    (``loader.stream_through``)."""
+
+    #: start each partial's disk writes as it grows (``WriteHooks.writeback``); False when the
+    #: follower should not wait for the disk (the snapshot is published after the load returns)
+    writeback: bool
+
+    def landed(self, n: int) -> None:
+        """``n`` downloaded bytes were written into a partial."""
+
+    def verified(self, desc: Descriptor, st: os.stat_result) -> None:
+        """The bytes of ``desc`` in the file ``st`` describes matched its size and digest (told
+        before the fsync and the rename; the committed blob keeps that inode)."""
 
 
 @dataclass
@@ -68,10 +84,11 @@ class BlobIngest:
         *,
         on_event: Callable[..., Any] | None = None,
         on_bytes: Callable[[int], None] | None = None,
+        watch: IngestWatch | None = None,
     ) -> IngestResult:
         """Make ``desc`` present and verified; at most one fetch per digest on this node."""
         result, shared = self._flight.do(
-            desc.digest, lambda: self._ingest_locked(desc, source, on_event, on_bytes)
+            desc.digest, lambda: self._ingest_locked(desc, source, on_event, on_bytes, watch)
         )
         if shared:
             return IngestResult(desc.digest, desc.size, existed=True, shared=True)
@@ -83,6 +100,7 @@ class BlobIngest:
         source: ReadableTarget,
         on_event: Callable[..., Any] | None,
         on_bytes: Callable[[int], None] | None,
+        watch: IngestWatch | None,
     ) -> IngestResult:
         start = time.monotonic()
         if self.store.has(desc):
@@ -98,7 +116,7 @@ class BlobIngest:
                 on_event("cache.lock_stale", blob=str(desc.digest), lock=held.path)
             if self.store.has(desc):  # the holder we waited for committed it: one download per node
                 return IngestResult(desc.digest, desc.size, existed=True, waited_s=held.waited_s)
-            result = self._download(desc, source, held, on_event, on_bytes)
+            result = self._download(desc, source, held, on_event, on_bytes, watch)
             result.waited_s = held.waited_s
             result.lock_stale = held.stale
             result.seconds = time.monotonic() - start
@@ -113,6 +131,7 @@ class BlobIngest:
         held: HeldLock,
         on_event: Callable[..., Any] | None,
         on_bytes: Callable[[int], None] | None,
+        watch: IngestWatch | None,
     ) -> IngestResult:
         def fetched(n: int) -> None:
             if on_bytes:
@@ -137,7 +156,13 @@ class BlobIngest:
                 full_disk_hint=FULL_CACHE_HINT,
                 name_partial=True,
             ),
-            WriteHooks(on_bytes=fetched, on_resume=resumed, on_discard=discarded),
+            WriteHooks(
+                on_bytes=fetched,
+                on_resume=resumed,
+                on_discard=discarded,
+                on_verified=(lambda st: watch.verified(desc, st)) if watch is not None else None,
+                writeback=watch is None or watch.writeback,
+            ),
         )
         return IngestResult(desc.digest, desc.size, downloaded=got.fetched, resumed_from=got.resumed)
 
@@ -150,6 +175,7 @@ class BlobIngest:
         manifest_digest: str,
         ev: Callable[..., None],
         on_bytes: Callable[[int], None],
+        watch: IngestWatch | None = None,
     ) -> list[IngestResult]:
         """Ingest a manifest's missing blobs with up to ``jobs`` threads; the first failure cancels
         the rest and is raised. ``on_bytes`` (bytes fetched) keeps the caller's manifest lock fresh
@@ -161,7 +187,7 @@ class BlobIngest:
         def one(b: Descriptor) -> IngestResult:
             tb = time.monotonic()
             try:
-                r = self.ingest(b, source, on_event=on_event, on_bytes=on_bytes)
+                r = self.ingest(b, source, on_event=on_event, on_bytes=on_bytes, watch=watch)
             except (DigestMismatchError, SizeMismatchError) as exc:
                 ev(
                     "cache.verify_failed",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpack.mount.expansion import describe_room, expansion_refused, expansion_room
-from modelpack.mount.ingest import BlobIngest, check_space
+from modelpack.mount.ingest import BlobIngest, IngestWatch, check_space
 from modelpack.mount.leases import Hold, PullLeases
 from modelpack.mount.locks import acquire
 from modelpack.mount.refs import RefRecords
@@ -76,8 +76,8 @@ class Puller:
     hold: float | None = None  # --hold: keep the snapshot from GC this many seconds after the pull
     rollback: RollbackGuard | None = None  # tag pulls under a policy: no older signed version
     variants: Any = None  # mount.variants.VariantResolver: an index reference → the entry that fits
-    # told the bytes each blob write lands (a streamed load follows the ingest: loader.stream_through)
-    on_bytes: Callable[[int], None] | None = None
+    # told what the ingest lands and verifies (a streamed load follows it: loader.stream_through)
+    watch: IngestWatch | None = None
 
     def pull(
         self,
@@ -368,11 +368,17 @@ class Puller:
             def on_bytes(n: int) -> None:
                 heartbeat()
                 bar.update(n)
-                if self.on_bytes is not None:
-                    self.on_bytes(n)
+                if self.watch is not None:
+                    self.watch.landed(n)
 
             results = self.blobs.ingest_all(
-                missing, target, jobs=jobs, manifest_digest=str(digest), ev=ev, on_bytes=on_bytes
+                missing,
+                target,
+                jobs=jobs,
+                manifest_digest=str(digest),
+                ev=ev,
+                on_bytes=on_bytes,
+                watch=self.watch,
             )
         timings["download"] = to_ms(time.monotonic() - t)
         result.bytes_by_source = (

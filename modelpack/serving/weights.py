@@ -415,6 +415,9 @@ def _remote_source(
                 target=target,
                 policy=policy if policy is not None else (keys or None),
                 fill=settings.cache_fill,
+                # the engine keeps running: its start does not wait for the cache's fsyncs and
+                # publish (the summary says "publishing" until the fill ends)
+                publish="background",
             ),
             "streamed",
         )

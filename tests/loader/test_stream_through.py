@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from modelpack.loader import CacheStream, load_state_dict
+from modelpack.loader import CacheStream, LoaderOptions, iter_tensors, load_state_dict
 from modelpack.mount import NodeCache
 from safetensors.torch import load_file
 
@@ -47,8 +47,22 @@ def proxy(registry):  # type: ignore[no-untyped-def]
     p.close()
 
 
+def _model_dir(tmp_path: Path, seed: int) -> Path:
+    return tmp_path / f"ckpt-{seed}"
+
+
+def _files_by_digest(ckpt: Path) -> list[tuple[Path, str]]:
+    """Each weight file and the layer digest pack gives it (the file's sha256: raw layers)."""
+    import hashlib
+
+    return [
+        (f, "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest())
+        for f in sorted(ckpt.glob("*.safetensors"))
+    ]
+
+
 def _model(tmp_path: Path, seed: int = 0, layers: int = 2) -> Path:
-    d = tmp_path / f"ckpt-{seed}"
+    d = _model_dir(tmp_path, seed)
     write_checkpoint(str(d), SyntheticSpec(shards=2, seed=seed, layers=layers))
     return d
 
@@ -196,28 +210,39 @@ def test_a_concurrent_pull_and_streamed_load_download_each_blob_once(registry, p
 
 
 def test_a_corrupt_registry_blob_commits_nothing_and_fails_typed(registry, proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    digest = push_model(_model(tmp_path, seed=43), registry.host, "stream/corrupt")
+    # big enough that the forged file's first tensors land seconds before its last byte
+    digest = push_model(_model(tmp_path, seed=43, layers=12), registry.host, "stream/corrupt")
     from modelpack.oci.descriptor import Manifest
     from modelpack.oci.reference import parse_reference
     from modelpack.targets.registry.target import RegistryTarget
 
     target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/corrupt", "v1")), PLAIN)
     raw, _ = target.fetch_manifest(digest)
-    layer = max(Manifest.parse(raw).layers, key=lambda x: x.size)
+    # the weight file the load reads first
+    forged_file, forged = _files_by_digest(_model_dir(tmp_path, 43))[0]
+    layer = next(x for x in Manifest.parse(raw).layers if str(x.digest) == forged)
     data_path = registry.blob_data_path(layer.digest)
     original = data_path.read_bytes()
     tampered = bytearray(original)
-    tampered[len(tampered) // 2] ^= 0xFF
+    tampered[len(tampered) // 8] ^= 0xFF  # early: tensors after it land long before the blob ends
     data_path.write_bytes(bytes(tampered))  # same size: only the hash can tell
 
     cache_dir = tmp_path / "cache"
     cache = NodeCache(str(cache_dir))
     src = CacheStream(cache, f"{proxy.host}/stream/corrupt@{digest}", target_options=PLAIN)
+    handed: list[str] = []
+    proxy.rate = 2 * 1024 * 1024  # the load follows the bytes as they land, tensor by tensor
     try:
         with pytest.raises(DigestMismatchError) as exc:
-            load_state_dict(src)
+            # as a serving engine takes them, one by one (each tensor its own read task)
+            for name, _ in iter_tensors(src, options=LoaderOptions(batch_bytes=1)):
+                handed.append(name)
     finally:
+        proxy.rate = None
         data_path.write_bytes(original)  # the registry is the session's: leave it as found
+    # no tensor of the forged file was handed out before the refusal (read unhashed on the host,
+    # held until the cache's check: loader.settled)
+    assert not set(handed) & set(load_file(str(forged_file)))
     assert str(layer.digest) in str(exc.value)
     assert cache.ls() == [] and cache.snapshots.ready(digest) is None
     assert str(layer.digest) not in committed(cache_dir)
@@ -261,7 +286,7 @@ def test_a_tp_rank_share_leaves_the_snapshot_unpublished_and_says_so(registry, p
 
 
 def test_a_signed_stream_publishes_the_same_trust_facts_as_pull_cache(
-    registry, proxy, tmp_path: Path
+    registry, proxy, tmp_path: Path, copier
 ) -> None:  # type: ignore[no-untyped-def]
     from modelpack.loader import LoadStats
     from modelpack.mount.kept_referrers import kept_referrers
@@ -281,7 +306,9 @@ def test_a_signed_stream_publishes_the_same_trust_facts_as_pull_cache(
     sd = load_state_dict(src, trusted_keys=[key.public], stats=stats)
     expected = _expected(ckpt)
     assert all(torch.equal(sd[k], expected[k]) for k in expected)
-    assert set(stats.verification.values()) == {"chunks"}  # ranges checked against the signed table
+    # into host tensors the cache's whole-blob check vouches (loader.settled); a device's staged
+    # reads are checked against the signed table chunk by chunk
+    assert set(stats.verification.values()) == {"committed" if copier is None else "chunks"}
     assert src.report.published
     model_blobs = {str(d.digest) for d in (lambda m: [m.config, *m.layers])(_manifest(streamed, digest))}
     assert all(proxy.blob_gets[d] == 1 for d in model_blobs), proxy.blob_gets
@@ -413,7 +440,9 @@ def test_the_config_a_cache_stream_reads_is_verified_and_names_the_quantization(
     load_state_dict(ref, target_options=PLAIN, stats=plain)
     assert plain.fingerprint is not None and plain.fingerprint.quantization == "fp8-8bit"
     streamed = LoadStats()
-    load_state_dict(CacheStream(NodeCache(str(tmp_path / "cache")), ref, target_options=PLAIN), stats=streamed)
+    load_state_dict(
+        CacheStream(NodeCache(str(tmp_path / "cache")), ref, target_options=PLAIN), stats=streamed
+    )
     assert streamed.fingerprint is not None
     assert streamed.fingerprint.quantization == plain.fingerprint.quantization
 
@@ -426,3 +455,112 @@ def test_the_config_a_cache_stream_reads_is_verified_and_names_the_quantization(
         load_state_dict(forged)
     # refused by the load's own check of config.json or by the fill's, whichever sees it first
     assert str(cfg.digest) in str(exc.value)
+
+
+def test_bytes_read_from_a_partial_the_cache_threw_away_are_read_again_from_the_verified_blob(
+    registry, proxy, tmp_path: Path, copier
+) -> None:  # type: ignore[no-untyped-def]
+    """The load reads a weight file from a partial another writer fills with forged bytes (a
+    registry that lies to the first GET); that writer's check fails and it removes its partial;
+    the stream's own fill then downloads the blob again into a new file and verifies it. No hash
+    of the load's own covers the forged bytes it read on the host (loader.settled): they must be
+    told apart by the file they came from and read again from the verified one, so the load gets
+    the right tensors, not the forged ones, and not a failure either."""
+    import fcntl
+    import threading
+
+    from modelpack.loader.weight_files import config_json_layer
+
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+    from tests.fixtures.faultproxy import Fault, blob_get
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(str(ckpt), SyntheticSpec(shards=1, seed=49, layers=2))
+    digest = push_model(ckpt, registry.host, "stream/reread")
+    via_proxy = RegistryTarget.from_reference(parse_reference(f"{proxy.host}/stream/reread@{digest}"), PLAIN)
+    manifest = Manifest.parse(via_proxy.fetch_manifest(digest)[0])
+    weights = max(manifest.layers, key=lambda x: x.size)
+    cfg = config_json_layer(manifest)
+    assert cfg is not None
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(str(cache_dir))
+    cache.blobs.ingest(cfg, via_proxy)  # config.json is there: the load goes on to the weights
+
+    # the stream's own pull waits behind another pull's manifest lock meanwhile
+    held = os.open(
+        os.path.join(cache.store.locks_dir, f"m-{digest.split(':')[1]}.lock"), os.O_RDWR | os.O_CREAT, 0o600
+    )
+    fcntl.flock(held, fcntl.LOCK_EX)
+    src = CacheStream(cache, f"{proxy.host}/stream/reread@{digest}", target_options=PLAIN)
+    out: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            out["sd"] = load_state_dict(src)
+        except BaseException as exc:  # raised in the test thread below
+            out["error"] = exc
+
+    proxy.rate = 1024 * 1024  # the forged writer lands its bytes slowly: the load follows it
+    proxy.add(Fault(blob_get(str(weights.digest)), times=1, corrupt_at=weights.size // 4))
+    loader = threading.Thread(target=load)
+    try:
+        loader.start()
+        with pytest.raises(DigestMismatchError):  # the other writer: its own check refuses it
+            cache.blobs.ingest(weights, via_proxy)
+    finally:
+        os.close(held)
+        proxy.rate = None
+        loader.join(timeout=120)
+    assert not loader.is_alive()
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    sd = out["sd"]
+    expected = _expected(ckpt)
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)  # type: ignore[index]
+    assert src.report.state == "filled" and src.report.published
+    if copier is None:  # host tensors: the cache's check vouched, the forged reads were read again
+        assert src.report.bytes_reread > 0
+    assert all(r.ok for r in cache.verify())
+
+
+@pytest.mark.parametrize("publish", ["wait", "background"])
+def test_a_background_publish_returns_the_verified_tensors_before_the_cache_commit(
+    registry, proxy, tmp_path: Path, publish: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The cache publishes only when every blob is committed; a blob the load does not read (the
+    README) arrives late. ``publish="wait"`` returns after the publish; ``"background"`` (a
+    serving engine) returns with the verified tensors and the fill publishes on its own, which
+    ``wait()`` joins. Either way the snapshot ends up the same and verified."""
+    from modelpack.oci.descriptor import Manifest
+    from modelpack.oci.reference import parse_reference
+    from modelpack.targets.registry.target import RegistryTarget
+    from tests.fixtures.faultproxy import Fault, blob_get
+
+    ckpt = _model(tmp_path, seed=50)
+    digest = push_model(ckpt, registry.host, "stream/publish")
+    target = RegistryTarget.from_reference(parse_reference(registry.ref("stream/publish", "v1")), PLAIN)
+    manifest = Manifest.parse(target.fetch_manifest(digest)[0])
+    readme = next(
+        x for x in manifest.layers if (x.annotations or {}).get("org.cncf.model.filepath") == "README.md"
+    )
+    proxy.add(Fault(blob_get(str(readme.digest)), before=lambda: time.sleep(3.0)))
+    cache = NodeCache(str(tmp_path / "cache"))
+    src = CacheStream(cache, f"{proxy.host}/stream/publish@{digest}", target_options=PLAIN, publish=publish)
+    t = time.monotonic()
+    sd = load_state_dict(src)
+    took = time.monotonic() - t
+    expected = _expected(ckpt)
+    assert all(torch.equal(sd[k], expected[k]) for k in expected)
+    if publish == "wait":
+        assert took >= 3.0 and src.report.state == "filled" and src.report.published
+    else:
+        assert took < 3.0 and src.report.state == "publishing" and not src.report.published
+        assert cache.snapshots.ready(digest) is None
+        assert src.wait(timeout=60) is src.report
+    assert src.report.state == "filled" and src.report.published
+    assert cache.snapshots.ready(digest) is not None and all(r.ok for r in cache.verify())
+    assert proxy.blob_gets and all(n == 1 for n in proxy.blob_gets.values())
+    with pytest.raises(ValueError, match="publish='later'"):
+        CacheStream(cache, f"{proxy.host}/stream/publish@{digest}", publish="later")

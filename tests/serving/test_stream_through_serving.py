@@ -38,6 +38,9 @@ def test_a_streamed_source_with_a_cache_fills_it_and_the_next_start_is_a_hit(
         got = dict(rank.tensors())
         expected = load_file(str(next(ckpt.glob("*.safetensors"))))
         assert all(torch.equal(got[k], expected[k]) for k in expected)
+        # the engine's start does not wait for the cache's commit: published in the background
+        assert rank.summary()["cache"]["state"] in ("publishing", "filled")
+        rank.source.wait(timeout=60)
         first = rank.summary()["cache"]
         assert first["state"] == "filled" and first["published"]
         assert NodeCache(str(cache_dir)).snapshots.ready(digest) is not None
