@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,27 +150,36 @@ def verify_artifact(
             events, ref_text, digest, f"manifest cannot be verified: {exc}", rule=policy.rule
         ) from exc
     keys = list(policy.keys)
-    try:
-        checks = check_manifest_signatures(target, manifest_desc, keys, events=events, keyless=policy.keyless)
-    except ModelpackError as exc:
-        raise _refuse(
-            events, ref_text, digest, f"signatures cannot be read: {exc}", rule=policy.rule
-        ) from exc
-    verified = [c.key_id for c in checks if c.status == "verified"]
-    problems = [c.reason for c in checks if c.status != "verified"]
-    decision = policy.decide(verified, problems)
-    status = overall(c.status for c in checks)
-    result = VerificationResult(
-        ref_text, digest, decision.allowed, status, decision.reason, verified, checks, rule=policy.rule
-    )
-    if not decision.allowed:
-        raise _refuse(events, ref_text, digest, decision.reason, rule=policy.rule, key_ids=policy.key_ids)
-    # optional extras: directory signature and chunk table, required only when the policy says so
-    # (an index of variants has neither: its signature covers the entry digests it lists)
     manifest = parsed if isinstance(parsed, Manifest) else None
-    if keys and manifest is not None:
-        result.directory_signature = _check_directory_signature(target, manifest_desc, manifest, keys, events)
-        result.chunk_table = _check_chunk_table(target, manifest_desc, manifest, keys, events)
+    # the three referrer lookups (signatures, directory signature, chunk table) are independent
+    # round trips: asked at once, a start waits for the slowest, not for their sum; the extras are
+    # only looked at once the signatures allowed the artifact
+    extras = (
+        ThreadPoolExecutor(max_workers=2, thread_name_prefix="modelpack-verify")
+        if keys and manifest
+        else None
+    )
+    try:
+        if extras is not None and manifest is not None:
+            directory = extras.submit(
+                _check_directory_signature, target, manifest_desc, manifest, keys, events
+            )
+            table = extras.submit(_check_chunk_table, target, manifest_desc, manifest, keys, events)
+        try:
+            checks = check_manifest_signatures(
+                target, manifest_desc, keys, events=events, keyless=policy.keyless
+            )
+        except ModelpackError as exc:
+            raise _refuse(
+                events, ref_text, digest, f"signatures cannot be read: {exc}", rule=policy.rule
+            ) from exc
+        result = _decide(events, ref_text, digest, policy, checks)
+        if extras is not None:
+            result.directory_signature = directory.result()
+            result.chunk_table = table.result()
+    finally:
+        if extras is not None:
+            extras.shutdown(wait=True, cancel_futures=True)
     if manifest is None:
         result.directory_signature = result.chunk_table = "not-applicable (index)"
     elif policy.require_directory_signature and result.directory_signature != "verified":
@@ -182,12 +192,27 @@ def verify_artifact(
         "signing.verified",
         reference=ref_text,
         digest=digest,
-        status=status,
-        key_ids=verified,
+        status=result.status,
+        key_ids=result.key_ids,
         rule=policy.rule,
-        reason=None if verified else decision.reason,
+        reason=None if result.key_ids else result.reason,
     )
     return result
+
+
+def _decide(
+    events: EventLog, ref_text: str, digest: str, policy: RepositoryPolicy, checks: list[SignatureCheck]
+) -> VerificationResult:
+    """The policy's verdict on the signature checks; a refusal is raised."""
+    verified = [c.key_id for c in checks if c.status == "verified"]
+    problems = [c.reason for c in checks if c.status != "verified"]
+    decision = policy.decide(verified, problems)
+    status = overall(c.status for c in checks)
+    if not decision.allowed:
+        raise _refuse(events, ref_text, digest, decision.reason, rule=policy.rule, key_ids=policy.key_ids)
+    return VerificationResult(
+        ref_text, digest, decision.allowed, status, decision.reason, verified, checks, rule=policy.rule
+    )
 
 
 def verify_reference(
