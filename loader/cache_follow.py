@@ -265,40 +265,20 @@ class CacheFollowReader:
         if offset + want > self.size:
             raise TruncatedSourceError(self.name, offset, want, max(0, self.size - offset))
         end = offset + want
-        seen = -2
-        moved = time.monotonic()
-        pause = _POLL_S[0]
-        while True:
-            seq = self._fill.seq
+
+        def attempt() -> tuple[bool | None, int]:
             fd = self._committed()
             if fd >= 0 and _preadv_all(fd, views, offset):
-                break
+                return True, 0
             pfd, have, key = self._partial(offset, end)
             if pfd >= 0 and _preadv_all(pfd, views, offset):
                 with self._lock:
                     if self._kept is not None:
                         self._kept.append((key, offset, views))
-                break
-            # short: truncated under us, wait again
-            if self._fill.done.is_set():
-                self._fill.raise_if_failed()
-                if self._committed() < 0:
-                    raise SourceError(
-                        f"{self.name}: the node cache fill of {self.store.root} ended without blob "
-                        f"{self.descriptor.digest}; refusing the load"
-                    )
-                continue
-            now = time.monotonic()
-            if have != seen:
-                seen, moved = have, now
-            elif now - moved > self._stall_s:
-                raise CacheFillStalledError(
-                    f"{self.name}: no byte of blob {self.descriptor.digest} landed in the node cache "
-                    f"{self.store.root} for {self._stall_s:.0f}s (the fill holding its lock made no "
-                    "progress); refusing the load"
-                )
-            self._fill.wait_landed(seq, pause)
-            pause = min(pause * 2, _POLL_S[1])
+                return True, 0
+            return None, have  # not landed yet (or truncated under us): this blob's progress
+
+        self._wait(attempt, "landed")
         self._count.add(want, offset)
 
     # ------------------------------------------------------------------ settling (no hash of our own)
@@ -314,13 +294,15 @@ class CacheFollowReader:
         again from the verified file whatever came from another partial (one the cache threw
         away: a failed resume, a writer that started over), and compare ``header`` (the bytes the
         plan was parsed from) with the verified file's. Returns the bytes read again."""
-        verified = self._wait(self._verified_file, "verified")
+        verified = self._wait(lambda: (self._verified_file(), self._fill.seq), "verified")
         with self._lock:
             kept, self._kept = self._kept or [], None
             fd = self._held.get(verified, -1)
         stale = [(off, views) for key, off, views in kept if key != verified]
         if fd < 0 and (stale or header):  # nothing read from the verified partial: the blob then
-            fd = self._wait(lambda: self._committed() if self._committed() >= 0 else None, "committed")
+            fd = self._wait(
+                lambda: (self._committed() if self._committed() >= 0 else None, self._fill.seq), "committed"
+            )
         n = 0
         for off, views in stale:
             if not _preadv_all(fd, views, off):
@@ -343,20 +325,21 @@ class CacheFollowReader:
         st = os.fstat(fd)
         return (st.st_dev, st.st_ino)
 
-    def _wait(self, look: Callable[[], _T | None], what: str) -> _T:
-        """``look()`` until it returns something; the fill's failure is raised, and a fill that
-        ended without it, or made no progress for ``stall_s``, refuses the load."""
+    def _wait(self, look: Callable[[], tuple[_T | None, int]], what: str) -> _T:
+        """``look()`` until its first item is something; its second says how far the blob got
+        (a partial's size, the fill's counter): the fill's failure is raised, and a fill that
+        ended without it, or with no progress for ``stall_s``, refuses the load."""
         moved = time.monotonic()
         pause = _POLL_S[0]
         last = -1
         while True:
             seq = self._fill.seq
-            got = look()
+            got, progress = look()
             if got is not None:
                 return got
             if self._fill.done.is_set():
                 self._fill.raise_if_failed()
-                got = look()
+                got, _ = look()
                 if got is not None:
                     return got
                 raise SourceError(
@@ -364,12 +347,13 @@ class CacheFollowReader:
                     f"{what} blob {self.descriptor.digest}; refusing the load"
                 )
             now = time.monotonic()
-            if seq != last:
-                last, moved = seq, now
+            if progress != last:
+                last, moved = progress, now
             elif now - moved > self._stall_s:
                 raise CacheFillStalledError(
                     f"{self.name}: blob {self.descriptor.digest} was not {what} in the node cache "
-                    f"{self.store.root} within {self._stall_s:.0f}s of its last progress; refusing the load"
+                    f"{self.store.root} within {self._stall_s:.0f}s of its last progress (the fill "
+                    "holding its lock made none); refusing the load"
                 )
             self._fill.wait_landed(seq, pause)
             pause = min(pause * 2, _POLL_S[1])
