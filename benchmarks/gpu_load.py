@@ -33,7 +33,11 @@
    (``SafetensorsStreamer``, its documented file-system concurrency 16) and ``fastsafetensors``
    (``SafeTensorsFileLoader``, ``nogds=True``) on the snapshot's files, with GB/s and the ratio to
    the pinned and the pageable H2D ceilings. A peer missing here is a row ``skipped`` with the
-   reason, never a number.
+   reason, never a number. Two more modelpack rows: a standalone TP=2 rank 0 streaming its share
+   (``column_reads="always"``: dim-1 tensors read by rows against the signed column blocks, the
+   staged path on a GPU; ``read_vs_model`` says how much of the model it read), and a first start
+   through a fresh node cache (``CacheStream``, ``publish="background"`` as the vLLM load format
+   asks; ``publish_after_s``: when the snapshot was published after the load returned).
 
 The JSON names the machine: GPU model, memory, PCIe link (``nvidia-smi --query-gpu``: generation and
 width, current and max) and torch's device properties, or why there are none.
@@ -566,7 +570,9 @@ def delivery_rows(
     the snapshot's files; each row timed, then every tensor compared on the device."""
     import tempfile
 
-    from modelpack.loader import LoadStats, load_state_dict
+    from modelpack.loader import CacheStream, LoaderOptions, LoadStats, load_state_dict
+    from modelpack.loader.plan import rule_for
+    from modelpack.mount import NodeCache
     from safetensors.torch import load_file
 
     out: dict[str, Any] = {"rows": {}}
@@ -590,43 +596,93 @@ def delivery_rows(
         reference: dict[str, torch.Tensor] = {}
         for f in snap_files:
             reference.update((k, v.clone()) for k, v in load_file(f, device="cpu").items())
-        rules = {n: "replicate" for n in reference}
+        whole = {n: "replicate" for n in reference}
+        halves = {n: rule_for(n, tuple(t.shape), compiled).value for n, t in reference.items()}
         total = sum(t.numel() * t.element_size() for t in reference.values())
+        half = sum(
+            expected_slice(t, halves[n], 2, 0).numel() * t.element_size() for n, t in reference.items()
+        )
+        caches = iter(range(1_000_000))
 
         def modelpack_row(kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             st = LoadStats()
+            keys = [prepared["key"].public]
+            extra: dict[str, Any] = {}
             if kind == "hit":
                 sd = load_state_dict(
                     prepared["snapshot"], args.device, expected_digest=prepared["digest"], stats=st
                 )
+            elif kind == "cache":  # a first start through a fresh node cache
+                src = CacheStream(
+                    NodeCache(os.path.join(work, f"cold-{next(caches)}")),
+                    prepared["reference"],
+                    publish="background",
+                )
+                sd = load_state_dict(src, args.device, trusted_keys=keys, stats=st)
+                returned = time.perf_counter()
+                report = src.wait()
+                extra = {"cache": report.state, "publish_after_s": time.perf_counter() - returned}
             else:
+                share: dict[str, Any] = (
+                    {"tp_size": 2, "tp_rank": 0, "options": LoaderOptions(column_reads="always")}
+                    if kind == "share"
+                    else {}
+                )
                 sd = load_state_dict(
                     prepared["reference"],
                     args.device,
-                    trusted_keys=[prepared["key"].public],
+                    trusted_keys=keys,
                     chunk_table=prepared.get("chunk_table"),
                     stats=st,
+                    **share,
                 )
+                if kind == "share":
+                    extra = {"read_vs_model": st.bytes_read / total}
             return sd, {
                 "bytes_read": st.bytes_read,
                 "state": st.state,
                 "verification": sorted(set(st.verification.values())),
+                **extra,
             }
 
+        def peer_row(name: str) -> Any:
+            return lambda: (load_peer(name, snap_files, args.device), {})
+
+        # (label, load, the rank's shard rules, TP size, bytes delivered to the rank)
         contenders = [
-            ("modelpack hit (verified node cache)", lambda: modelpack_row("hit")),
+            ("modelpack hit (verified node cache)", lambda: modelpack_row("hit"), whole, 1, total),
             (
                 f"modelpack stream (chunk-verified, {prepared['stream_source']})",
                 lambda: modelpack_row("stream"),
+                whole,
+                1,
+                total,
             ),
-            ("safetensors load_file", lambda: (load_peer("safetensors", snap_files, args.device), {})),
+            (
+                "modelpack stream, standalone TP=2 rank 0 (column reads)",
+                lambda: modelpack_row("share"),
+                halves,
+                2,
+                half,
+            ),
+            (
+                "modelpack stream + node cache (first start, publish in background)",
+                lambda: modelpack_row("cache"),
+                whole,
+                1,
+                total,
+            ),
+            ("safetensors load_file", peer_row("safetensors"), whole, 1, total),
             (
                 f"runai-model-streamer (concurrency {RUNAI_CONCURRENCY})",
-                lambda: (load_peer("runai-model-streamer", snap_files, args.device), {}),
+                peer_row("runai-model-streamer"),
+                whole,
+                1,
+                total,
             ),
-            ("fastsafetensors (nogds)", lambda: (load_peer("fastsafetensors", snap_files, args.device), {})),
+            ("fastsafetensors (nogds)", peer_row("fastsafetensors"), whole, 1, total),
         ]
-        for label, fn in contenders:
+        for label, fn, rules, tp, delivered in contenders:
             peer = label.split(" ")[0]
             why = None if peer == "modelpack" else peer_missing(peer)
             if why:
@@ -643,7 +699,7 @@ def delivery_rows(
                     sync()
                     secs = time.perf_counter() - t
                     try:
-                        check_rank(sd, reference, rules, args.device, 1, 0)  # on the device
+                        check_rank(sd, reference, rules, args.device, tp, 0)  # on the device
                     except Mismatch as exc:
                         out["error"] = f"{label}: {exc}"
                         return out
@@ -659,10 +715,10 @@ def delivery_rows(
                 print(f"{label:<60} skipped: {out['rows'][label]['skipped']}")
                 continue
             assert best is not None
-            gbps = total / best
+            gbps = delivered / best
             out["rows"][label] = {
                 "seconds": best,
-                "bytes": total,
+                "bytes": delivered,
                 "gbps": gbps / 1e9,
                 "vs_pinned_h2d": gbps / pinned,
                 "vs_pageable_h2d": gbps / pageable,

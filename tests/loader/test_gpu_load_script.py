@@ -87,6 +87,15 @@ def test_dry_run_checks_every_rank_then_measures_ceilings_groups_and_delivery_ro
     stream = rows["modelpack stream (chunk-verified, loopback docker-registry)"]
     assert stream["state"] == "streamed" and stream["verification"] == ["chunks"]
     assert stream["bytes_read"] >= doc["size_bytes"]
+    # a standalone TP=2 rank, checked against torch's own halves (what it reads of this tiny
+    # model, whose tensors share chunks, is about all of it: the number is for a GPU run's sizes)
+    share = rows["modelpack stream, standalone TP=2 rank 0 (column reads)"]
+    assert share["checked_on_device"] is True and share["verification"] == ["chunks"]
+    assert share["read_vs_model"] > 0 and share["bytes"] < hit["bytes"]
+    # a first start through a fresh node cache: on the host the cache's verdict vouches
+    cold = rows["modelpack stream + node cache (first start, publish in background)"]
+    assert cold["checked_on_device"] is True and cold["cache"] == "filled"
+    assert cold["verification"] == ["committed"] and cold["publish_after_s"] >= 0
     for label in ("safetensors load_file", "fastsafetensors (nogds)"):
         assert rows[label]["checked_on_device"] is True
     for label, row in rows.items():
