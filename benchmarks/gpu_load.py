@@ -34,8 +34,9 @@
    (``SafeTensorsFileLoader``, ``nogds=True``) on the snapshot's files, with GB/s and the ratio to
    the pinned and the pageable H2D ceilings. A peer missing here is a row ``skipped`` with the
    reason, never a number. Two more modelpack rows: a standalone TP=2 rank 0 streaming its share
-   (``column_reads="always"``: dim-1 tensors read by rows against the signed column blocks, the
-   staged path on a GPU; ``read_vs_model`` says how much of the model it read), and a first start
+   from the OCI layout (an aligned chunk table with column blocks: dim-1 tensors read by rows and
+   checked against the column blocks, the staged path on a GPU; ``read_vs_model`` says how much of
+   the model it read), and a first start
    through a fresh node cache (``CacheStream``, ``publish="background"`` as the vLLM load format
    asks; ``publish_after_s``: when the snapshot was published after the load returned).
 
@@ -277,15 +278,20 @@ def prepare_delivery(directory: str, work: str, stream_from: str = "auto") -> di
         out["push_seconds"] = time.perf_counter() - t
         out["reference"] = f"{registry.host}/bench/gpu@{digest}"
         out["stream_source"] = "loopback docker-registry"
-    else:
-        from modelpack.signing.chunks import compute_chunk_table
+    # a tensor-aligned table with column blocks (what `modelpack sign` writes) for the layout: a
+    # standalone rank reads its dim-1 columns by rows from local files (a registry answers each
+    # row range for ~0.5 ms: column reads from one are opt-in, `--column-reads always`)
+    from modelpack.signing.chunks import compute_chunk_table
 
-        from modelpack.targets.layout import OCILayoutTarget
+    from modelpack.targets.layout import OCILayoutTarget
 
-        out["chunk_table"] = compute_chunk_table(
-            OCILayoutTarget(layout), packed.artifact.manifest, jobs=os.cpu_count() or 2
-        )
-        out["reference"] = f"oci:{layout}@{digest}"
+    out["layout_reference"] = f"oci:{layout}@{digest}"
+    out["layout_table"] = compute_chunk_table(
+        OCILayoutTarget(layout), packed.artifact.manifest, jobs=os.cpu_count() or 2, aligned=True
+    )
+    if registry is None:
+        out["chunk_table"] = out["layout_table"]
+        out["reference"] = out["layout_reference"]
         out["stream_source"] = "OCI layout" + ("" if have_registry else " (no /usr/bin/docker-registry here)")
     from modelpack.mount import NodeCache
 
@@ -622,22 +628,25 @@ def delivery_rows(
                 returned = time.perf_counter()
                 report = src.wait()
                 extra = {"cache": report.state, "publish_after_s": time.perf_counter() - returned}
-            else:
-                share: dict[str, Any] = (
-                    {"tp_size": 2, "tp_rank": 0, "options": LoaderOptions(column_reads="always")}
-                    if kind == "share"
-                    else {}
+            elif kind == "share":  # its dim-1 columns by rows, from the layout's files
+                sd = load_state_dict(
+                    prepared["layout_reference"],
+                    args.device,
+                    chunk_table=prepared["layout_table"],
+                    tp_size=2,
+                    tp_rank=0,
+                    options=LoaderOptions(column_reads="local"),
+                    stats=st,
                 )
+                extra = {"read_vs_model": st.bytes_read / total}
+            else:
                 sd = load_state_dict(
                     prepared["reference"],
                     args.device,
                     trusted_keys=keys,
                     chunk_table=prepared.get("chunk_table"),
                     stats=st,
-                    **share,
                 )
-                if kind == "share":
-                    extra = {"read_vs_model": st.bytes_read / total}
             return sd, {
                 "bytes_read": st.bytes_read,
                 "state": st.state,
@@ -659,7 +668,7 @@ def delivery_rows(
                 total,
             ),
             (
-                "modelpack stream, standalone TP=2 rank 0 (column reads)",
+                "modelpack stream, standalone TP=2 rank 0 (column reads, OCI layout)",
                 lambda: modelpack_row("share"),
                 halves,
                 2,

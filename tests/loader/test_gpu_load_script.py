@@ -89,7 +89,7 @@ def test_dry_run_checks_every_rank_then_measures_ceilings_groups_and_delivery_ro
     assert stream["bytes_read"] >= doc["size_bytes"]
     # a standalone TP=2 rank, checked against torch's own halves (what it reads of this tiny
     # model, whose tensors share chunks, is about all of it: the number is for a GPU run's sizes)
-    share = rows["modelpack stream, standalone TP=2 rank 0 (column reads)"]
+    share = rows["modelpack stream, standalone TP=2 rank 0 (column reads, OCI layout)"]
     assert share["checked_on_device"] is True and share["verification"] == ["chunks"]
     assert share["read_vs_model"] > 0 and share["bytes"] < hit["bytes"]
     # a first start through a fresh node cache: on the host the cache's verdict vouches
