@@ -442,18 +442,20 @@ def test_a_killed_pull_leaves_only_whole_verified_files_at_final_paths(
 
 def _strace_events(log_prefix: Path) -> list[tuple[float, str, list[str], str]]:
     """(time, syscall, quoted string arguments or the fd, result) of every finished call, in
-    time order across the threads (``strace -ff -ttt``: one file per thread, no interleaving)."""
+    order of completion across the threads (``strace -ff -ttt -T``: one file per thread, no
+    interleaving; start + duration, so an ``openat`` that got fd N only after another thread's
+    ``close(N)`` comes after it even when it started first)."""
     import re
 
-    line_re = re.compile(r"^(\d+\.\d+) (\w+)\((.*)\)\s+= (-?\d+)")
+    line_re = re.compile(r"^(\d+\.\d+) (\w+)\((.*)\)\s+= (-?\d+).*<(\d+\.\d+)>\s*$")
     events: list[tuple[float, str, list[str], str]] = []
     for log in log_prefix.parent.glob(log_prefix.name + ".*"):
         for line in log.read_text(errors="replace").splitlines():
             m = line_re.match(line)
             if m:
-                t, call, args, result = m.groups()
+                t, call, args, result, took = m.groups()
                 strings = re.findall(r'"((?:[^"\\]|\\.)*)"', args)
-                events.append((float(t), call, strings or [args.split(",")[0]], result))
+                events.append((float(t) + float(took), call, strings or [args.split(",")[0]], result))
     return sorted(events)
 
 
@@ -488,6 +490,7 @@ def test_pull_fsyncs_each_file_before_its_rename_and_each_directory_once_after(
             strace,
             "-ff",
             "-ttt",
+            "-T",
             "-qq",
             "-s",
             "4096",
