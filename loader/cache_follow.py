@@ -92,7 +92,6 @@ class CacheFill:
         # hex digest → (st_dev, st_ino) of the file whose bytes this pull verified (the committed
         # blob keeps that inode): the loader's reads of that file need no hash of their own
         self.verified_files: dict[str, tuple[int, int]] = {}
-        self.reread_bytes = 0  # bytes readers took from a file the cache then threw away
         # mount.ingest.IngestWatch: with the publish awaited, the disk writes start as the bytes
         # land; in the background, the landing is not held to the disk's pace
         self.writeback = writeback
@@ -150,8 +149,7 @@ class CacheFill:
     def reread(self, n: int) -> None:
         if n:
             with self._cond:
-                self.reread_bytes += n
-                self._report.bytes_reread = self.reread_bytes
+                self._report.bytes_reread += n
 
     def wait_landed(self, seen: int, timeout: float) -> None:
         """Until something lands after ``seen`` (``self.seq`` then), the pull ends, or ``timeout``."""
@@ -301,7 +299,7 @@ class CacheFollowReader:
         stale = [(off, views) for key, off, views in kept if key != verified]
         if fd < 0 and (stale or header):  # nothing read from the verified partial: the blob then
             fd = self._wait(
-                lambda: (self._committed() if self._committed() >= 0 else None, self._fill.seq), "committed"
+                lambda: (fd if (fd := self._committed()) >= 0 else None, self._fill.seq), "committed"
             )
         n = 0
         for off, views in stale:
